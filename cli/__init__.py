@@ -1,0 +1,1 @@
+"""The mlmt command line (installed as tosca_mlmt.cli)."""

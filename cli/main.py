@@ -1,0 +1,193 @@
+"""The ``mlmt`` command line.
+
+Progress bars, tables and messages go to stderr; stdout carries only machine-readable
+results (for ``collect``: the snapshot id as its last line), so ``ID=$(mlmt collect ...)``
+works. User errors (bad config, bad data, missing snapshot) exit with code 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tosca_mlmt import runtime  # noqa: F401  (sets thread/offline env before torch loads)
+from tosca_mlmt.errors import MlmtError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0] if __doc__ else None,
+                  pretty_exceptions_enable=False)
+snapshots_app = typer.Typer(no_args_is_help=True, help="List, inspect and verify dataset snapshots.")
+app.add_typer(snapshots_app, name="snapshots")
+err = Console(stderr=True)
+
+
+def user_errors(fn):
+    """Turn MlmtError into a one-line message and exit code 2 (no traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except MlmtError as e:
+            err.print(f"[bold red]error:[/] {e}", highlight=False)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def _parse_sets(sets: list[str]) -> dict:
+    from tosca_mlmt.errors import ConfigError
+
+    out = {}
+    for s in sets or []:
+        if "=" not in s:
+            raise ConfigError(f"--set expects FIELD=VALUE, got {s!r}")
+        k, v = s.split("=", 1)
+        import yaml
+
+        out[k.strip()] = yaml.safe_load(v) if v.strip() else ""
+    return out
+
+
+def _print_summary(title: str, summary: dict) -> None:
+    t = Table(title=title, show_header=True)
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    for k, v in summary.items():
+        t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
+    err.print(t)
+
+
+@app.command()
+@user_errors
+def collect(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (a preset from configs/ or your own)."),
+    task: Optional[str] = typer.Option(None, help="Task: arith, gsm8k, math500, mbpp."),
+    limit: Optional[int] = typer.Option(None, help="Number of problems (0 = whole split)."),
+    split: Optional[str] = typer.Option(None, help="train or test."),
+    engine: Optional[str] = typer.Option(None, help="Rollout engine: hf or vllm."),
+    out: Optional[Path] = typer.Option(None, help="Snapshot root folder."),
+    seed: Optional[int] = typer.Option(None, help="Master seed."),
+    n_samples: Optional[int] = typer.Option(None, help="Turn-1 samples per problem."),
+    rounds: Optional[int] = typer.Option(None, help="Feedback + refine rounds (K)."),
+    level: Optional[int] = typer.Option(None, help="arith difficulty level 1-5."),
+    data: Optional[str] = typer.Option(None, help="Data root for gsm8k/math500/mbpp."),
+    greedy: bool = typer.Option(False, help="Greedy decoding for solver and writer (deterministic snapshots)."),
+    skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Drop malformed data rows (counted in the manifest)."),
+    parent: list[str] = typer.Option([], help="Parent snapshot id(s) to record in provenance."),
+    set_: list[str] = typer.Option([], "--set", help="Any config field: --set episode.rounds=2 (repeatable)."),
+    no_wandb: bool = typer.Option(False, "--no-wandb", help="Do not log to wandb (the metrics file is always written)."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="Hide progress bars."),
+):
+    """Run episodes with the current solver and writer, verify them, and write a snapshot.
+
+    Prints the snapshot id as the last line of stdout."""
+    from tosca_mlmt.config import load_config
+
+    ov = {k: v for k, v in {
+        "task.name": task, "task.limit": limit, "task.split": split, "engine.name": engine,
+        "collect.out": str(out) if out else None, "seed": seed, "episode.n_samples": n_samples,
+        "episode.rounds": rounds, "task.level": level, "task.data_path": data,
+    }.items() if v is not None}
+    if greedy:
+        ov.update({"solver_sampling.temperature": 0.0, "writer_sampling.temperature": 0.0})
+    if skip_bad_rows:
+        ov["task.skip_bad_rows"] = True
+    if parent:
+        ov["collect.parents"] = list(parent)
+    if no_wandb:
+        ov["logging.wandb"] = False
+    if no_progress:
+        ov["logging.progress"] = False
+    ov.update(_parse_sets(set_))
+    cfg = load_config(config, ov)
+    from tosca_mlmt.pipelines.collect import collect as run_collect
+
+    res = run_collect(cfg, console=err)
+    _print_summary(f"snapshot {res.snapshot_id}" + ("" if res.created else " (identical snapshot already existed)"),
+                   res.summary)
+    err.print(f"written to {res.path}")
+    print(res.snapshot_id)
+
+
+@app.command()
+@user_errors
+def setup(model: str = typer.Option("smollm2-135m", help="Embedded model name or local folder.")):
+    """Convert the embedded model once into the cache ($TOSCA_MLMT_CACHE) and print its folder."""
+    from tosca_mlmt.models.loading import resolve_model
+
+    print(resolve_model(model))
+
+
+@app.command("config")
+@user_errors
+def config_cmd(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config to resolve."),
+    explain: bool = typer.Option(False, help="List every field with its default and help text."),
+    set_: list[str] = typer.Option([], "--set", help="Overrides, as for collect."),
+):
+    """Print the fully resolved config (validated), or every knob with --explain."""
+    from tosca_mlmt.config import describe_fields, load_config
+
+    if explain:
+        for name, tp, default, help_ in describe_fields():
+            print(f"{name} ({tp}, default {default!r}): {help_}")
+        return
+    import yaml
+
+    print(yaml.safe_dump(load_config(config, _parse_sets(set_)).to_dict(), sort_keys=False))
+
+
+@snapshots_app.command("list")
+@user_errors
+def snapshots_list(root: Path = typer.Option(Path("snapshots"), help="Snapshot root folder.")):
+    """One line per snapshot: id, created, task/split, episodes, Acc@t1 -> Acc@final."""
+    from tosca_mlmt.snapshot import list_snapshots
+
+    for m in list_snapshots(root):
+        if "error" in m:
+            print(f"{m['id']}  ERROR {m['error']}")
+            continue
+        s = m.get("summary", {})
+        print(f"{m['id']}  {m.get('created_at', '?')}  {m['task']['name']}/{m['task']['split']}  "
+              f"episodes={m['rows']['episodes']}  acc_t1={s.get('acc_t1', float('nan')):.3f}  "
+              f"acc_final={s.get('acc_final', float('nan')):.3f}")
+
+
+@snapshots_app.command("show")
+@user_errors
+def snapshots_show(sid: str = typer.Argument(..., help="Snapshot id."),
+                   root: Path = typer.Option(Path("snapshots"), help="Snapshot root folder.")):
+    """Print a snapshot's manifest (JSON)."""
+    from tosca_mlmt.snapshot import load_snapshot
+
+    print(json.dumps(load_snapshot(root, sid).manifest, indent=2, sort_keys=True))
+
+
+@snapshots_app.command("verify")
+@user_errors
+def snapshots_verify(sid: str = typer.Argument(..., help="Snapshot id."),
+                     root: Path = typer.Option(Path("snapshots"), help="Snapshot root folder.")):
+    """Re-hash every file; exit 1 with the list of problems on any mismatch."""
+    from tosca_mlmt.snapshot import snapshot_path, verify_snapshot
+
+    problems = verify_snapshot(snapshot_path(root, sid))
+    if problems:
+        for p in problems:
+            err.print(f"[bold red]corrupt:[/] {sid}: {p}", highlight=False)
+        raise typer.Exit(1)
+    print(f"{sid}: ok")
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

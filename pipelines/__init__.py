@@ -1,0 +1,1 @@
+"""Pipeline stages (installed as tosca_mlmt.pipelines)."""

@@ -1,0 +1,108 @@
+"""``mlmt collect``: run episodes with the current models, verify, write a snapshot.
+
+Steps (each timed): load_task -> load_models -> start_engine -> episodes -> write_snapshot.
+Interrupted runs leave nothing visible: episodes live in memory until the atomic
+snapshot write, so a rerun simply starts clean.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from tosca_mlmt import __version__, runtime
+from tosca_mlmt.config import Config
+from tosca_mlmt.engines import make_engine
+from tosca_mlmt.episode import EpisodeRunner, to_params
+from tosca_mlmt.metrics import MetricsSink, StageTimer, summarize
+from tosca_mlmt.models.policies import PolicyPair
+from tosca_mlmt.snapshot import write_snapshot
+from tosca_mlmt.tasks import make_task
+
+
+@dataclass
+class CollectResult:
+    snapshot_id: str
+    created: bool
+    path: Path
+    summary: dict
+
+
+def collect(cfg: Config, policies: PolicyPair | None = None, engine=None, log_dir: str | None = None,
+            console=None) -> CollectResult:
+    runtime.setup(cfg.seed, cfg.deterministic, cfg.engine.threads)
+    timer = StageTimer()
+    with timer("load_task"):
+        task = make_task(cfg.task)
+        loaded = task.load(cfg.task.split, cfg.task.limit or None, cfg.task.skip_bad_rows)
+        problems = loaded.problems
+    with timer("load_models"):
+        policies = policies or PolicyPair(cfg.model, seed=cfg.seed)
+    with timer("start_engine"):
+        own_engine = engine is None
+        engine = engine or make_engine(cfg, policies)
+    n = cfg.episode.n_samples
+    turns_per_episode = 1 + 2 * cfg.episode.rounds
+    # hf: one engine batch of turn-1 prompts per runner batch (so progress moves); vllm schedules
+    # the whole turn itself, so it gets every problem at once.
+    per_batch = len(problems) if cfg.engine.name == "vllm" else max(1, cfg.engine.batch_size // n)
+    progress = Progress(TextColumn("[bold]collect[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), disable=not cfg.logging.progress, console=console, transient=False)
+    episodes = []
+    with progress:
+        bar = progress.add_task(cfg.task.name, total=len(problems) * n * turns_per_episode)
+        runner = EpisodeRunner(cfg, task, engine, policies,
+                               on_turn=lambda kind, k: progress.update(bar, advance=k * (n if kind == "solve" else 1),
+                                                                        description=f"{cfg.task.name}: {kind}"))
+        with timer("episodes"):
+            for b, start in enumerate(range(0, len(problems), per_batch)):
+                episodes += runner.run(problems[start:start + per_batch], batch_index=b)
+    summary = summarize(episodes)
+    summary.update({
+        "gen_tokens": runner.gen_tokens,
+        "gen_seconds": round(runner.gen_seconds, 3),
+        "tokens_per_s": round(runner.gen_tokens / max(runner.gen_seconds, 1e-9), 2),
+        "truncated_prompts": runner.truncated_prompts,
+        "score_seconds": round(timer.seconds["episodes"] - runner.gen_seconds, 3),
+    })
+    if hasattr(engine, "sync_seconds"):
+        summary["weight_sync_seconds"] = round(engine.sync_seconds, 3)
+    manifest = {
+        "kind": "collect",
+        "parents": list(cfg.collect.parents),
+        "tosca_mlmt_version": __version__,
+        "git_sha": runtime.git_sha(),
+        "config": cfg.to_dict(),
+        "models": {r: policies.fingerprint(r) for r in ("solver", "writer")},
+        "task": {"name": task.name, "split": cfg.task.split, "verifier_version": task.verifier_version,
+                 "problem_ids": [p.id for p in problems], "skipped_rows": loaded.skipped_rows,
+                 "n_problems": len(problems)},
+        "seeds": {"seed": cfg.seed},
+        "sampling": {"solver": asdict(to_params(cfg.solver_sampling, cfg.seed, n=n)),
+                     "writer": asdict(to_params(cfg.writer_sampling, cfg.seed,
+                                                max_new_tokens=cfg.episode.max_feedback_tokens))},
+        "strategies": runner.strategies,
+        "engine": cfg.engine.name,
+        "packages": runtime.package_versions(),
+        "summary": summary,
+        "timings": timer.as_metrics(""),
+    }
+    with timer("write_snapshot"):
+        sid, created = write_snapshot(cfg.collect.out, episodes, manifest)
+    summary.update(timer.as_metrics())
+    sink = MetricsSink(log_dir or Path(cfg.collect.out) / "_logs" / f"collect-{_stamp()}-{os.getpid()}",
+                       cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_mode, cfg.logging.project, name=sid)
+    sink.log({"collect/" + k: v for k, v in summary.items()} | {"snapshot_id": sid})
+    sink.close()
+    if own_engine:
+        engine.close()
+    return CollectResult(sid, created, Path(cfg.collect.out) / sid, summary)
+
+
+def _stamp() -> str:
+    return _dt.datetime.now().strftime("%Y%m%d-%H%M%S") + f"-{int(time.time() * 1000) % 1000:03d}"

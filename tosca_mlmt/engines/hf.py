@@ -1,0 +1,110 @@
+"""transformers ``generate`` engine: batched, left-padded, KV-cached."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from tosca_mlmt.engines.base import Generation, SamplingParams
+from tosca_mlmt.models.policies import PolicyPair
+
+
+class _RawLogprobRecorder(LogitsProcessor):
+    """Records log-softmax of the raw logits for each sampled token, then applies our warpers.
+
+    HF warps scores before sampling and only exposes the warped ones, so we run generate
+    with no HF warpers at all and do temperature/top-k/top-p here, after reading the raw
+    distribution. The token picked at step t is only visible at step t+1 (as the last
+    input id), so we keep one step of log-probs and gather it one call late.
+    """
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.prev: torch.Tensor | None = None  # [B, V] log-probs of the previous step
+        self.taken: list[torch.Tensor] = []  # per step [B]
+
+    def gather_last(self, last_ids: torch.Tensor) -> None:
+        if self.prev is not None:
+            self.taken.append(self.prev.gather(-1, last_ids[:, None]).squeeze(-1))
+            self.prev = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.gather_last(input_ids[:, -1])
+        scores = scores.float()
+        self.prev = torch.log_softmax(scores, dim=-1)
+        p = self.params
+        if p.greedy:
+            return scores
+        scores = scores / p.temperature
+        if p.top_k > 0:
+            kth = torch.topk(scores, min(p.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_s, idx = torch.sort(scores, descending=True, dim=-1)
+            cum = torch.softmax(sorted_s, dim=-1).cumsum(-1)
+            drop = cum - torch.softmax(sorted_s, dim=-1) > p.top_p  # keep the token that crosses top_p
+            scores = scores.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), float("-inf"))
+        return scores
+
+
+class HFEngine:
+    name = "hf"
+
+    def __init__(self, policies: PolicyPair, batch_size: int = 32):
+        self.policies = policies
+        self.batch_size = batch_size
+
+    def sync_weights(self, policy: str) -> float:
+        return 0.0  # generation reads the trainer's live module
+
+    def close(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, policy: str) -> list[list[Generation]]:
+        out: list[list[Generation]] = []
+        # Expand n samples per prompt up front so a batch never straddles the same rows twice.
+        flat = [p for p in prompts for _ in range(params.n)]
+        gens: list[Generation] = []
+        for start in range(0, len(flat), self.batch_size):
+            chunk = flat[start : start + self.batch_size]
+            # One generator per chunk, seeded from (seed, chunk start): results do not depend
+            # on what ran before in the process.
+            gens += self._generate_batch(chunk, params, policy, seed=params.seed * 1_000_003 + start)
+        for i in range(len(prompts)):
+            out.append(gens[i * params.n : (i + 1) * params.n])
+        return out
+
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, policy: str, seed: int) -> list[Generation]:
+        model = self.policies.model(policy)
+        tok = self.policies.tokenizer(policy)
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        eos_ids = self.policies.eos_ids(policy)
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding keeps every prompt's last token aligned
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attn[i, width - len(p) :] = 1
+        rec = _RawLogprobRecorder(params)
+        gc = GenerationConfig(
+            max_new_tokens=params.max_new_tokens, do_sample=not params.greedy, temperature=1.0, top_k=0,
+            top_p=1.0, num_beams=1, eos_token_id=eos_ids, pad_token_id=pad_id,
+        )
+        torch.manual_seed(seed)
+        with self.policies.use(policy):
+            seqs = model.generate(input_ids=ids, attention_mask=attn, generation_config=gc,
+                                  logits_processor=LogitsProcessorList([rec]))
+        rec.gather_last(seqs[:, -1])
+        resp = seqs[:, width:]
+        lps = torch.stack(rec.taken, dim=1) if rec.taken else torch.zeros(len(prompts), 0)
+        results = []
+        for i in range(len(prompts)):
+            toks = resp[i].tolist()
+            n, reason = len(toks), "length"
+            for j, t in enumerate(toks):
+                if t in eos_ids:
+                    n, reason = j + 1, "stop"
+                    break
+            results.append(Generation(tuple(toks[:n]), tuple(float(x) for x in lps[i, :n]), reason))
+        return results

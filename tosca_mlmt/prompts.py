@@ -1,0 +1,86 @@
+"""Token-exact prompt construction for the three turns.
+
+Every prompt after turn 1 is built by *appending ids* to ids that already exist
+(the turn-1 prompt, the sampled response, the sampled feedback), never by decoding
+and re-encoding a transcript. Only the fixed template text around them is encoded.
+The template pieces come from rendering the model's own chat template with
+placeholders, so any ChatML-like template works, not just SmolLM2's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_A, _B = "\u2063ATTEMPT\u2063", "\u2063USER\u2063"
+
+WRITER_SYSTEM = (
+    "You are a concise tutor. You read a student's attempt at a problem and write short, "
+    "specific feedback. Never state the final answer yourself."
+)
+WRITER_STATE = "Problem:\n{question}\n\n"
+WRITER_STRATEGY = (
+    "Feedback strategy: {instruction}\n"
+    "Write one to three sentences of feedback for the student following this strategy."
+)
+REFINE_USER_PREFIX = "A reviewer left this feedback on your answer:\n"
+REFINE_USER_SUFFIX = "\n\nUse the feedback to solve the problem again. {answer_format}"
+
+
+@dataclass
+class ChatFormat:
+    """Pieces of one tokenizer's chat template, rendered once."""
+
+    tok: object
+    eos_ids: list[int]
+
+    def __post_init__(self):
+        msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _A},
+                {"role": "user", "content": _B}]
+        full = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        a_end = full.index(_A) + len(_A)
+        b_start = full.index(_B)
+        self.between = full[a_end:b_start]  # closes the assistant turn, opens a user turn
+        self.after_user = full[b_start + len(_B):]  # closes the user turn, opens the assistant turn
+        self.eos_text = self.tok.decode([self.eos_ids[0]])
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def first_prompt(self, user: str, system: str | None = None) -> list[int]:
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def strip_eos(self, ids: list[int] | tuple[int, ...]) -> list[int]:
+        ids = list(ids)
+        return ids[:-1] if ids and ids[-1] in self.eos_ids else ids
+
+    def continue_with_user(self, response_ids: list[int], pieces: list[str | list[int]]) -> list[int]:
+        """Ids that follow ``response_ids`` in the context: close that assistant turn, add a
+        user turn made of ``pieces`` (text is encoded, id lists are copied), open the next
+        assistant turn. When the response stopped on eos, that eos already closes the turn."""
+        between = self.between
+        if response_ids and response_ids[-1] in self.eos_ids and between.startswith(self.eos_text):
+            between = between[len(self.eos_text):]
+        out = self.encode(between)
+        for p in pieces:
+            out += self.encode(p) if isinstance(p, str) else list(p)
+        return out + self.encode(self.after_user)
+
+    def user_prompt_with_ids(self, system: str | None, pieces: list[str | list[int]]) -> tuple[list[int], list[int]]:
+        """A fresh conversation whose user message mixes text and exact ids.
+
+        Returns (ids, cut) where ``cut[i]`` is the length of ids after piece i, so callers can
+        slice states (e.g. the writer's state ends before the strategy text)."""
+        head = self.tok.apply_chat_template(
+            ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": _B}],
+            add_generation_prompt=True, tokenize=False)
+        before, after = head.split(_B)
+        ids = self.encode(before)
+        cut = []
+        for p in pieces:
+            ids += self.encode(p) if isinstance(p, str) else list(p)
+            cut.append(len(ids))
+        return ids + self.encode(after), cut

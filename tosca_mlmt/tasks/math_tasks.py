@@ -1,0 +1,139 @@
+"""GSM8K and MATH-500: math word problems scored by final-answer equivalence.
+
+Both read ``{"question", "answer"}`` JSONL files in place from the shared data folder.
+Problem ids come from the 1-based line number in the source file, so they stay stable
+across runs and machines as long as the file is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tosca_mlmt.errors import ConfigError, DataError
+from tosca_mlmt.tasks.base import LoadResult, Problem, Verdict, check_split, stable_split
+from tosca_mlmt.tasks.mathverify import VERIFIER_VERSION, extract_answer, extract_gold, match_method
+
+DATA_ENV_VAR = "TOSCA_MLMT_DATA"
+
+
+def default_data_path() -> Path:
+    """``$TOSCA_MLMT_DATA``, else ``../shared/data`` next to the project root."""
+    env = os.environ.get(DATA_ENV_VAR)
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[2]  # tosca_mlmt/tasks/ -> tosca_mlmt/ -> repo
+    return repo.parent / "shared" / "data"
+
+
+def _parse_row(path: Path, line_no: int, line: str) -> tuple[str, str, str]:
+    """(question, full solution, gold answer) of one JSONL line; DataError if malformed."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(str(path), line_no, "<row>", f"invalid JSON: {e.msg}") from None
+    if not isinstance(row, dict):
+        raise DataError(str(path), line_no, "<row>", "expected a JSON object")
+    for field in ("question", "answer"):
+        value = row.get(field)
+        if not isinstance(value, str) or not value.strip():
+            reason = "missing" if value is None else f"expected a non-empty string, got {value!r:.40}"
+            raise DataError(str(path), line_no, field, reason)
+    try:
+        gold = extract_gold(row["answer"])
+    except ValueError as e:
+        raise DataError(str(path), line_no, "answer", str(e)) from None
+    return row["question"], row["answer"], gold
+
+
+def _read_rows(path: Path, skip_bad_rows: bool) -> tuple[list[tuple[int, str, str, str]], int]:
+    """Every valid row of ``path`` as (line_no, question, solution, gold), and the bad-row count.
+
+    The whole file is validated (not just the rows a split or limit keeps), so a corrupt
+    file fails the same way whichever split is asked for. Blank lines are ignored.
+    """
+    if not path.is_file():
+        raise ConfigError(f"data file not found: {path} (set {DATA_ENV_VAR} to the data folder)")
+    rows, skipped = [], 0
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((line_no, *_parse_row(path, line_no, line)))
+            except DataError:
+                if not skip_bad_rows:
+                    raise
+                skipped += 1
+    return rows, skipped
+
+
+def _check_limit(limit: int | None) -> None:
+    if limit is not None and limit < 0:
+        raise ConfigError(f"invalid limit {limit}; must be >= 0")
+
+
+class _MathTask:
+    """Shared verification: extract the response's final answer and compare it to the gold."""
+
+    name: str
+    verifier_version = VERIFIER_VERSION
+
+    def __init__(self, data_path: str | None = None):
+        self.data_path = Path(data_path) if data_path is not None else default_data_path()
+
+    def verify(self, problem: Problem, response: str) -> Verdict:
+        extracted = extract_answer(response)
+        method = match_method(extracted, problem.answer) if extracted is not None else None
+        correct = method is not None
+        return Verdict(correct, 1.0 if correct else 0.0, extracted, info={"method": method})
+
+
+class GSM8KTask(_MathTask):
+    """GSM8K with its official train/test files; ids ``gsm8k-{split}-{line:05d}``."""
+
+    name = "gsm8k"
+
+    def load(self, split: str, limit: int | None = None, skip_bad_rows: bool = False) -> LoadResult:
+        check_split(split)
+        _check_limit(limit)
+        rows, skipped = _read_rows(self.data_path / "gsm8k" / f"{split}.jsonl", skip_bad_rows)
+        problems = [
+            Problem(
+                self.name, f"gsm8k-{split}-{line_no:05d}", question, gold, split, {"solution": solution}
+            )
+            for line_no, question, solution, gold in rows[:limit]
+        ]
+        return LoadResult(problems, skipped)
+
+    def instruction(self, problem: Problem) -> str:
+        return (
+            f"{problem.question}\n\n"
+            "Reason step by step, then finish with a final line of the form "
+            "'The answer is: <number>'."
+        )
+
+
+class Math500Task(_MathTask):
+    """MATH-500. Only a test file exists, so train/test are carved from it by a hash of
+    the question (about 80/20, disjoint); ids ``math500-{line:03d}``."""
+
+    name = "math500"
+
+    def load(self, split: str, limit: int | None = None, skip_bad_rows: bool = False) -> LoadResult:
+        check_split(split)
+        _check_limit(limit)
+        rows, skipped = _read_rows(self.data_path / "math500" / "test.jsonl", skip_bad_rows)
+        problems = [
+            Problem(self.name, f"math500-{line_no:03d}", question, gold, split, {"solution": solution})
+            for line_no, question, solution, gold in rows
+            if stable_split(question) == split
+        ]
+        return LoadResult(problems[:limit], skipped)
+
+    def instruction(self, problem: Problem) -> str:
+        return (
+            f"{problem.question}\n\n"
+            "Reason step by step, then put your final answer in \\boxed{answer}."
+        )

@@ -1,0 +1,230 @@
+"""Answer extraction and equivalence checking for math word problems (GSM8K, MATH).
+
+Pure functions shared by the math tasks. Equivalence is tried cheapest first (normalized
+string, then plain numbers, then symbolic math_verify); any one match counts as correct,
+and no check ever raises: a parser failure only means that check did not match.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from functools import lru_cache
+
+VERIFIER_VERSION = "math-v1"
+
+# math_verify bounds sympy with SIGALRM, which only works on the main thread; elsewhere
+# the alarm would raise, so off the main thread we run it without a timeout.
+_MV_TIMEOUT_S = 5
+
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)")
+_ANSWER_IS_RE = re.compile(r"the answer is\s*:?", re.IGNORECASE)
+# A thousands comma sits between a digit and exactly three digits ("1,234", not "1,2").
+_THOUSANDS_COMMA_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+# A minus only counts as a sign when it does not follow a word or ")" (so "5-3" gives 3).
+_NUMBER_RE = re.compile(
+    r"(?:(?<![\w)])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|(?:(?<![\w)])-)?\.\d+"
+)
+_TEXT_WRAPPER_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
+# Trailing unit words ("18 dollars", "5 cm"). They must be space-separated words of 2+
+# letters so that "5x" or "2i" are never read as the number 5 or 2.
+_UNIT_WORDS_RE = re.compile(r"(?<=\d)\s+[A-Za-z]{2,}(?:\s+[A-Za-z]+)*$")
+_PLAIN_NUMBER_RE = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?")
+
+
+def _strip_thousands_commas(text: str) -> str:
+    return _THOUSANDS_COMMA_RE.sub("", text)
+
+
+def _braced_at(text: str, start: int) -> str | None:
+    """The contents of the ``{...}`` group opening at ``text[start]``, or None if unbalanced.
+
+    ``\\{`` and ``\\}`` are literal braces in LaTeX, so they do not open or close groups.
+    """
+    depth = 0
+    i = start
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\":
+            i += 2  # skip the escaped character
+            continue
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + 1 : i]
+        i += 1
+    return None
+
+
+def last_boxed(text: str) -> str | None:
+    """The contents of the last balanced ``\\boxed{...}`` / ``\\fbox{...}`` in ``text``.
+
+    A truncated last box (unbalanced) falls back to the one before it.
+    """
+    for m in reversed(list(_BOX_RE.finditer(text))):
+        rest = text[m.end() :]
+        stripped = rest.lstrip()
+        if stripped.startswith("{"):
+            inner = _braced_at(text, m.end() + len(rest) - len(stripped))
+            if inner is not None:
+                return inner.strip()
+        elif rest[:1] == " " and stripped:
+            # "\boxed 5" (no braces) boxes the next token.
+            return re.split(r"[\s$]", stripped, maxsplit=1)[0]
+    return None
+
+
+def _clean_tail(text: str) -> str:
+    """Trim a free-text final answer: whitespace, math ``$`` delimiters, trailing period."""
+    out = text.strip()
+    prev = None
+    while out != prev:
+        prev = out
+        out = out.strip().rstrip(".").strip("$").strip()
+    return out
+
+
+def extract_gold(answer_field: str) -> str:
+    """The gold final answer from a GSM8K (``#### x``) or MATH (worked solution) answer.
+
+    Raises ValueError when the field has no recognizable final answer.
+    """
+    if "####" in answer_field:
+        gold = _strip_thousands_commas(answer_field.rsplit("####", 1)[1].strip())
+    else:
+        matches = list(_ANSWER_IS_RE.finditer(answer_field))
+        if matches:
+            # The MATH data repeats the final answer after "The answer is: " at the end.
+            gold = _clean_tail(answer_field[matches[-1].end() :].split("\n", 1)[0])
+        else:
+            gold = last_boxed(answer_field) or ""
+    if not gold:
+        raise ValueError("no final answer found (expected '#### x', 'The answer is: x' or \\boxed{x})")
+    return gold
+
+
+def extract_answer(response: str) -> str | None:
+    """What the model answered, or None when the response contains no answer at all.
+
+    Tried in order: last balanced ``\\boxed{}``; the last "The answer is[:] x" line;
+    ``#### x``; the last number in the text.
+    """
+    boxed = last_boxed(response)
+    if boxed:
+        return boxed
+    matches = list(_ANSWER_IS_RE.finditer(response))
+    if matches:
+        tail = _clean_tail(response[matches[-1].end() :].split("\n", 1)[0])
+        if tail:
+            return tail
+    if "####" in response:
+        tail = _clean_tail(response.rsplit("####", 1)[1].split("\n", 1)[0])
+        if tail:
+            return _strip_thousands_commas(tail)
+    numbers = _NUMBER_RE.findall(response)
+    return _strip_thousands_commas(numbers[-1]) if numbers else None
+
+
+def _unwrap_text(text: str) -> str:
+    """``\\text{abc}`` -> ``abc`` (also nested and the bold/roman variants)."""
+    prev = None
+    while text != prev:
+        prev = text
+        text = _TEXT_WRAPPER_RE.sub(r"\1", text)
+    return text
+
+
+def normalize_string(text: str) -> str:
+    """A canonical spelling of a LaTeX answer, for exact comparison."""
+    out = _unwrap_text(text)
+    for old, new in (
+        ("\\left", ""),
+        ("\\right", ""),
+        ("\\!", ""),
+        ("\\,", ""),
+        ("^{\\circ}", ""),
+        ("^\\circ", ""),
+        ("\\dfrac", "\\frac"),
+        ("\\tfrac", "\\frac"),
+        ("\\$", ""),
+        ("$", ""),
+    ):
+        out = out.replace(old, new)
+    return "".join(out.split()).rstrip(".")
+
+
+def _to_float(text: str) -> float | None:
+    """``text`` as a plain number ("1,234", "\\$18.90", "50\\%", "3/4", "18 dollars"), else None."""
+    without_units = _UNIT_WORDS_RE.sub("", _unwrap_text(text).strip().rstrip("."))
+    cleaned = normalize_string(without_units).replace("\\%", "").replace("%", "")
+    cleaned = _strip_thousands_commas(cleaned)
+    if not _PLAIN_NUMBER_RE.fullmatch(cleaned):
+        return None
+    try:
+        if "/" in cleaned:
+            top, bottom = cleaned.split("/")
+            return float(top) / float(bottom)
+        return float(cleaned)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _numeric_equal(pred: str, gold: str) -> bool:
+    a, b = _to_float(pred), _to_float(gold)
+    return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)
+
+
+def _mv_timeout() -> int | None:
+    return _MV_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+@lru_cache(maxsize=8192)
+def _mv_parse(text: str, timeout_s: int | None) -> tuple:
+    """math_verify's parse of a bare answer; cached because a gold is verified many times."""
+    from math_verify import parse  # imported lazily: it pulls in sympy and latex2sympy
+
+    try:
+        # \boxed{} is the anchor math_verify's LaTeX extractor matches with top priority.
+        return tuple(parse(f"\\boxed{{{text}}}", parsing_timeout=timeout_s))
+    except Exception:  # noqa: BLE001 - any parser failure just means "no parse"
+        return ()
+
+
+def _math_verify_equal(pred: str, gold: str) -> bool:
+    from math_verify import verify
+
+    timeout_s = _mv_timeout()
+    gold_parsed, pred_parsed = _mv_parse(gold, timeout_s), _mv_parse(pred, timeout_s)
+    if not gold_parsed or not pred_parsed:
+        return False
+    try:
+        return bool(verify(list(gold_parsed), list(pred_parsed), timeout_seconds=timeout_s))
+    except Exception:  # noqa: BLE001 - a verifier crash is a non-match, never an error
+        return False
+
+
+def match_method(pred: str, gold: str) -> str | None:
+    """The first check under which ``pred`` equals ``gold``: "string", "numeric",
+    "math_verify"; None when none matches."""
+    if not pred or not gold:
+        return None
+    checks = (
+        ("string", lambda p, g: normalize_string(p) == normalize_string(g)),
+        ("numeric", _numeric_equal),
+        ("math_verify", _math_verify_equal),
+    )
+    for name, check in checks:
+        try:
+            if check(pred, gold):
+                return name
+        except Exception:  # noqa: BLE001 - a crashing check counts as a non-match
+            continue
+    return None
+
+
+def is_equivalent(pred: str, gold: str) -> bool:
+    """Whether the predicted final answer equals the gold one (never raises)."""
+    return match_method(pred, gold) is not None
