@@ -1,0 +1,45 @@
+"""Shared fixtures. Model-backed fixtures are session-scoped: the embedded model loads once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+REPO = Path(__file__).resolve().parent.parent
+MLMT = [sys.executable, "-m", "tosca_mlmt.cli.main"]
+# Small, fast episodes for tests: short turns, fp32 so numbers are comparable across engines.
+TINY = ["--set", "solver_sampling.max_new_tokens=24", "--set", "writer_sampling.max_new_tokens=16",
+        "--set", "episode.max_feedback_tokens=16", "--set", "model.dtype=float32"]
+
+
+def run_mlmt(*args, check=False, timeout=600, env=None, **kw) -> subprocess.CompletedProcess:
+    e = dict(os.environ, **(env or {}))
+    p = subprocess.run([*MLMT, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=e, **kw)
+    if check and p.returncode != 0:
+        raise AssertionError(f"mlmt {' '.join(map(str, args))} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return p
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    from tosca_mlmt.config import load_config
+
+    return load_config(overrides={
+        "model.dtype": "float32", "solver_sampling.max_new_tokens": 24, "writer_sampling.max_new_tokens": 16,
+        "episode.max_feedback_tokens": 16, "logging.wandb": False, "logging.progress": False,
+    })
+
+
+@pytest.fixture(scope="session")
+def policies(tiny_cfg):
+    from tosca_mlmt.models.policies import PolicyPair
+
+    return PolicyPair(tiny_cfg.model, seed=0)

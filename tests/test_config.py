@@ -1,0 +1,64 @@
+import pytest
+
+from tosca_mlmt.config import Config, describe_fields, load_config
+from tosca_mlmt.errors import ConfigError
+
+
+def test_defaults_validate_and_every_field_has_help():
+    cfg = load_config()
+    assert isinstance(cfg, Config)
+    rows = describe_fields()
+    assert len(rows) > 30
+    missing = [name for name, _, _, help_ in rows if not help_.strip()]
+    assert missing == []
+
+
+@pytest.mark.parametrize("override, field, allowed", [
+    ({"engine.nme": "x"}, "engine.nme", "name, batch_size"),
+    ({"bogus": 1}, "bogus", "seed"),
+    ({"engine.name": "tgi"}, "engine.name", "hf, vllm"),
+    ({"task.name": "chess"}, "task.name", "arith, gsm8k, math500, mbpp"),
+])
+def test_unknown_or_invalid_field_names_field_and_allowed_values(override, field, allowed):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=override)
+    assert f"'{field}'" in str(e.value) and allowed in str(e.value)
+
+
+@pytest.mark.parametrize("override, field", [
+    ({"episode.n_samples": 0}, "episode.n_samples"),
+    ({"task.limit": "many"}, "task.limit"),
+    ({"solver_sampling.top_p": 1.5}, "solver_sampling.top_p"),
+    ({"episode.strategies": [{"name": "a", "instruction": "x"}, {"name": "a", "instruction": "y"}]},
+     "episode.strategies[1].name"),
+    ({"logging.wandb": "maybe"}, "logging.wandb"),
+])
+def test_bad_values_are_rejected_with_the_field_name(override, field):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=override)
+    assert field in str(e.value)
+
+
+def test_partial_section_merges_onto_that_sections_defaults(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("writer_sampling:\n  temperature: 0\nepisode:\n  rounds: 2\n")
+    cfg = load_config(p)
+    assert cfg.writer_sampling.temperature == 0.0
+    assert cfg.writer_sampling.max_new_tokens == Config().writer_sampling.max_new_tokens == 64
+    assert cfg.episode.rounds == 2 and cfg.episode.n_samples == Config().episode.n_samples
+
+
+def test_include_and_overrides_layer_in_order(tmp_path):
+    (tmp_path / "base.yaml").write_text("seed: 3\ntask:\n  limit: 5\n")
+    (tmp_path / "top.yaml").write_text("include: base.yaml\ntask:\n  limit: 7\n")
+    cfg = load_config(tmp_path / "top.yaml", {"seed": 9})
+    assert (cfg.seed, cfg.task.limit) == (9, 7)
+
+
+def test_shipped_presets_load():
+    from pathlib import Path
+
+    presets = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+    assert presets
+    for p in presets:
+        load_config(p)
