@@ -24,7 +24,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split
                   pretty_exceptions_enable=False)
 snapshots_app = typer.Typer(no_args_is_help=True, help="List, inspect and verify dataset snapshots.")
 app.add_typer(snapshots_app, name="snapshots")
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # soft_wrap: never break paths in error lines
 
 
 def user_errors(fn):

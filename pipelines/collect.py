@@ -53,6 +53,9 @@ def collect(cfg: Config, policies: PolicyPair | None = None, engine=None, log_di
     per_batch = len(problems) if cfg.engine.name == "vllm" else max(1, cfg.engine.batch_size // n)
     progress = Progress(TextColumn("[bold]collect[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), disable=not cfg.logging.progress, console=console, transient=False)
+    if console is not None:
+        console.print(f"collect: {len(problems)} problems x {n} samples on {cfg.engine.name}, "
+                      f"{cfg.episode.rounds} feedback round(s)", highlight=False)
     episodes = []
     with progress:
         bar = progress.add_task(cfg.task.name, total=len(problems) * n * turns_per_episode)
