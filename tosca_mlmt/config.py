@@ -16,14 +16,7 @@ from typing import Any
 import yaml
 
 from tosca_mlmt.errors import ConfigError
-
-
-def knob(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | None = None, **kw):
-    """A config field with its help text (and allowed values, checked at load)."""
-    md = {"help": help, "choices": choices}
-    if default is dataclasses.MISSING:
-        return field(metadata=md, **kw)
-    return field(default=default, metadata=md, **kw)
+from tosca_mlmt.knobs import knob
 
 
 DEFAULT_STRATEGIES: tuple[dict[str, str], ...] = (

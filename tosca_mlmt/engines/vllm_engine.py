@@ -35,6 +35,36 @@ def configure_cpu_env(cfg: VLLMConfig) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
 
 
+@torch.no_grad()
+def merged_state_dict(policies, role: str) -> dict[str, torch.Tensor]:
+    """Base + ``role``'s LoRA deltas as a full HF-named state dict, without touching the model.
+
+    Same tensors as ``PolicyPair.merged_state_dict`` (w + peft's get_delta_weight), but that
+    one merges in place and unmerges with ``w -= delta``, which is not exact in floating
+    point: every call nudged ~200 base tensors by an ulp, so the frozen base (the reference
+    policy) drifted with each sync. Falls back to it for LoRA variants (DoRA, lora_bias).
+    """
+    from peft.tuners.lora import LoraLayer
+
+    base = policies.model(role).get_base_model()
+    deltas: dict[str, torch.Tensor] = {}
+    for name, mod in base.named_modules():
+        if not isinstance(mod, LoraLayer) or role not in mod.lora_A:
+            continue
+        if mod.merged or role in getattr(mod, "lora_variant", {}) or mod.lora_bias.get(role, False):
+            return policies.merged_state_dict(role)
+        deltas[f"{name}.base_layer.weight"] = mod.get_delta_weight(role)
+    sd = {}
+    for k, v in base.state_dict().items():
+        if "lora_" in k:
+            continue
+        d = deltas.pop(k, None)
+        sd[k.replace(".base_layer.", ".")] = v.detach().clone() if d is None else v.detach() + d.to(v.dtype)
+    if deltas:  # a LoRA layer whose base weight we did not see: let peft do it
+        return policies.merged_state_dict(role)
+    return sd
+
+
 class VLLMEngine:
     name = "vllm"
 
@@ -94,7 +124,7 @@ class VLLMEngine:
             return 0.0
         # vLLM read the base from disk at start-up: nothing to push while the policy is the base.
         if force or self.loaded_key is not None or key != "base":
-            self.load_state_dict(self.policies.merged_state_dict(policy))
+            self.load_state_dict(merged_state_dict(self.policies, policy))
             self.syncs += 1
         self.loaded_key = key
         dt = time.perf_counter() - t0

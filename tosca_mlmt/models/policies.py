@@ -147,12 +147,46 @@ class PolicyPair:
                 m.unmerge_adapter()
         return sd
 
+    # ------------------------------------------------------------------ saving
+    def save_role(self, role: str, folder: str | Path) -> Path:
+        """Write ``role``'s adapter (and, for the writer, its Q head and strategy list) so that
+        ``model.solver_adapter`` / ``model.writer_adapter`` can load it. Atomic: built in a
+        sibling temp folder and renamed."""
+        import os
+        import shutil
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+        try:
+            self._models[role].save_pretrained(tmp, selected_adapters=[role])
+            # peft nests non-"default" adapters in a subfolder named after the adapter
+            nested = tmp / role
+            if nested.is_dir():
+                for f in nested.iterdir():
+                    os.replace(f, tmp / f.name)
+                nested.rmdir()
+            if role == "writer":
+                (tmp / STRATEGIES_FILE).write_text(json.dumps(self.strategies, indent=2) if self.strategies else "null")
+                if self.q_head is not None:
+                    save_file({k: v.contiguous() for k, v in self.q_head.state_dict().items()}, tmp / Q_HEAD_FILE)
+            if folder.exists():
+                shutil.rmtree(folder)
+            os.replace(tmp, folder)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return folder
+
     # ------------------------------------------------------------------ writer extras
     def _load_writer_extras(self, folder: Path) -> None:
         from safetensors.torch import load_file
 
         if (folder / STRATEGIES_FILE).exists():
-            self.strategies = json.loads((folder / STRATEGIES_FILE).read_text())
+            self.strategies = json.loads((folder / STRATEGIES_FILE).read_text()) or None
         if (folder / Q_HEAD_FILE).exists():
             sd = load_file(folder / Q_HEAD_FILE)
             head = QHead(sd["proj.weight"].shape[1], sd["proj.weight"].shape[0])

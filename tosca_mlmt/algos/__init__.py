@@ -1,0 +1,1 @@
+"""Pure RL math: advantage estimators, policy/value losses, Q-learning targets (registries)."""

@@ -1,0 +1,1 @@
+"""The low-level (solver) learner: PPO with the context-dependency bonus."""

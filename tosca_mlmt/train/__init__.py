@@ -1,0 +1,1 @@
+"""Training building blocks shared by the upper and lower trainers."""

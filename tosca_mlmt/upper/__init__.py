@@ -1,0 +1,1 @@
+"""The high-level (feedback writer) learner: offline strategic Q-learning + AWR."""
