@@ -61,7 +61,8 @@ def test_token_exact_contexts(run):
         assert ref2.prompt_ids[: len(t2)] == t2
         # the feedback ids sit verbatim inside the refine prompt; the attempt inside the writer prompt
         fb_ids = runner.fmt["writer"].strip_eos(fb1.response_ids)
-        assert _contains(ref1.prompt_ids, fb_ids)
+        a, b = ref1.info["feedback_span"]
+        assert ref1.prompt_ids[a:b] == fb_ids
         z = runner.fmt["solver"].strip_eos(solve.response_ids)
         assert _contains(fb1.prompt_ids[: fb1.state_len], z)
         # round-2 writer state holds both attempts and the first feedback

@@ -19,7 +19,8 @@ def test_continuation_decodes_to_the_template_rendering(tok):
     p1 = fmt.first_prompt("What is 2 + 3?")
     reply = fmt.encode("It is 6.") + [tok.eos_token_id]
     ctx = p1 + reply
-    cont = fmt.continue_with_user(ctx, ["Feedback: ", fmt.encode("recheck"), " please"])
+    cont, cut = fmt.continue_with_user(ctx, ["Feedback: ", fmt.encode("recheck"), " please"])
+    assert cont[cut[0]:cut[1]] == fmt.encode("recheck")
     rendered = tok.apply_chat_template(
         [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "It is 6."},
          {"role": "user", "content": "Feedback: recheck please"}], add_generation_prompt=True, tokenize=False)
@@ -30,7 +31,7 @@ def test_truncated_reply_gets_its_turn_closed(tok):
     fmt = ChatFormat(tok, [tok.eos_token_id])
     p1 = fmt.first_prompt("Q")
     reply = fmt.encode("half an ans")  # hit max_new_tokens: no eos
-    cont = fmt.continue_with_user(p1 + reply, ["next"])
+    cont, _ = fmt.continue_with_user(p1 + reply, ["next"])
     assert cont[0] == tok.eos_token_id  # the template's turn close is added, not generated
     rendered = tok.apply_chat_template(
         [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "half an ans"},

@@ -185,13 +185,15 @@ class EpisodeRunner:
                 state_len=state_lens[i]))
         # ---- turn 3: the solver refines with the feedback appended to its own context
         answer_format = getattr(self.task, "answer_format", "")
-        refine_prompts = []
+        refine_prompts, fb_spans = [], []
         for ep, ctx in zip(episodes, contexts):
             fb = ep.turns[-1]
             # Same tokenizer: the feedback's exact ids; otherwise its text, re-encoded once.
             fb_ids = wfmt.strip_eos(fb.response_ids) if self.policies.shared_base else sfmt.encode(fb.text)
-            cont = sfmt.continue_with_user(ctx, [REFINE_USER_PREFIX, fb_ids,
-                                                 REFINE_USER_SUFFIX.format(answer_format=answer_format)])
+            cont, cut = sfmt.continue_with_user(ctx, [REFINE_USER_PREFIX, fb_ids,
+                                                      REFINE_USER_SUFFIX.format(answer_format=answer_format)])
+            # Where g sits in the refine prompt: the context-dependency bonus removes exactly this span.
+            fb_spans.append([len(ctx) + cut[0], len(ctx) + cut[1]])
             refine_prompts.append(ctx + cont)
         ref_gens = self._gen(refine_prompts, to_params(cfg.solver_sampling, self._seed(rnd, "refine", batch_index)),
                              "solver", "refine")
@@ -200,6 +202,7 @@ class EpisodeRunner:
             t = Turn(len(ep.turns), rnd, "solver", "refine", refine_prompts[i], list(g.token_ids), list(g.logprobs),
                      g.finish_reason, self._solver_text(g.token_ids))
             self._score(ep, t)
+            t.info["feedback_span"] = fb_spans[i]
             ep.turns.append(t)
             contexts[i] = refine_prompts[i] + list(g.token_ids)
 

@@ -57,17 +57,21 @@ class ChatFormat:
         ids = list(ids)
         return ids[:-1] if ids and ids[-1] in self.eos_ids else ids
 
-    def continue_with_user(self, response_ids: list[int], pieces: list[str | list[int]]) -> list[int]:
+    def continue_with_user(self, response_ids: list[int], pieces: list[str | list[int]]) -> tuple[list[int], list[int]]:
         """Ids that follow ``response_ids`` in the context: close that assistant turn, add a
         user turn made of ``pieces`` (text is encoded, id lists are copied), open the next
-        assistant turn. When the response stopped on eos, that eos already closes the turn."""
+        assistant turn. When the response stopped on eos, that eos already closes the turn.
+
+        Returns (ids, cut) where ``cut[i]`` is the length of ids after piece i."""
         between = self.between
         if response_ids and response_ids[-1] in self.eos_ids and between.startswith(self.eos_text):
             between = between[len(self.eos_text):]
         out = self.encode(between)
+        cut = []
         for p in pieces:
             out += self.encode(p) if isinstance(p, str) else list(p)
-        return out + self.encode(self.after_user)
+            cut.append(len(out))
+        return out + self.encode(self.after_user), cut
 
     def user_prompt_with_ids(self, system: str | None, pieces: list[str | list[int]]) -> tuple[list[int], list[int]]:
         """A fresh conversation whose user message mixes text and exact ids.

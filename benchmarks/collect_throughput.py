@@ -1,0 +1,304 @@
+"""Generated tokens/s of the three-turn collect loop vs raw single-turn vLLM generation.
+
+In ONE process (one model load, one vLLM start-up) it measures:
+
+* ``collect_<engine>``: ``tosca_mlmt.pipelines.collect.collect`` (solve -> feedback ->
+  refine, K rounds) with the hf and/or vllm engine; tokens/s over the wall time of the
+  episodes stage (generation + prompt building + verification) and over generate calls only;
+* ``raw_vllm``: one flat ``LLM.generate`` call over the same turn-1 prompts with n samples,
+  the same model, sampling and max_new_tokens. n is chosen from the collect run so the
+  generated-token count roughly matches (the comparison is in tokens/s, so it need not be
+  exact). It runs before and after the vLLM collect run (``--raw-runs 2``) because the
+  machine is shared and its load drifts.
+
+It prints a table with collect/raw ratios and writes ``benchmarks/results/collect_throughput.json``
+(date, machine, load, config, token counts, seconds, a per-turn breakdown).
+
+    .venv/bin/python benchmarks/collect_throughput.py --limit 16 --n-samples 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results" / "collect_throughput.json"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--limit", type=int, default=16, help="problems (task.limit)")
+    ap.add_argument("--n-samples", type=int, default=2, help="turn-1 samples per problem (episode.n_samples)")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="solver max_new_tokens (turns 1 and 3, and raw)")
+    ap.add_argument("--feedback-tokens", type=int, default=64, help="writer max tokens (episode.max_feedback_tokens)")
+    ap.add_argument("--rounds", type=int, default=1, help="feedback+refine rounds K")
+    ap.add_argument("--engines", default="hf,vllm", help="comma list of collect engines: hf, vllm")
+    ap.add_argument("--task", default="arith")
+    ap.add_argument("--level", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch/OMP threads for both engines (1 is fastest on a shared 2-core box)")
+    ap.add_argument("--kv-cache-gb", type=int, default=2)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--raw-runs", type=int, default=2, help="raw vLLM runs, alternating around the vLLM collect")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(RESULTS))
+    return ap.parse_args(argv)
+
+
+def machine_info() -> dict:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gb = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem_gb = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return {"cpu_model": cpu, "cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)),
+            "mem_gb": mem_gb, "platform": platform.platform(), "python": platform.python_version()}
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+class RecordingEngine:
+    """Forwards to an engine and records every generate call (one per turn)."""
+
+    KINDS = ("solve", "feedback", "refine")
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.calls: list[dict] = []
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def generate(self, prompts, params, policy):
+        sync0 = getattr(self._engine, "sync_seconds", 0.0)
+        t0 = time.perf_counter()
+        out = self._engine.generate(prompts, params, policy)
+        secs = time.perf_counter() - t0
+        lens = [len(g.token_ids) for gs in out for g in gs]
+        self.calls.append({
+            "policy": policy, "prompts": len(prompts), "n": params.n, "sequences": len(lens),
+            "prompt_tokens_mean": round(sum(map(len, prompts)) / max(len(prompts), 1), 1),
+            "gen_tokens": sum(lens), "gen_tokens_mean": round(sum(lens) / max(len(lens), 1), 1),
+            "gen_tokens_max": max(lens, default=0), "stopped": sum(g.finish_reason == "stop" for gs in out for g in gs),
+            "seconds": round(secs, 3), "tokens_per_s": round(sum(lens) / max(secs, 1e-9), 1),
+            "sync_seconds": round(getattr(self._engine, "sync_seconds", 0.0) - sync0, 3),
+        })
+        return out
+
+    def per_turn(self, rounds: int) -> list[dict]:
+        # EpisodeRunner calls per batch: solve, then (feedback, refine) x rounds.
+        kinds = ["solve"] + ["feedback", "refine"] * rounds
+        return [{"kind": kinds[i % len(kinds)], **c} for i, c in enumerate(self.calls)]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    bad = [e for e in engines if e not in ("hf", "vllm")]
+    if bad:
+        sys.exit(f"--engines: unknown engine(s) {bad}; allowed: hf, vllm")
+    # Thread env must be in place before torch / vllm are imported.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gb))
+
+    load_before = loadavg()
+    t_start = time.time()
+    import torch
+
+    from tosca_mlmt import runtime
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.models.policies import PolicyPair
+    from tosca_mlmt.pipelines.collect import collect
+    from tosca_mlmt.prompts import ChatFormat
+    from tosca_mlmt.tasks import make_task
+
+    torch.set_num_threads(args.threads)
+    tmp = Path(tempfile.mkdtemp(prefix="collect-bench-"))
+    overrides = {
+        "seed": args.seed, "model.dtype": args.dtype, "engine.threads": args.threads,
+        "engine.vllm.kv_cache_gb": args.kv_cache_gb, "engine.vllm.max_model_len": args.max_model_len,
+        "task.name": args.task, "task.level": args.level, "task.limit": args.limit,
+        "episode.n_samples": args.n_samples, "episode.rounds": args.rounds,
+        "episode.max_feedback_tokens": args.feedback_tokens, "solver_sampling.max_new_tokens": args.max_new_tokens,
+        "logging.wandb": False, "logging.progress": False, "collect.out": str(tmp / "snapshots"),
+    }
+    cfgs = {e: load_config(overrides=overrides | {"engine.name": e}) for e in ("hf", "vllm")}
+    base_cfg = cfgs["hf"]
+
+    t0 = time.perf_counter()
+    policies = PolicyPair(base_cfg.model, seed=base_cfg.seed)
+    load_models_s = time.perf_counter() - t0
+    print(f"models loaded in {load_models_s:.1f} s (dtype {policies.dtype})", flush=True)
+
+    task = make_task(base_cfg.task)
+    problems = task.load(base_cfg.task.split, base_cfg.task.limit or None).problems
+    fmt = ChatFormat(policies.tokenizer("solver"), policies.eos_ids("solver"))
+    p1 = [fmt.first_prompt(task.instruction(p)) for p in problems]
+
+    results: dict[str, dict] = {}
+
+    def run_collect(name: str, engine) -> None:
+        rec = RecordingEngine(engine)
+        t = time.perf_counter()
+        res = collect(cfgs[name], policies=policies, engine=rec, log_dir=str(tmp / f"logs-{name}"))
+        wall = time.perf_counter() - t
+        s = res.summary
+        ep_s = s["time/episodes"]  # wall time of the loop: generation + prompt building + scoring
+        tokens = s["gen_tokens"]
+        results[f"collect_{name}"] = {
+            "gen_tokens": tokens, "episodes_seconds": round(ep_s, 3), "gen_seconds": s["gen_seconds"],
+            "collect_call_seconds": round(wall, 3),
+            "tokens_per_s": round(tokens / ep_s, 2), "tokens_per_s_gen_only": round(tokens / s["gen_seconds"], 2),
+            "episodes": len(problems) * args.n_samples, "turn_calls": len(rec.calls),
+            "weight_syncs": getattr(engine, "syncs", None), "weight_sync_seconds": s.get("weight_sync_seconds"),
+            "sync_check_seconds": round(getattr(engine, "check_seconds", 0.0), 3),
+            "score_seconds": s.get("score_seconds"), "turns": rec.per_turn(args.rounds),
+            "load_after": loadavg(),
+        }
+        r = results[f"collect_{name}"]
+        print(f"collect[{name}]: {tokens} tokens, episodes {ep_s:.1f} s ({r['tokens_per_s']} tok/s), "
+              f"generate {s['gen_seconds']:.1f} s ({r['tokens_per_s_gen_only']} tok/s)", flush=True)
+
+    # ---------------------------------------------------------------- hf first: vLLM's in-process
+    # CPU worker disables torch.set_num_threads for the rest of the process.
+    if "hf" in engines:
+        from tosca_mlmt.engines.hf import HFEngine
+        from tosca_mlmt.engines.base import SamplingParams
+
+        hf = HFEngine(policies, batch_size=base_cfg.engine.batch_size)
+        hf.generate(p1[:2], SamplingParams(max_new_tokens=4), "solver")  # warm-up
+        run_collect("hf", hf)
+
+    vllm_info = {}
+    raw_runs: list[dict] = []
+    engine = None
+    if "vllm" in engines or args.raw_runs > 0:  # raw vLLM is the baseline of every ratio
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        from tosca_mlmt.engines.base import SamplingParams
+        from tosca_mlmt.engines.vllm_engine import VLLMEngine
+
+        t = time.perf_counter()
+        engine = VLLMEngine(policies, cfgs["vllm"].engine.vllm, seed=args.seed)
+        vllm_info["startup_seconds"] = round(time.perf_counter() - t, 2)
+        engine.generate(p1[:2], SamplingParams(max_new_tokens=4), "solver")  # warm-up
+        print(f"vLLM started in {vllm_info['startup_seconds']} s", flush=True)
+        s = base_cfg.solver_sampling
+
+        def run_raw(n_raw: int) -> None:
+            sp = VSP(n=n_raw, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
+                     max_tokens=args.max_new_tokens, logprobs=0, seed=args.seed + len(raw_runs),
+                     stop_token_ids=policies.eos_ids("solver"))
+            engine.llm.reset_prefix_cache()  # no head start from earlier runs' cached prompts
+            t = time.perf_counter()
+            outs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in p1], sp, use_tqdm=False)
+            secs = time.perf_counter() - t
+            tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+            raw_runs.append({"n": n_raw, "sequences": len(p1) * n_raw, "gen_tokens": tokens, "seconds": round(secs, 3),
+                             "tokens_per_s": round(tokens / secs, 2), "load_after": loadavg()})
+            print(f"raw vLLM (n={n_raw}): {tokens} tokens in {secs:.1f} s ({tokens / secs:.1f} tok/s)", flush=True)
+
+        def size_raw(ref: dict) -> int:
+            # Match the collect run's token count: n = its tokens / (prompts x mean turn-1 length).
+            solve_mean = max(ref["turns"][0]["gen_tokens_mean"], 1.0)
+            return max(1, round(ref["gen_tokens"] / (len(p1) * solve_mean)))
+
+        n_raw = size_raw(results["collect_hf"]) if "collect_hf" in results else None
+        if "vllm" in engines:
+            if n_raw is not None and args.raw_runs > 0:  # raw before and after the collect run
+                run_raw(n_raw)
+            run_collect("vllm", engine)
+            n_raw = n_raw if n_raw is not None else size_raw(results["collect_vllm"])
+        for _ in range(args.raw_runs - len(raw_runs)):
+            run_raw(n_raw if n_raw is not None else 3 * args.n_samples)
+        vllm_info.update({"weight_syncs": engine.syncs, "weight_sync_seconds": round(engine.sync_seconds, 3),
+                          "sync_check_seconds": round(engine.check_seconds, 3)})
+
+    if raw_runs:
+        tok = sum(r["gen_tokens"] for r in raw_runs)
+        secs = sum(r["seconds"] for r in raw_runs)
+        results["raw_vllm"] = {"gen_tokens": tok, "seconds": round(secs, 3), "tokens_per_s": round(tok / secs, 2),
+                               "runs": raw_runs}
+    ratios = {}
+    if "raw_vllm" in results:
+        raw = results["raw_vllm"]["tokens_per_s"]
+        for e in engines:
+            r = results.get(f"collect_{e}")
+            if r:
+                ratios[f"collect_{e}/raw_vllm"] = round(r["tokens_per_s"] / raw, 3)
+                ratios[f"collect_{e}/raw_vllm (generate only)"] = round(r["tokens_per_s_gen_only"] / raw, 3)
+    load_after = loadavg()
+
+    # ---------------------------------------------------------------- report
+    print()
+    print(f"{'run':<14}{'tokens':>9}{'seconds':>10}{'tok/s':>9}{'tok/s (gen only)':>18}")
+    for name, r in results.items():
+        secs = r.get("episodes_seconds", r.get("seconds"))
+        print(f"{name:<14}{r['gen_tokens']:>9}{secs:>10.1f}{r['tokens_per_s']:>9.1f}"
+              f"{r.get('tokens_per_s_gen_only', r['tokens_per_s']):>18.1f}")
+    for k, v in ratios.items():
+        print(f"  {k}: {v:.3f}")
+    for name in ("collect_hf", "collect_vllm"):
+        if name in results:
+            print(f"  {name} per turn:")
+            for t in results[name]["turns"]:
+                print(f"    {t['kind']:<9}{t['policy']:<7} seqs {t['sequences']:>4}  prompt {t['prompt_tokens_mean']:>6.0f}"
+                      f"  gen {t['gen_tokens']:>6} (mean {t['gen_tokens_mean']:.0f}, max {t['gen_tokens_max']})"
+                      f"  {t['seconds']:>7.1f} s  {t['tokens_per_s']:>6.1f} tok/s  sync {t['sync_seconds']:.2f} s")
+    print(f"load average before {load_before} after {load_after}")
+
+    report = {
+        "benchmark": "collect_throughput",
+        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": machine_info() | {"load_before": load_before, "load_after": load_after},
+        "args": vars(args),
+        "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "VLLM_ENABLE_V1_MULTIPROCESSING",
+                                               "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")},
+        "dtype": str(policies.dtype).replace("torch.", ""),
+        "packages": runtime.package_versions(),
+        "engines": engines,
+        "config": base_cfg.to_dict(),  # engine.name differs per run (see "engines")
+        "load_models_seconds": round(load_models_s, 2),
+        "vllm": vllm_info,
+        "results": results,
+        "ratios": ratios,
+        "target": {"collect_vllm/raw_vllm": 0.8},
+        "total_seconds": round(time.time() - t_start, 1),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"wrote {out}")
+    if engine is not None:
+        engine.close()
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

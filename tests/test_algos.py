@@ -1,0 +1,109 @@
+"""Estimators and losses against hand-computed or independently computed references."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tosca_mlmt.algos.advantages import ADVANTAGES, broadcast_turns, gae, grpo, reinforce, rloo, turn_returns
+from tosca_mlmt.algos.losses import POLICY_LOSSES, explained_variance, kl_estimate, ppo_clip, value_loss
+
+
+def _gae_reference(r, v, gamma, lam):
+    """Textbook GAE on a plain list of action steps (no masking involved)."""
+    adv, last = [0.0] * len(r), 0.0
+    for t in reversed(range(len(r))):
+        nv = v[t + 1] if t + 1 < len(r) else 0.0
+        delta = r[t] + gamma * nv - v[t]
+        last = delta + gamma * lam * last
+        adv[t] = last
+    return adv
+
+
+def test_gae_skips_non_action_tokens_like_a_compacted_sequence():
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randn(3, 12, generator=g)
+    values = torch.randn(3, 12, generator=g)
+    mask = torch.zeros(3, 12)
+    mask[0, 2:5] = 1; mask[0, 8:11] = 1  # two turns with feedback tokens in between  # noqa: E702
+    mask[1, 0:12] = 1
+    mask[2, 5:6] = 1
+    rewards = rewards * mask  # rewards only ever sit on action tokens
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    for b in range(3):
+        idx = mask[b].nonzero().squeeze(-1)
+        ref = _gae_reference(rewards[b, idx].tolist(), values[b, idx].tolist(), 0.9, 0.8)
+        np.testing.assert_allclose(adv[b, idx].numpy(), ref, rtol=1e-5, atol=1e-6)
+        assert torch.all(adv[b][mask[b] == 0] == 0)
+        np.testing.assert_allclose(ret[b, idx].numpy(), (adv[b, idx] + values[b, idx]).numpy(), rtol=1e-6)
+
+
+def test_gae_hand_case():
+    # two action tokens, reward 1 at the end, gamma = lam = 1: A = R - V
+    adv, ret = gae(torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.5, 9.0, 0.25]]), torch.tensor([[1.0, 0.0, 1.0]]), 1.0, 1.0)
+    assert adv.tolist() == [[0.5, 0.0, 0.75]] and ret.tolist() == [[1.0, 0.0, 1.0]]
+
+
+def test_turn_returns_and_broadcast():
+    rewards = torch.tensor([[0.0, -0.1, 0.0, 0.0, 1.0, 0.5]])
+    turn_ids = torch.tensor([[-1, 0, -1, -1, 1, 1]])
+    R = turn_returns(rewards, turn_ids, 2)
+    assert torch.allclose(R, torch.tensor([[1.4, 1.5]]))
+    assert torch.allclose(broadcast_turns(R, turn_ids), torch.tensor([[0.0, 1.4, 0.0, 0.0, 1.5, 1.5]]))
+
+
+def test_grpo_rloo_reinforce_hand_values():
+    R = torch.tensor([[1.0], [0.0], [0.0], [3.0], [5.0]])
+    groups = torch.tensor([0, 0, 0, 1, 1])
+    valid = torch.ones(5, 1, dtype=torch.bool)
+    mean0, std0 = 1 / 3, math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 3)
+    a = grpo(R, groups, valid, norm_std=True, eps=0.0)
+    np.testing.assert_allclose(a[:, 0].numpy(), [(1 - mean0) / std0, -mean0 / std0, -mean0 / std0, -1.0, 1.0], rtol=1e-5)
+    np.testing.assert_allclose(grpo(R, groups, valid, norm_std=False)[:, 0].numpy(), [2 / 3, -1 / 3, -1 / 3, -1, 1], rtol=1e-6)
+    np.testing.assert_allclose(rloo(R, groups, valid)[:, 0].numpy(), [1.0, -0.5, -0.5, -2.0, 2.0], rtol=1e-6)
+    np.testing.assert_allclose(reinforce(R, groups, valid)[:, 0].numpy(), R[:, 0].numpy())
+    np.testing.assert_allclose(reinforce(R, groups, valid, baseline=True)[:, 0].numpy(), (R[:, 0] - 1.8).numpy(), rtol=1e-6)
+    assert set(ADVANTAGES) == {"gae", "grpo", "rloo", "reinforce"}
+
+
+def test_all_equal_group_gives_zero_advantage_not_nan():
+    R = torch.ones(4, 2)
+    a = grpo(R, torch.zeros(4, dtype=torch.long), torch.ones(4, 2, dtype=torch.bool))
+    assert torch.all(a == 0)
+
+
+def test_ppo_clip_golden():
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.1, 1.0]]))
+    old = torch.zeros(1, 4)
+    adv = torch.tensor([[1.0, -1.0, 2.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    loss, info = ppo_clip(logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    # per token: -min(1.5, 1.2) = -1.2 ; -min(-0.5, -0.8) = 0.8 ; -min(2.2, 2.2) = -2.2 ; masked
+    assert loss.item() == pytest.approx((-1.2 + 0.8 - 2.2) / 3, rel=1e-6)
+    assert info["clipfrac"] == pytest.approx(2 / 3)
+    assert set(POLICY_LOSSES) >= {"ppo_clip", "reinforce"}
+
+
+def test_ppo_clip_gradient_vanishes_outside_the_trust_region():
+    logp = torch.log(torch.tensor([[1.5, 1.1]])).requires_grad_()
+    loss, _ = ppo_clip(logp, torch.zeros(1, 2), torch.tensor([[1.0, 1.0]]), torch.ones(1, 2))
+    loss.backward()
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] != 0
+
+
+def test_value_loss_clipping_and_kl_estimators_and_ev():
+    v = torch.tensor([[2.0, 0.0]]); old = torch.tensor([[0.0, 0.0]]); ret = torch.tensor([[1.0, 1.0]])  # noqa: E702
+    loss, _ = value_loss(v, old, ret, torch.ones(1, 2), clip=0.5)
+    # token 0: max((2-1)^2, (0.5-1)^2) = 1 ; token 1: max(1, 1) = 1 -> 0.5 * mean = 0.5
+    assert loss.item() == pytest.approx(0.5)
+    lp, ref = torch.tensor([0.0, -1.0]), torch.tensor([-0.5, -1.0])
+    assert torch.allclose(kl_estimate(lp, ref, "k1"), torch.tensor([0.5, 0.0]))
+    assert torch.allclose(kl_estimate(lp, ref, "k3"), torch.tensor([math.exp(-0.5) - 1 + 0.5, 0.0]))
+    # k3 is an unbiased estimate of KL: check against the exact KL of two categoricals
+    p = torch.tensor([0.7, 0.2, 0.1]); q = torch.tensor([0.5, 0.3, 0.2])  # noqa: E702
+    exact = (p * (p / q).log()).sum()
+    est = (p * kl_estimate(p.log(), q.log(), "k3")).sum()
+    assert est.item() == pytest.approx(exact.item(), rel=1e-5)
+    assert explained_variance(torch.tensor([[2.0, 2.0]]), torch.tensor([[1.0, 3.0]]), torch.ones(1, 2)) == pytest.approx(0.0)
+    assert explained_variance(torch.tensor([[1.0, 3.0]]), torch.tensor([[1.0, 3.0]]), torch.ones(1, 2)) == pytest.approx(1.0)

@@ -1,0 +1,114 @@
+"""Advantage estimators: pure functions in a registry, picked by ``lower.advantage``.
+
+A solver trajectory is one token sequence holding every solver turn (turn 1, each
+refine) with the writer's feedback and template tokens in between. Shapes:
+B = trajectories, T = tokens, K = solver turns per trajectory.
+
+* ``gae`` works per token. Tokens with mask 0 (prompt, feedback, template) are not
+  actions, so the recursion skips them: the successor of the last token of turn k is
+  the first token of turn k+1 (as verl's multi-turn GAE does).
+* ``grpo``, ``rloo`` and ``reinforce`` work per turn on the return-to-go R_k (sum of
+  all token rewards from turn k to the end, gamma = 1) and broadcast A_k to the
+  tokens of turn k. Groups are (problem, turn index): the n turn-1 samples of a
+  problem, and their refines, are compared only with each other.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+ADVANTAGES: dict[str, Callable] = {}
+
+
+def register(name: str):
+    def deco(fn):
+        ADVANTAGES[name] = fn
+        return fn
+
+    return deco
+
+
+@register("gae")
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """rewards, values, mask: [B, T] -> (advantages [B, T], returns [B, T]); zero where mask = 0.
+
+    delta_t = r_t + gamma * V(next action token) - V_t ;  A_t = delta_t + gamma * lam * A_next
+    """
+    B, T = rewards.shape
+    adv = torch.zeros_like(rewards)
+    next_v = torch.zeros(B, dtype=rewards.dtype)
+    next_a = torch.zeros(B, dtype=rewards.dtype)
+    for t in range(T - 1, -1, -1):
+        m = mask[:, t] > 0
+        delta = rewards[:, t] + gamma * next_v - values[:, t]
+        a = delta + gamma * lam * next_a
+        adv[:, t] = torch.where(m, a, torch.zeros_like(a))
+        next_v = torch.where(m, values[:, t], next_v)  # skipped tokens pass the successor through
+        next_a = torch.where(m, a, next_a)
+    returns = (adv + values) * mask
+    return adv, returns
+
+
+def turn_returns(rewards: torch.Tensor, turn_ids: torch.Tensor, n_turns: int) -> torch.Tensor:
+    """rewards [B, T], turn_ids [B, T] (-1 off-turn) -> R [B, K]: reward-to-go from each turn's start."""
+    per_turn = torch.zeros(rewards.shape[0], n_turns, dtype=rewards.dtype)
+    for k in range(n_turns):
+        per_turn[:, k] = (rewards * (turn_ids == k)).sum(1)
+    return per_turn.flip(1).cumsum(1).flip(1)
+
+
+def _group_stats(R: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor, leave_one_out: bool):
+    """Mean (optionally leave-one-out) and std of R [B, K] within rows sharing ``groups`` [B]."""
+    mean = torch.zeros_like(R)
+    std = torch.ones_like(R)
+    for g in groups.unique():
+        rows = groups == g
+        for k in range(R.shape[1]):
+            sel = rows & valid[:, k]
+            n = int(sel.sum())
+            if n == 0:
+                continue
+            vals = R[sel, k]
+            if leave_one_out:
+                mean[sel, k] = (vals.sum() - vals) / (n - 1) if n > 1 else vals  # n = 1: no baseline, A = 0
+            else:
+                mean[sel, k] = vals.mean()
+            std[sel, k] = vals.std(unbiased=False) if n > 1 else 1.0
+    return mean, std
+
+
+@register("grpo")
+def grpo(R: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor, norm_std: bool = True,
+         eps: float = 1e-6) -> torch.Tensor:
+    """R [B, K], groups [B], valid [B, K] -> A [B, K] = (R - mean_group) / (std_group + eps)."""
+    mean, std = _group_stats(R, groups, valid, leave_one_out=False)
+    a = R - mean
+    if norm_std:
+        a = a / (std + eps)
+    return a * valid
+
+
+@register("rloo")
+def rloo(R: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor, **_) -> torch.Tensor:
+    """A_i = R_i - mean of the other group members' R (unbiased leave-one-out baseline)."""
+    mean, _ = _group_stats(R, groups, valid, leave_one_out=True)
+    return (R - mean) * valid
+
+
+@register("reinforce")
+def reinforce(R: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor, baseline: bool = False,
+              **_) -> torch.Tensor:
+    """A = R (plain REINFORCE) or R - batch mean of R at the same turn (baseline=True)."""
+    if not baseline:
+        return R * valid
+    b = (R * valid).sum(0) / valid.sum(0).clamp(min=1)
+    return (R - b) * valid
+
+
+def broadcast_turns(A: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tensor:
+    """A [B, K], turn_ids [B, T] -> per-token advantages [B, T] (0 off-turn)."""
+    idx = turn_ids.clamp(min=0)
+    return A.gather(1, idx) * (turn_ids >= 0)
