@@ -144,6 +144,12 @@ def config_cmd(
     print(yaml.safe_dump(load_config(config, _parse_sets(set_)).to_dict(), sort_keys=False))
 
 
+from tosca_mlmt.cli.lower_cmd import train_lower  # noqa: E402
+
+app.command("train-lower")(user_errors(train_lower))
+from tosca_mlmt.cli.upper_cmd import train_upper; app.command("train-upper")(user_errors(train_upper))  # noqa: E402,E702
+
+
 @snapshots_app.command("list")
 @user_errors
 def snapshots_list(root: Path = typer.Option(Path("snapshots"), help="Snapshot root folder.")):

@@ -17,6 +17,8 @@ import yaml
 
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.knobs import knob
+from tosca_mlmt.lower.config import LowerConfig
+from tosca_mlmt.upper.config import UpperConfig
 
 
 DEFAULT_STRATEGIES: tuple[dict[str, str], ...] = (
@@ -124,6 +126,8 @@ class Config:
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     collect: CollectConfig = field(default_factory=CollectConfig)
+    lower: LowerConfig = field(default_factory=LowerConfig)
+    upper: UpperConfig = field(default_factory=UpperConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -256,6 +260,12 @@ def validate(cfg: Config) -> None:
         need(0 < s.top_p <= 1, f"{name}.top_p", "must be in (0, 1]")
         need(s.top_k >= 0, f"{name}.top_k", "must be >= 0")
         need(s.max_new_tokens >= 1, f"{name}.max_new_tokens", "must be >= 1")
+    lo = cfg.lower
+    need(lo.grad_accum >= 1 and lo.minibatch_size % lo.grad_accum == 0, "lower.grad_accum",
+         f"must divide lower.minibatch_size ({lo.minibatch_size})")
+    need(lo.iterations >= 1 and lo.epochs >= 1, "lower.iterations", "iterations and epochs must be >= 1")
+    need(lo.bonus.clip > 0, "lower.bonus.clip", "must be > 0")
+    need(lo.logprob_chunk >= 1, "lower.logprob_chunk", "must be >= 1")
     strategies = cfg.episode.strategies
     need(len(strategies) >= 1, "episode.strategies", "needs at least one strategy")
     names = set()

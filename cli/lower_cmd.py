@@ -1,0 +1,39 @@
+"""``mlmt train-lower``: PPO for the solver with the context-dependency bonus."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def train_lower(
+    out: Path = typer.Option(..., "--out", "-o", help="Run folder (checkpoints, metrics, snapshots, final adapter)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (e.g. configs/lower.yaml)."),
+    snapshot: list[str] = typer.Option([], "--snapshot", help="Train on these snapshots instead of collecting (repeatable)."),
+    root: Path = typer.Option(Path("snapshots"), help="Snapshot root for --snapshot."),
+    iterations: Optional[int] = typer.Option(None, help="PPO iterations (lower.iterations)."),
+    task: Optional[str] = typer.Option(None, help="Task: arith, gsm8k, math500, mbpp."),
+    engine: Optional[str] = typer.Option(None, help="Rollout engine: hf or vllm."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its latest checkpoint."),
+    set_: list[str] = typer.Option([], "--set", help="Any config field: --set lower.bonus.coef=0.2 (repeatable)."),
+    no_wandb: bool = typer.Option(False, "--no-wandb", help="Do not log to wandb (metrics.jsonl is always written)."),
+):
+    """Train the solver (turn 1 and every refine) with PPO; online unless --snapshot is given."""
+    from tosca_mlmt.cli.main import _parse_sets, _print_summary, err
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.pipelines.train_lower import train_lower as run
+
+    ov = {k: v for k, v in {"lower.iterations": iterations, "task.name": task, "engine.name": engine}.items()
+          if v is not None}
+    if no_wandb:
+        ov["logging.wandb"] = False
+    ov.update(_parse_sets(set_))
+    cfg = load_config(config, ov)
+    res = run(cfg, out, snapshot_ids=list(snapshot) or None, snapshot_root=root, resume=resume, console=err)
+    keys = ("lower/acc_t1", "lower/acc_final", "lower/kl", "lower/bonus/mean", "lower/entropy", "lower/clipfrac",
+            "lower/grad_norm", "lower/iteration_seconds")
+    _print_summary(f"train-lower: {res.iterations} iterations", {k: res.last_metrics[k] for k in keys
+                                                                  if k in res.last_metrics})
+    print(res.run_dir)

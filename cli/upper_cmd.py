@@ -1,0 +1,52 @@
+"""``mlmt train-upper``: offline strategic Q-learning + AWR for the feedback writer.
+
+Registered in ``cli/main.py``. Messages and progress go to stderr; stdout's last line is
+the trained writer's folder, so ``W=$(mlmt train-upper ...)`` then
+``mlmt collect --set model.writer_adapter=$W`` works.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def train_upper(
+    snapshot: list[str] = typer.Option(..., "--snapshot", "-s", help="Snapshot id to learn from (repeatable)."),
+    root: Optional[Path] = typer.Option(None, help="Snapshot root folder (default: collect.out)."),
+    out: Path = typer.Option(..., help="Run folder (config, metrics, checkpoints, writer/, report.md)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (e.g. configs/upper.yaml)."),
+    set_: list[str] = typer.Option([], "--set", help="Any config field: --set upper.conservatism=iql (repeatable)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its latest checkpoint."),
+    seed: Optional[int] = typer.Option(None, help="Master seed (batch order, LoRA init)."),
+    deterministic: bool = typer.Option(False, "--deterministic", help="Determinism mode (exactly resumable)."),
+    no_wandb: bool = typer.Option(False, "--no-wandb", help="Do not log to wandb (metrics.jsonl is always written)."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="Hide progress bars."),
+):
+    """Fit the feedback writer's strategy Q-values and feedback text from logged snapshots (no rollouts).
+
+    Prints the trained writer's folder as the last line of stdout."""
+    from tosca_mlmt.cli.main import _parse_sets, _print_summary, err
+    from tosca_mlmt.config import load_config
+
+    ov: dict = {"upper.snapshots": list(snapshot)}
+    if root is not None:
+        ov["upper.snapshot_root"] = str(root)
+    if seed is not None:
+        ov["seed"] = seed
+    if deterministic:
+        ov["deterministic"] = True
+    if no_wandb:
+        ov["logging.wandb"] = False
+    if no_progress:
+        ov["logging.progress"] = False
+    ov.update(_parse_sets(set_))
+    cfg = load_config(config, ov)
+    from tosca_mlmt.pipelines.train_upper import train_upper as run
+
+    res = run(cfg, out, resume=resume, console=err)
+    _print_summary(f"train-upper {out} (step {res.step})", res.metrics)
+    err.print(f"report: {out / 'report.md'}")
+    print(res.writer_dir)

@@ -1,0 +1,167 @@
+"""``mlmt train-lower``: PPO for the solver, online or from snapshots.
+
+Per iteration (each step timed): pick problems -> generate (episodes, scored) ->
+snapshot -> old/ref log-probs, bonus, advantages, update (inside PPOTrainer) ->
+weight sync -> metrics -> checkpoint. The problems of iteration i are a pure function
+of (seed, i), so a resumed run sees exactly the data the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from tosca_mlmt import __version__, runtime
+from tosca_mlmt.config import Config
+from tosca_mlmt.engines import make_engine
+from tosca_mlmt.episode import EpisodeRunner
+from tosca_mlmt.errors import MlmtError
+from tosca_mlmt.lower.ppo import PPOTrainer
+from tosca_mlmt.lower.trajectory import episode_to_trajectory
+from tosca_mlmt.metrics import MetricsSink, StageTimer, summarize
+from tosca_mlmt.models.policies import PolicyPair
+from tosca_mlmt.snapshot import load_snapshot, write_snapshot
+from tosca_mlmt.tasks import make_task
+from tosca_mlmt.train.checkpoint import CheckpointManager
+
+
+@dataclass
+class LowerResult:
+    run_dir: Path
+    iterations: int
+    last_metrics: dict
+
+
+def iteration_indices(n_pool: int, per_iter: int, iteration: int, seed: int) -> list[int]:
+    """Problems for an iteration: walk a seeded permutation per epoch of the pool."""
+    out = []
+    pos = iteration * per_iter
+    while len(out) < per_iter:
+        epoch, offset = divmod(pos, n_pool)
+        perm = np.random.default_rng([seed, 99, epoch]).permutation(n_pool)
+        take = min(per_iter - len(out), n_pool - offset)
+        out += perm[offset: offset + take].tolist()
+        pos += take
+    return out
+
+
+def _init_run(run: Path, cfg: Config, resume: bool, extra: dict) -> None:
+    cfg_file = run / "config.yaml"
+    if cfg_file.exists() and not resume:
+        raise MlmtError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
+    run.mkdir(parents=True, exist_ok=True)
+    if not cfg_file.exists():
+        cfg_file.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        (run / "run.json").write_text(json.dumps({"stage": "train-lower", "tosca_mlmt_version": __version__,
+                                                  "git_sha": runtime.git_sha(), **extra}, indent=2))
+
+
+def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None = None,
+                snapshot_root: str | Path = "snapshots", resume: bool = False, console=None,
+                policies: PolicyPair | None = None, engine=None, stop_after: int | None = None) -> LowerResult:
+    """``stop_after`` ends the process-equivalent of a crash after that many iterations
+    (used by resume tests); checkpoints are written as usual up to then."""
+    runtime.setup(cfg.seed, cfg.deterministic, cfg.engine.threads)
+    run = Path(run_dir)
+    lo = cfg.lower
+    _init_run(run, cfg, resume, {"snapshots": snapshot_ids or []})
+    timer = StageTimer()
+    with timer("load_models"):
+        policies = policies or PolicyPair(cfg.model, seed=cfg.seed)
+        trainer = PPOTrainer(cfg, policies)
+    ck = CheckpointManager(run, keep=lo.keep_checkpoints)
+    start = 0
+    if resume and ck.latest() is not None:
+        latest = ck.latest()
+        trainer.load(latest)
+        start = CheckpointManager.load_state(latest)["iteration"]
+    task = make_task(cfg.task)
+    offline = None
+    if snapshot_ids:
+        offline = _load_offline(cfg, snapshot_ids, snapshot_root, policies)
+    else:
+        pool = task.load(cfg.task.split, cfg.task.limit or None, cfg.task.skip_bad_rows).problems
+        engine = engine or make_engine(cfg, policies)
+        runner = EpisodeRunner(cfg, task, engine, policies)
+    sink = MetricsSink(run, cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_mode, cfg.logging.project,
+                       name=run.name)
+    metrics: dict = {}
+    done = start
+    progress = Progress(TextColumn("[bold]train-lower[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        TextColumn("{task.description}"), disable=not cfg.logging.progress, console=console)
+    with progress:
+        bar = progress.add_task("", total=lo.iterations, completed=start)
+        for it in range(start, lo.iterations):
+            it_timer = StageTimer()
+            t0 = time.perf_counter()
+            if offline is None:
+                idx = iteration_indices(len(pool), lo.problems_per_iteration, it, cfg.seed)
+                gen0, score0 = runner.gen_seconds, runner.gen_tokens
+                with it_timer("episodes"):
+                    episodes = runner.run([pool[i] for i in idx], batch_index=it)
+                it_timer.seconds["generate"] = runner.gen_seconds - gen0
+                it_timer.seconds["score"] = it_timer.seconds.pop("episodes") - it_timer.seconds["generate"]
+                gen_tokens, sid = runner.gen_tokens - score0, None
+                if lo.keep_snapshots:
+                    with it_timer("snapshot"):
+                        sid, _ = write_snapshot(run / "snapshots", episodes, {
+                            "kind": "train-lower-batch", "iteration": it, "config": cfg.to_dict(),
+                            "models": {"solver": policies.fingerprint("solver")}, "parents": [],
+                            "task": {"name": task.name, "split": cfg.task.split,
+                                     "verifier_version": task.verifier_version,
+                                     "problem_ids": [pool[i].id for i in idx]}})
+            else:
+                per = lo.problems_per_iteration * cfg.episode.n_samples
+                episodes = [offline[(it * per + j) % len(offline)] for j in range(per)]
+                gen_tokens, sid = 0, None
+            trajs = [t for t in map(episode_to_trajectory, episodes) if t is not None]
+            if len(trajs) < len(episodes):
+                warnings.warn(f"{len(episodes) - len(trajs)} episodes had truncated prompts and were not trained on")
+            upd = trainer.update(trajs, it, it_timer)
+            with it_timer("weight_sync"):
+                if offline is None:
+                    engine.sync_weights("solver")
+            summary = summarize(episodes)
+            metrics = {f"lower/{k}": v for k, v in {**summary, **upd}.items()}
+            for k in range(max(len(t.turn_rewards) for t in trajs)):
+                metrics[f"lower/reward_turn{k}"] = float(np.mean([t.turn_rewards[k] for t in trajs if k < len(t.turn_rewards)]))
+            wall = time.perf_counter() - t0
+            metrics.update({f"lower/time/{k}": round(v, 4) for k, v in it_timer.seconds.items()})
+            metrics.update({"lower/iteration": it + 1, "lower/gen_tokens_per_s": gen_tokens / max(it_timer.seconds.get("generate", 0), 1e-9),
+                            "lower/train_tokens_per_s": upd["train_tokens"] / max(it_timer.seconds.get("update", 0), 1e-9),
+                            "lower/iteration_seconds": wall, "lower/snapshot": sid})
+            sink.log(metrics, step=it + 1)
+            progress.update(bar, advance=1, description=f"acc_t1={summary['acc_t1']:.2f} acc_final={summary['acc_final']:.2f}")
+            done = it + 1
+            if done % lo.save_every == 0 or done == lo.iterations:
+                with it_timer("checkpoint"):
+                    ck.save(done, trainer.save, {"iteration": done, "stage": upd.get("stage", 0),
+                                                 "optimizer_steps": trainer.optimizer_steps})
+            if stop_after is not None and done >= stop_after:
+                break
+    if done == lo.iterations:
+        policies.save_role("solver", run / "solver")
+    sink.close()
+    return LowerResult(run, done, metrics)
+
+
+def _load_offline(cfg: Config, ids: list[str], root, policies: PolicyPair):
+    current = policies.fingerprint("solver")
+    episodes = []
+    for sid in ids:
+        snap = load_snapshot(root, sid)
+        fp = snap.manifest.get("models", {}).get("solver", {})
+        if fp.get("adapter_sha") != current["adapter_sha"] or fp.get("base_sha") != current["base_sha"]:
+            warnings.warn(f"snapshot {sid} was sampled by a different solver than the one being trained: "
+                          "the data is off-policy (consider --set lower.old_logprobs=behaviour)", stacklevel=2)
+        episodes += snap.episodes()
+    if not episodes:
+        raise MlmtError("the given snapshots hold no episodes")
+    return episodes

@@ -1,0 +1,207 @@
+"""``mlmt train-upper``: fit the feedback writer offline from logged snapshots.
+
+Steps (each timed): load_snapshots -> build_dataset -> load_models -> restore -> train
+(update / eval / checkpoint) -> save_writer -> report. No rollouts: every decision, reward
+and feedback token comes from the snapshots, which are verified and recorded by id.
+
+Run folder::
+
+    <run>/config.yaml          the resolved config (rewritten on --resume)
+    <run>/provenance.json      snapshot ids and manifests' key facts, models, code, timings
+    <run>/metrics.jsonl        one record per log/eval (+ <run>/wandb/ when enabled)
+    <run>/checkpoints/         atomic, resumable (adapter, heads, targets, optimizer, RNG)
+    <run>/writer/              the trained writer: mlmt collect --set model.writer_adapter=<run>/writer
+    <run>/report.md, .json     which strategies the writer prefers per task type
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from tosca_mlmt import __version__, runtime
+from tosca_mlmt.config import Config
+from tosca_mlmt.errors import MlmtError, SnapshotError
+from tosca_mlmt.metrics import MetricsSink, StageTimer
+from tosca_mlmt.models.policies import PolicyPair
+from tosca_mlmt.snapshot import load_snapshot, verify_snapshot
+from tosca_mlmt.train.checkpoint import CheckpointManager
+from tosca_mlmt.upper.dataset import build_transitions, check_strategies
+from tosca_mlmt.upper.learner import UpperLearner
+from tosca_mlmt.upper.report import evaluate_q, preference_table, render_markdown
+
+# Fields that may differ when a run is resumed: they change bookkeeping, not the weights.
+RESUMABLE_CHANGES = ("logging", "upper.steps", "upper.save_every", "upper.keep_checkpoints", "upper.log_every",
+                     "upper.eval_every")
+
+
+@dataclass
+class UpperResult:
+    run_dir: Path
+    writer_dir: Path | None  # None when stopped early (stop_at)
+    step: int
+    metrics: dict
+
+
+def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies: PolicyPair | None = None,
+                console=None, stop_at: int | None = None) -> UpperResult:
+    """Run the stage. ``policies`` is used as given (its writer adapter and Q head are the
+    starting point and are replaced by the trained ones). ``stop_at`` ends the loop after
+    that step without a final checkpoint, as a crash would (tests)."""
+    runtime.setup(cfg.seed, cfg.deterministic, cfg.engine.threads)
+    uc = cfg.upper
+    run_dir = Path(run_dir)
+    timer = StageTimer()
+    ckm = CheckpointManager(run_dir, keep=uc.keep_checkpoints)
+    _check_run_dir(cfg, run_dir, resume, ckm)
+
+    with timer("load_snapshots"):
+        snaps = _load_snapshots(cfg)
+    with timer("build_dataset"):
+        strategies = check_strategies([s.manifest for s in snaps])
+        transitions = build_transitions([(s.id, s.episodes()) for s in snaps], uc.reward, uc.break_penalty, uc.gamma)
+        if not transitions:
+            raise SnapshotError(f"snapshots {', '.join(uc.snapshots)} hold no feedback turns to learn from")
+    with timer("load_models"):
+        policies = policies or PolicyPair(cfg.model, seed=cfg.seed)
+        if policies.strategies and [s["name"] for s in policies.strategies] != [s["name"] for s in strategies]:
+            raise SnapshotError("the loaded writer (model.writer_adapter) was trained on a different strategy set "
+                                "than the snapshots")
+        learner = UpperLearner(cfg, policies, transitions, strategies)
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    prov = _provenance(cfg, snaps, policies, transitions, strategies)
+    latest = ckm.latest() if resume else None
+    with timer("restore"):
+        if latest is not None:
+            state = ckm.load_state(latest)  # also restores python/numpy/torch RNG
+            learner.load(latest, state["step"])
+            prov = json.loads((run_dir / "provenance.json").read_text()) if (run_dir / "provenance.json").exists() else prov
+            prov.setdefault("resumed_from", []).append(latest.name)
+    _write_atomic(run_dir / "provenance.json", json.dumps(prov, indent=2, default=str))
+
+    sink = MetricsSink(run_dir, cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_mode, cfg.logging.project,
+                       name=run_dir.name)
+    if console is not None:
+        console.print(f"train-upper: {len(transitions)} decisions from {len(snaps)} snapshot(s), "
+                      f"{len(strategies)} strategies, q_source={uc.q_source}, conservatism={uc.conservatism}, "
+                      f"text={uc.text_loss}; steps {learner.step} -> {uc.steps}", highlight=False)
+    progress = Progress(TextColumn("[bold]train-upper[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), disable=not cfg.logging.progress, console=console, transient=False)
+    last_eval: dict = {}
+    try:
+        with progress:
+            bar = progress.add_task("steps", total=uc.steps, completed=learner.step)
+            while learner.step < uc.steps:
+                if stop_at is not None and learner.step >= stop_at:
+                    return UpperResult(run_dir, None, learner.step, last_eval)
+                with timer("update"):
+                    m = learner.update()
+                step = learner.step
+                progress.update(bar, advance=1, description=f"td {m['td_loss']:.4f}")
+                if step % uc.log_every == 0 or step == uc.steps:
+                    sink.log({"upper/" + k: v for k, v in m.items()}, step=step)
+                if step % uc.eval_every == 0 or step == uc.steps:
+                    with timer("eval"):
+                        last_eval = evaluate_q(learner.q_all(), transitions, strategies, learner.policy)
+                    sink.log({"upper/" + k: v for k, v in last_eval.items()}, step=step)
+                if step % uc.save_every == 0 or step == uc.steps:
+                    with timer("checkpoint"):
+                        ckm.save(step, learner.save, {"snapshots": list(uc.snapshots), "stage": "upper"})
+        if not last_eval:  # resumed at the very end: nothing was evaluated in this process
+            last_eval = evaluate_q(learner.q_all(), transitions, strategies, learner.policy)
+        with timer("save_writer"):
+            writer_dir = learner.export_writer(run_dir / "writer")
+        with timer("report"):
+            q = learner.q_all()
+            table = preference_table(q, transitions, strategies, learner.policy)
+            info = {"snapshots": list(uc.snapshots), "transitions": len(transitions), "steps": learner.step,
+                    "episodes": len({(t.snapshot_id, t.episode_id) for t in transitions}), "q_source": uc.q_source,
+                    "conservatism": uc.conservatism, "selection": cfg.episode.strategy_selection}
+            _write_atomic(run_dir / "report.md", render_markdown(table, last_eval, info))
+            _write_atomic(run_dir / "report.json", json.dumps({"info": info, "ope": last_eval, "table": table},
+                                                              indent=2))
+        sink.log(timer.as_metrics("upper/time/"), step=learner.step)
+        prov.update(finished_at=_now(), final_step=learner.step, timings=timer.as_metrics(""),
+                    writer=policies.fingerprint("writer"), final_eval=last_eval)
+        _write_atomic(run_dir / "provenance.json", json.dumps(prov, indent=2, default=str))
+    finally:
+        sink.close()
+    return UpperResult(run_dir, writer_dir, learner.step, last_eval)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _check_run_dir(cfg: Config, run_dir: Path, resume: bool, ckm: CheckpointManager) -> None:
+    if not cfg.upper.snapshots:
+        raise MlmtError("no snapshot to learn from: pass --snapshot ID (repeatable) or set upper.snapshots")
+    used = (run_dir / "config.yaml").exists() or ckm.latest() is not None
+    if used and not resume:
+        raise MlmtError(f"{run_dir} already holds a train-upper run; pass --resume to continue it or choose a new --out")
+    if resume and used:
+        old = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else None
+        if old is not None:
+            diff = _diff(old, cfg.to_dict())
+            bad = [k for k in diff if not any(k == p or k.startswith(p + ".") for p in RESUMABLE_CHANGES)]
+            if bad:
+                raise MlmtError(f"--resume: config field '{bad[0]}' differs from the run's config.yaml "
+                                f"({len(bad)} field(s) differ); only {', '.join(RESUMABLE_CHANGES)} may change")
+
+
+def _diff(a, b, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            out += _diff(a.get(k), b.get(k), f"{prefix}{k}.")
+        return out
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def _load_snapshots(cfg: Config):
+    root = cfg.upper.snapshot_root or cfg.collect.out
+    snaps = []
+    for sid in cfg.upper.snapshots:
+        snap = load_snapshot(root, sid)
+        problems = verify_snapshot(snap.path)
+        if problems:
+            raise SnapshotError(f"snapshot {sid} is corrupt: {problems[0]}")
+        snaps.append(snap)
+    return snaps
+
+
+def _provenance(cfg: Config, snaps, policies: PolicyPair, transitions, strategies) -> dict:
+    return {
+        "kind": "train-upper",
+        "started_at": _now(),
+        "snapshots": [{"id": s.id, "created_at": s.manifest.get("created_at"), "task": s.manifest.get("task", {}).get("name"),
+                       "rows": s.manifest.get("rows"), "models": s.manifest.get("models"),
+                       "acc_t1": s.manifest.get("summary", {}).get("acc_t1"),
+                       "acc_final": s.manifest.get("summary", {}).get("acc_final")} for s in snaps],
+        "parents": [s.id for s in snaps],
+        "decisions": len(transitions),
+        "strategies": strategies,
+        "models_at_start": {"writer": policies.fingerprint("writer")},
+        "seeds": {"seed": cfg.seed},
+        "deterministic": cfg.deterministic,
+        "tosca_mlmt_version": __version__,
+        "git_sha": runtime.git_sha(),
+        "packages": runtime.package_versions(),
+    }
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

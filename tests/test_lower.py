@@ -1,0 +1,165 @@
+"""train-lower: loss masks, the context-dependency bonus, parameter updates, resume."""
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+
+from test_snapshot import make_episodes
+from tosca_mlmt.lower.trajectory import episode_to_trajectory, no_feedback_sequences, shaped_turn_rewards, to_tensors
+
+
+def test_loss_mask_covers_exactly_the_solver_generated_tokens():
+    ep = make_episodes(1)[0]
+    # make the refine prompt extend the solve turn token-exactly, with feedback ids at a known span
+    solve, fb, ref = ep.turns
+    ctx = solve.prompt_ids + solve.response_ids
+    ref.prompt_ids = ctx + [4, 4] + fb.response_ids[:-1] + [5, 5]
+    ref.info = {"feedback_span": [len(ctx) + 2, len(ctx) + 2 + len(fb.response_ids) - 1]}
+    traj = episode_to_trajectory(ep)
+    tt = to_tensors([traj], pad_id=0)
+    seq = tt.input_ids[0].tolist()
+    on = [i for i, m in enumerate(tt.mask[0].tolist()) if m > 0]
+    want = list(range(len(solve.prompt_ids), len(ctx))) + list(range(len(ref.prompt_ids), len(ref.prompt_ids) + 2))
+    assert on == want
+    assert [seq[i] for i in on] == solve.response_ids + ref.response_ids
+    a, b = ref.info["feedback_span"]
+    assert tt.mask[0, a:b].sum() == 0 and tt.mask[0, : len(solve.prompt_ids)].sum() == 0
+    assert tt.turn_ids[0, on].tolist() == [0] * len(solve.response_ids) + [1, 1]
+    # the bonus context is the same sequence with only g cut out
+    prompts, responses, where = no_feedback_sequences([traj])
+    assert where == [(0, 1)] and responses == [ref.response_ids]
+    assert prompts[0] == ref.prompt_ids[:a] + ref.prompt_ids[b:]
+
+
+def test_truncated_prompt_is_not_trained_on():
+    ep = make_episodes(1)[0]
+    ep.turns[2].prompt_ids = [9] + ep.turns[2].prompt_ids[1:]  # prefix property broken
+    assert episode_to_trajectory(ep) is None
+
+
+def test_score_shaping_stages():
+    from tosca_mlmt.config import load_config
+
+    trajs = [episode_to_trajectory(e) for e in make_episodes(2)]  # r1 = 0, r_final = 1
+    lo = load_config(overrides={"lower.score.enabled": True, "lower.score.stage1_steps": 3,
+                                "lower.score.alpha": 10, "lower.kl_coef": 0.01}).lower
+    r, w, stage = shaped_turn_rewards(trajs, lo, step=0)
+    assert stage == 1 and r[0] == [0.0, 1.0] and w[0] == [lo.score.beta2, 0.01]
+    r, w, stage = shaped_turn_rewards(trajs, lo, step=3)
+    assert stage == 2 and r[0] == [0.0, 1.0 + 10 * (1.0 - 0.0)] and w[0] == [lo.score.beta1] * 2
+    r, _, stage = shaped_turn_rewards(trajs, replace(lo, score=replace(lo.score, enabled=False)), step=0)
+    assert stage == 0 and r[0] == [0.0, 1.0]
+
+
+# ---------------------------------------------------------------- with the embedded model
+
+@pytest.fixture(scope="module")
+def lower_setup(tiny_cfg, policies):
+    from tosca_mlmt.engines.hf import HFEngine
+    from tosca_mlmt.episode import EpisodeRunner
+    from tosca_mlmt.tasks.arith import ArithTask
+
+    cfg = replace(tiny_cfg, lower=replace(tiny_cfg.lower, minibatch_size=4, lr=5e-3, kl_coef=0.05,
+                                          bonus=replace(tiny_cfg.lower.bonus, coef=0.5, clip=100.0)))
+    task = ArithTask(1)
+    eps = EpisodeRunner(cfg, task, HFEngine(policies, 8), policies).run(task.load("train", 2).problems)
+    return cfg, [episode_to_trajectory(e) for e in eps]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["sequence", "token"])
+def test_bonus_equals_an_independent_two_forward_computation(lower_setup, policies, level):
+    from tosca_mlmt.lower.ppo import PPOTrainer
+
+    cfg, trajs = lower_setup
+    cfg = replace(cfg, lower=replace(cfg.lower, bonus=replace(cfg.lower.bonus, level=level, clip=0.3)))
+    state = copy.deepcopy(policies.adapter_state("solver"))
+    trainer = PPOTrainer(cfg, policies)
+    tt = to_tensors(trajs, trainer.pad_id)
+    with torch.no_grad():
+        old_lp = trainer._forward(tt.input_ids, tt.attention_mask)[0]
+    bonus, stats = trainer.context_bonus(trajs, old_lp, None)
+    model = policies.model("solver")
+    for b, t in enumerate(trajs):
+        s, e = t.turn_spans[1]
+        g0, g1 = t.feedback_spans[1]
+        y = t.ids[s:e]
+
+        def lp_of(context):  # plain, unbatched forward over context + y
+            ids = torch.tensor([context + y])
+            with policies.use("solver"), torch.no_grad():
+                logits = model(input_ids=ids).logits[0, len(context) - 1: -1].float()
+            return torch.log_softmax(logits, -1).gather(-1, torch.tensor(y)[:, None]).squeeze(-1)
+
+        diff = lp_of(t.ids[:s]) - lp_of(t.ids[:g0] + t.ids[g1:s])
+        if level == "sequence":
+            want = torch.zeros(e - s)
+            want[-1] = 0.5 * diff.sum().clamp(-0.3, 0.3)
+        else:
+            want = 0.5 * diff.clamp(-0.3, 0.3)
+        torch.testing.assert_close(bonus[b, s:e], want, atol=2e-4, rtol=1e-4)
+        assert bonus[b, : s].abs().sum() == 0
+    assert 0.0 <= stats["bonus/clip_rate"] <= 1.0
+    from peft import set_peft_model_state_dict
+    set_peft_model_state_dict(model, state, adapter_name="solver")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("advantage", ["gae", "grpo"])
+def test_update_changes_the_solver_adapter_and_nothing_else(lower_setup, policies, advantage):
+    from peft import set_peft_model_state_dict
+
+    from tosca_mlmt.lower.ppo import PPOTrainer
+
+    cfg, trajs = lower_setup
+    # rewards must vary for group estimators to produce a gradient
+    trajs = [replace(t, turn_rewards=[float(i % 2), float((i + 1) % 2)]) for i, t in enumerate(trajs)]
+    cfg = replace(cfg, lower=replace(cfg.lower, advantage=advantage))
+    model = policies.model("solver")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = PPOTrainer(cfg, policies)
+    vh_before = copy.deepcopy(trainer.value_head.state_dict())
+    metrics = trainer.update(trajs, step=0)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed, "no parameter moved"
+    assert all(".solver." in n and "lora_" in n for n in changed), sorted(changed)[:5]
+    assert metrics["grad_norm"] > 0 and metrics["optimizer_steps"] >= 1
+    vh_changed = any(not torch.equal(v, trainer.value_head.state_dict()[k]) for k, v in vh_before.items())
+    assert vh_changed == (advantage == "gae")
+    set_peft_model_state_dict(model, {k: v for k, v in policies.adapter_state("solver").items()}, adapter_name="solver")
+    for n, p in model.named_parameters():  # restore for the next tests
+        p.data.copy_(before[n])
+
+
+@pytest.mark.slow
+def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(tiny_cfg, policies, tmp_path):
+    from tosca_mlmt.pipelines.train_lower import train_lower
+
+    cfg = replace(tiny_cfg, deterministic=True,
+                  solver_sampling=replace(tiny_cfg.solver_sampling, max_new_tokens=12),
+                  task=replace(tiny_cfg.task, level=1),
+                  lower=replace(tiny_cfg.lower, iterations=2, problems_per_iteration=1, save_every=1,
+                                minibatch_size=2, lr=1e-2, advantage="gae", keep_snapshots=False))
+    model = policies.model("solver")
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def reset():
+        for n, p in model.named_parameters():
+            p.data.copy_(init[n])
+
+    train_lower(cfg, tmp_path / "full", policies=policies)
+    full = {n: p.detach().clone() for n, p in model.named_parameters() if ".solver." in n}
+    reset()
+    train_lower(cfg, tmp_path / "cut", policies=policies, stop_after=1)
+    reset()  # a fresh process: initial weights, then --resume loads the checkpoint
+    train_lower(cfg, tmp_path / "cut", policies=policies, resume=True)
+    resumed = {n: p.detach().clone() for n, p in model.named_parameters() if ".solver." in n}
+    reset()
+    assert any(not torch.equal(full[n], init[n]) for n in full)
+    for n in full:
+        assert torch.equal(full[n], resumed[n]), n
+    m_full = (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
+    m_cut = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
+    assert len(m_full) == len(m_cut) == 2  # nothing repeated, nothing skipped

@@ -1,0 +1,67 @@
+"""``lower:`` config section: PPO for the solver with the context-dependency bonus."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tosca_mlmt.knobs import knob
+
+
+@dataclass
+class ScoreShaping:
+    enabled: bool = knob(False, "SCoRe-style two-stage shaping (stage I anchors turn 1, stage II adds a progress bonus).")
+    stage1_steps: int = knob(10, "Iterations in stage I before stage II starts.")
+    alpha: float = knob(10.0, "Stage II progress bonus alpha * (r_final - r1) on the final turn.")
+    beta1: float = knob(0.01, "Stage II KL weight on every solver turn.")
+    beta2: float = knob(0.1, "Stage I KL weight on turn 1 (keeps the first attempt near the base).")
+
+
+@dataclass
+class ContextBonus:
+    coef: float = knob(0.1, "lambda: weight of the KL-maximization bonus (0 turns it off).")
+    clip: float = knob(1.0, "c: each bonus term is clipped to [-c, c] before weighting.")
+    level: str = knob("sequence", "Bonus per token or one summed term per refine.", choices=("token", "sequence"))
+    model: str = knob("policy", "Who scores log pi(y | x, z) without the feedback: the current policy (no grad) or "
+                                "the frozen reference (adapter off).", choices=("policy", "reference"))
+
+
+@dataclass
+class LowerConfig:
+    iterations: int = knob(4, "PPO iterations (each: collect a batch, score, update).")
+    problems_per_iteration: int = knob(4, "Problems per iteration (x episode.n_samples episodes).")
+    advantage: str = knob("grpo", "Advantage estimator.", choices=("gae", "grpo", "rloo", "reinforce"))
+    policy_loss: str = knob("ppo_clip", "Policy loss.", choices=("ppo_clip", "reinforce"))
+    loss_agg: str = knob("token-mean", "How token losses are averaged.", choices=("token-mean", "seq-mean-token-mean"))
+    grpo_norm_std: bool = knob(True, "grpo: divide by the group std (off = Dr. GRPO style).")
+    reinforce_baseline: bool = knob(True, "reinforce: subtract the batch-mean return per turn.")
+    gamma: float = knob(1.0, "Discount for gae (tokens) ; group estimators use gamma = 1.")
+    lam: float = knob(0.95, "GAE lambda.")
+    clip_low: float = knob(0.2, "PPO clip epsilon below 1.")
+    clip_high: float = knob(0.2, "PPO clip epsilon above 1 (raise for 'clip-higher').")
+    value_clip: float = knob(0.2, "Value-loss clip range.")
+    vf_coef: float = knob(0.5, "Value-loss weight (gae only; other estimators train no critic).")
+    lr: float = knob(1e-4, "Learning rate of the solver adapter (LoRA).")
+    value_lr: float = knob(1e-3, "Learning rate of the value head.")
+    weight_decay: float = knob(0.0, "AdamW weight decay.")
+    warmup_steps: int = knob(0, "Linear learning-rate warm-up, in optimizer steps.")
+    epochs: int = knob(1, "PPO epochs over each batch.")
+    minibatch_size: int = knob(4, "Trajectories per optimizer step (after accumulation).")
+    grad_accum: int = knob(1, "Micro-batches per mini-batch (minibatch_size must divide by it).")
+    max_grad_norm: float = knob(1.0, "Gradient clipping by global norm.")
+    kl_coef: float = knob(0.0, "beta: KL(pi || pi_ref) weight (reference = base with the adapter off).")
+    kl_estimator: str = knob("k3", "Per-token KL estimator.", choices=("k1", "k3"))
+    kl_mode: str = knob("reward", "KL as a per-token reward penalty or as a loss term.", choices=("reward", "loss"))
+    turn_rewards: str = knob("each", "Reward every solver turn by its own correctness, or only the final one.",
+                             choices=("each", "final"))
+    score: ScoreShaping = field(default_factory=ScoreShaping)
+    bonus: ContextBonus = field(default_factory=ContextBonus)
+    old_logprobs: str = knob("recompute", "PPO's pi_old: recompute with the weights that sampled (on-policy), or the "
+                                          "engine's logged sampling logprobs (needed for off-policy snapshots).",
+                             choices=("recompute", "behaviour"))
+    logprob_chunk: int = knob(256, "Positions per LM-head chunk (memory ~ chunk x vocab, not length x vocab).")
+    autocast: str = knob("auto", "bf16 autocast for forward/backward: auto = when the hardware has bf16.",
+                         choices=("auto", "bf16", "none"))
+    gradient_checkpointing: bool = knob(False, "Recompute activations in backward (less memory, ~30% slower).")
+    save_every: int = knob(2, "Checkpoint every N iterations (and always at the end).")
+    keep_checkpoints: int = knob(2, "How many checkpoints to keep.")
+    keep_snapshots: bool = knob(True, "Write each online iteration's batch as a snapshot under <run>/snapshots.")

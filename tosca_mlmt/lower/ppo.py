@@ -1,0 +1,256 @@
+"""PPO for the solver (LL): one ``update`` = old/ref log-probs -> rewards -> advantages -> epochs.
+
+Objective per action token t of a solver turn (CleanRL-style names):
+    rho_t = pi(a_t | s_t) / pi_old(a_t | s_t)
+    L_pi  = -min(rho_t A_t, clip(rho_t, 1 - eps_lo, 1 + eps_hi) A_t)         (policy loss registry)
+    L_V   = 0.5 max((V - R)^2, (V_old + clip(V - V_old) - R)^2)              (gae only)
+    L     = L_pi + vf_coef L_V [+ beta KL(pi || pi_ref) when kl_mode = loss]
+Token rewards: turn rewards on each turn's last token (SCoRe shaping optional),
+-beta KL(pi_old || pi_ref) per token when kl_mode = reward, and the context-dependency
+bonus  b = lambda clip(log pi(y | x, z, g) - log pi(y | x, z), -c, c)  on each refine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from tosca_mlmt.algos.advantages import ADVANTAGES, broadcast_turns, turn_returns
+from tosca_mlmt.algos.losses import POLICY_LOSSES, explained_variance, kl_estimate, value_loss
+from tosca_mlmt.config import Config
+from tosca_mlmt.lower.trajectory import SolverTrajectory, no_feedback_sequences, shaped_turn_rewards, to_tensors
+from tosca_mlmt.metrics import StageTimer
+from tosca_mlmt.models.policies import PolicyPair
+from tosca_mlmt.train.batching import build_batch, masked_mean, token_logprobs_from_hidden
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+def _bf16_ok() -> bool:
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+class PPOTrainer:
+    def __init__(self, cfg: Config, policies: PolicyPair, accelerator=None):
+        from accelerate import Accelerator
+
+        self.cfg, self.lo, self.policies = cfg, cfg.lower, policies
+        self.acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+        self.model = policies.model("solver")
+        # Train exactly the solver adapter: base weights and the writer's adapter stay frozen.
+        self.params = [p for n, p in self.model.named_parameters() if ".solver." in n]
+        for n, p in self.model.named_parameters():
+            p.requires_grad_(".solver." in n)
+        hidden = self.model.get_base_model().config.hidden_size
+        torch.manual_seed(cfg.seed + 1)
+        self.value_head = nn.Linear(hidden, 1)
+        nn.init.normal_(self.value_head.weight, std=1e-3)
+        nn.init.zeros_(self.value_head.bias)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": self.params, "lr": self.lo.lr}, {"params": self.value_head.parameters(), "lr": self.lo.value_lr}],
+            weight_decay=self.lo.weight_decay)
+        warm = max(1, self.lo.warmup_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm))
+        self.value_head, self.optimizer, self.scheduler = self.acc.prepare(self.value_head, self.optimizer, self.scheduler)
+        if self.lo.gradient_checkpointing:
+            self.model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.enable_input_require_grads()
+        self.use_bf16 = self.lo.autocast == "bf16" or (self.lo.autocast == "auto" and _bf16_ok())
+        self.pad_id = policies.tokenizer("solver").pad_token_id or 0
+        self.optimizer_steps = 0
+
+    # ------------------------------------------------------------------ forward passes
+    def _autocast(self):
+        if not self.use_bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(self.acc.device.type, dtype=torch.bfloat16)
+
+    def _forward(self, ids, attn, values: bool = False, reference: bool = False, entropy: bool = False):
+        """(logprobs [B, T], values [B, T] | None, entropy [B, T] | None) under the solver (or the
+        reference = the same base with every adapter disabled)."""
+        ctx = self.model.disable_adapter() if reference else self.policies.use("solver")
+        with ctx, self._autocast():
+            out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1)
+            hidden = out.hidden_states[-1]
+            head = self.model.get_base_model().get_output_embeddings()
+            res = token_logprobs_from_hidden(hidden, head, ids, self.lo.logprob_chunk, with_entropy=entropy)
+        lp, ent = res if entropy else (res, None)
+        v = None
+        if values:
+            # V for action token t is read from the state before it, i.e. hidden position t - 1
+            v = self.value_head(hidden[:, :-1].float()).squeeze(-1)
+            v = torch.cat([torch.zeros_like(v[:, :1]), v], dim=1)
+        return lp, v, ent
+
+    @torch.no_grad()
+    def context_bonus(self, trajs: list[SolverTrajectory], lp_with: torch.Tensor, ref_with: torch.Tensor | None):
+        """Per-token bonus [B, T] on refine tokens plus stats. ``lp_with`` are log pi(y | x, z, g)
+        from the scorer chosen by ``lower.bonus.model`` (old policy or reference)."""
+        bo = self.lo.bonus
+        B, T = lp_with.shape
+        bonus = torch.zeros(B, T)
+        prompts, responses, where = no_feedback_sequences(trajs)
+        stats = {"bonus/mean": 0.0, "bonus/clip_rate": 0.0, "bonus/corr_correct": float("nan")}
+        if bo.coef == 0 or not where:
+            return bonus, stats
+        batch = build_batch(prompts, responses, self.pad_id)
+        lp_wo, _, _ = self._forward(batch.input_ids, batch.attention_mask, reference=bo.model == "reference")
+        with_src = ref_with if bo.model == "reference" else lp_with
+        raw_terms, per_refine = [], []
+        for i, (b, k) in enumerate(where):
+            s, e = trajs[b].turn_spans[k]
+            p = batch.prompt_lens[i]
+            diff = with_src[b, s:e] - lp_wo[i, p:p + (e - s)]  # log pi(y|x,z,g) - log pi(y|x,z), per token
+            if bo.level == "token":
+                clipped = diff.clamp(-bo.clip, bo.clip)
+                bonus[b, s:e] += bo.coef * clipped
+                raw_terms.append(diff)
+                per_refine.append(float(bo.coef * clipped.sum()))
+            else:
+                total = diff.sum()
+                bonus[b, e - 1] += bo.coef * total.clamp(-bo.clip, bo.clip)
+                raw_terms.append(total.reshape(1))
+                per_refine.append(float(bo.coef * total.clamp(-bo.clip, bo.clip)))
+        raw = torch.cat(raw_terms)
+        correct = np.array([trajs[b].turn_rewards[k] for b, k in where], dtype=float)
+        pr = np.array(per_refine)
+        stats["bonus/mean"] = float(pr.mean())
+        stats["bonus/raw_logratio_mean"] = float(raw.mean())
+        stats["bonus/clip_rate"] = float((raw.abs() > bo.clip).float().mean())
+        if pr.std() > 0 and correct.std() > 0:
+            stats["bonus/corr_correct"] = float(np.corrcoef(pr, correct)[0, 1])
+        return bonus, stats
+
+    # ------------------------------------------------------------------ one PPO update
+    def update(self, trajs: list[SolverTrajectory], step: int, timer: StageTimer | None = None) -> dict:
+        lo = self.lo
+        timer = timer or StageTimer()
+        tt = to_tensors(trajs, self.pad_id)
+        use_critic = lo.advantage == "gae"
+        self.model.eval()  # LoRA dropout is 0; eval keeps old/new log-probs comparable
+        with torch.no_grad():
+            with timer("old_ref_logprobs"):
+                old_lp, old_v, ent = self._forward(tt.input_ids, tt.attention_mask, values=use_critic, entropy=True)
+                if lo.old_logprobs == "behaviour":
+                    old_lp = torch.where(tt.mask > 0, tt.behaviour_logprobs, old_lp)
+                need_ref = lo.kl_coef > 0 or lo.score.enabled or lo.bonus.model == "reference"
+                ref_lp = self._forward(tt.input_ids, tt.attention_mask, reference=True)[0] if need_ref else None
+            with timer("bonus"):
+                bonus, bstats = self.context_bonus(trajs, old_lp, ref_lp)
+            with timer("advantages"):
+                turn_r, kl_w, stage = shaped_turn_rewards(trajs, lo, step)
+                rewards = bonus.clone()
+                kl_tok = kl_estimate(old_lp, ref_lp, lo.kl_estimator) * tt.mask if ref_lp is not None else torch.zeros_like(old_lp)
+                klw_tok = torch.zeros_like(old_lp)
+                for b, t in enumerate(trajs):
+                    for k, (s, e) in enumerate(t.turn_spans):
+                        rewards[b, e - 1] += turn_r[b][k]
+                        klw_tok[b, s:e] = kl_w[b][k]
+                if lo.kl_mode == "reward":
+                    rewards -= klw_tok * kl_tok
+                rewards *= tt.mask
+                if use_critic:
+                    adv, returns = ADVANTAGES["gae"](rewards, old_v, tt.mask, lo.gamma, lo.lam)
+                else:
+                    R = turn_returns(rewards, tt.turn_ids, tt.n_turns)
+                    valid = torch.stack([(tt.turn_ids == k).any(1) for k in range(tt.n_turns)], 1)
+                    kw = {"norm_std": lo.grpo_norm_std} if lo.advantage == "grpo" else (
+                        {"baseline": lo.reinforce_baseline} if lo.advantage == "reinforce" else {})
+                    adv = broadcast_turns(ADVANTAGES[lo.advantage](R, tt.groups, valid, **kw), tt.turn_ids)
+                    returns = adv
+        with timer("update"):
+            upd = self._epochs(tt, old_lp, old_v, ref_lp, adv, returns, klw_tok, step)
+        m = tt.mask
+        metrics = {
+            "stage": stage, "kl": float(masked_mean(kl_tok, m)), "entropy": float(masked_mean(ent, m)),
+            "adv_mean": float(masked_mean(adv, m)), "adv_std": float(adv[m > 0].std()) if m.sum() > 1 else 0.0,
+            "token_reward_sum": float(rewards.sum() / len(trajs)), "train_tokens": int(m.sum()),
+            **bstats, **upd,
+        }
+        for k in range(tt.n_turns):
+            metrics[f"kl/turn{k}"] = float(masked_mean(kl_tok, m * (tt.turn_ids == k)))
+        if use_critic:
+            metrics["explained_variance"] = explained_variance(old_v, returns, m)
+        return metrics
+
+    def _epochs(self, tt, old_lp, old_v, ref_lp, adv, returns, klw_tok, step: int) -> dict:
+        lo = self.lo
+        B = tt.input_ids.shape[0]
+        micro = max(1, lo.minibatch_size // lo.grad_accum)
+        logs: dict[str, list[float]] = {}
+        self.model.train()
+        for epoch in range(lo.epochs):
+            order = np.random.default_rng([self.cfg.seed, step, epoch]).permutation(B)
+            for mb_start in range(0, B, lo.minibatch_size):
+                mb = order[mb_start: mb_start + lo.minibatch_size]
+                self.optimizer.zero_grad(set_to_none=True)
+                n_micro = (len(mb) + micro - 1) // micro
+                for i in range(0, len(mb), micro):
+                    rows = torch.as_tensor(mb[i: i + micro])
+                    loss, info = self._loss(tt.select(rows), old_lp[rows], None if old_v is None else old_v[rows],
+                                            None if ref_lp is None else ref_lp[rows], adv[rows], returns[rows],
+                                            klw_tok[rows])
+                    self.acc.backward(loss / n_micro)
+                    for k, v in info.items():
+                        logs.setdefault(k, []).append(v)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.params + list(self.value_head.parameters()),
+                                                           lo.max_grad_norm)
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer_steps += 1
+                logs.setdefault("grad_norm", []).append(float(grad_norm))
+        self.model.eval()
+        out = {k: float(np.mean(v)) for k, v in logs.items()}
+        out["lr"] = self.scheduler.get_last_lr()[0]
+        out["optimizer_steps"] = self.optimizer_steps
+        return out
+
+    def _loss(self, tt, old_lp, old_v, ref_lp, adv, returns, klw_tok):
+        lo = self.lo
+        lp, v, _ = self._forward(tt.input_ids, tt.attention_mask, values=old_v is not None)
+        m = tt.mask
+        kw = {"clip_low": lo.clip_low, "clip_high": lo.clip_high} if lo.policy_loss == "ppo_clip" else {}
+        pg, info = POLICY_LOSSES[lo.policy_loss](lp, old_lp, adv, m, agg=lo.loss_agg, **kw)
+        loss = pg
+        info = {"policy_loss": float(pg.detach()), **info}
+        if v is not None:
+            vl, vinfo = value_loss(v, old_v, returns, m, lo.value_clip)
+            loss = loss + lo.vf_coef * vl
+            info.update(value_loss=float(vl.detach()), **vinfo)
+        if lo.kl_mode == "loss" and ref_lp is not None:
+            kl = masked_mean(klw_tok * kl_estimate(lp, ref_lp, lo.kl_estimator), m)
+            loss = loss + kl
+            info["kl_loss"] = float(kl.detach())
+        return loss, info
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, folder: Path) -> None:
+        from safetensors.torch import save_file
+
+        self.policies.save_role("solver", folder / "solver")
+        save_file({k: v.contiguous() for k, v in self.acc.unwrap_model(self.value_head).state_dict().items()},
+                  folder / VALUE_HEAD_FILE)
+        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                    "optimizer_steps": self.optimizer_steps}, folder / "optim.pt")
+
+    def load(self, folder: Path) -> None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        sd = load_file(folder / "solver" / "adapter_model.safetensors")
+        set_peft_model_state_dict(self.model, sd, adapter_name="solver")
+        self.acc.unwrap_model(self.value_head).load_state_dict(load_file(folder / VALUE_HEAD_FILE))
+        st = torch.load(folder / "optim.pt", weights_only=False)
+        self.optimizer.load_state_dict(st["optimizer"])
+        self.scheduler.load_state_dict(st["scheduler"])
+        self.optimizer_steps = st["optimizer_steps"]

@@ -1,0 +1,130 @@
+"""From logged episodes to the solver's training sequences and per-token rewards.
+
+All of an episode's solver turns live in one token sequence: the last refine's prompt
+plus its response. Because every prompt was built by appending ids (see prompts.py),
+each earlier turn's response sits verbatim at a known span of that sequence, so one
+forward pass scores every solver turn, and the loss mask is exactly those spans.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tosca_mlmt.episode import Episode
+from tosca_mlmt.lower.config import LowerConfig
+
+
+@dataclass
+class SolverTrajectory:
+    episode_id: str
+    problem_id: str
+    ids: list[int]  # the whole context after the last solver turn
+    turn_spans: list[tuple[int, int]]  # [start, end) of each solver response in ids
+    turn_rewards: list[float]  # verifier reward of each solver turn
+    behaviour_logprobs: list[list[float]]  # the engine's sampling logprobs per turn
+    feedback_spans: list[tuple[int, int] | None]  # g_k inside ids, for refine turns (None for turn 1)
+
+    @property
+    def r1(self) -> float:
+        return self.turn_rewards[0]
+
+    @property
+    def r_final(self) -> float:
+        return self.turn_rewards[-1]
+
+
+def episode_to_trajectory(ep: Episode) -> SolverTrajectory | None:
+    """None when a prompt was truncated (the prefix property no longer holds)."""
+    turns = ep.solver_turns
+    last = turns[-1]
+    ids = list(last.prompt_ids) + list(last.response_ids)
+    spans, fbs = [], []
+    for t in turns:
+        start = len(t.prompt_ids)
+        if ids[:start] != list(t.prompt_ids) or ids[start:start + len(t.response_ids)] != list(t.response_ids):
+            return None
+        spans.append((start, start + len(t.response_ids)))
+        fb = t.info.get("feedback_span")
+        fbs.append(tuple(fb) if fb else None)
+    return SolverTrajectory(ep.episode_id, ep.problem.id, ids, spans, [float(t.reward) for t in turns],
+                            [list(t.logprobs) for t in turns], fbs)
+
+
+@dataclass
+class TrajectoryTensors:
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, T] 1.0 on solver-generated tokens only
+    turn_ids: torch.Tensor  # [B, T] index of the solver turn a token belongs to, -1 elsewhere
+    behaviour_logprobs: torch.Tensor  # [B, T] engine logprobs on action tokens, 0 elsewhere
+    groups: torch.Tensor  # [B] problem index, for group-relative estimators
+    n_turns: int
+
+    def select(self, rows: torch.Tensor) -> "TrajectoryTensors":
+        return TrajectoryTensors(self.input_ids[rows], self.attention_mask[rows], self.mask[rows],
+                                 self.turn_ids[rows], self.behaviour_logprobs[rows], self.groups[rows], self.n_turns)
+
+
+def to_tensors(trajs: list[SolverTrajectory], pad_id: int) -> TrajectoryTensors:
+    width = max(len(t.ids) for t in trajs)
+    n_turns = max(len(t.turn_spans) for t in trajs)
+    B = len(trajs)
+    ids = torch.full((B, width), pad_id, dtype=torch.long)
+    attn = torch.zeros(B, width, dtype=torch.long)
+    mask = torch.zeros(B, width)
+    turn_ids = torch.full((B, width), -1, dtype=torch.long)
+    blp = torch.zeros(B, width)
+    group_of = {pid: i for i, pid in enumerate(dict.fromkeys(t.problem_id for t in trajs))}
+    for b, t in enumerate(trajs):
+        ids[b, : len(t.ids)] = torch.tensor(t.ids)
+        attn[b, : len(t.ids)] = 1
+        for k, (s, e) in enumerate(t.turn_spans):
+            mask[b, s:e] = 1.0
+            turn_ids[b, s:e] = k
+            blp[b, s:e] = torch.tensor(t.behaviour_logprobs[k][: e - s])
+    groups = torch.tensor([group_of[t.problem_id] for t in trajs])
+    return TrajectoryTensors(ids, attn, mask, turn_ids, blp, groups, n_turns)
+
+
+def shaped_turn_rewards(trajs: list[SolverTrajectory], cfg: LowerConfig, step: int) -> tuple[list[list[float]], list[list[float]], int]:
+    """Per-turn task rewards and per-turn KL weights under the configured shaping.
+
+    Returns (rewards[b][k], kl_weights[b][k], stage). SCoRe stage I rewards only the final
+    turn and pins turn 1 with beta2; stage II rewards turn 1 with r1 and the final turn
+    with r_final + alpha * (r_final - r1), with beta1 on every turn.
+    """
+    sc = cfg.score
+    stage = (1 if step < sc.stage1_steps else 2) if sc.enabled else 0
+    rewards, klw = [], []
+    for t in trajs:
+        K = len(t.turn_rewards)
+        if stage == 1:
+            r = [0.0] * (K - 1) + [t.r_final]
+            w = [sc.beta2] + [cfg.kl_coef] * (K - 1)
+        elif stage == 2:
+            r = [t.r1] + [0.0] * (K - 2) + [t.r_final + sc.alpha * (t.r_final - t.r1)] if K > 1 else [t.r1]
+            w = [sc.beta1] * K
+        else:
+            r = list(t.turn_rewards) if cfg.turn_rewards == "each" else [0.0] * (K - 1) + [t.r_final]
+            w = [cfg.kl_coef] * K
+        rewards.append(r)
+        klw.append(w)
+    return rewards, klw, stage
+
+
+def no_feedback_sequences(trajs: list[SolverTrajectory]) -> tuple[list[list[int]], list[list[int]], list[tuple[int, int]]]:
+    """For every refine turn: (context with g_k removed, the refine's tokens, (row, turn)).
+
+    The context is the exact sequence up to that refine with only the feedback ids cut
+    out, so the two log-probs of the bonus differ in nothing but g."""
+    prompts, responses, where = [], [], []
+    for b, t in enumerate(trajs):
+        for k, ((s, e), fb) in enumerate(zip(t.turn_spans, t.feedback_spans)):
+            if fb is None:
+                continue
+            prompts.append(t.ids[: fb[0]] + t.ids[fb[1]: s])
+            responses.append(t.ids[s:e])
+            where.append((b, k))
+    return prompts, responses, where

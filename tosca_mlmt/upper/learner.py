@@ -1,0 +1,187 @@
+"""One optimiser step of the upper level, and the learner's full state for checkpoints.
+
+Per step, for a batch of logged decisions:
+
+1. features: one writer forward gives h(s) (and, once the text loss is on, the feedback
+   tokens' log-probs); s' features come from a no-grad forward (target adapter for
+   q_source=logits, the online trunk + target head for q_source=head);
+2. Q losses (``objective.critic_loss``) + text_coef * AWR / filtered-BC loss;
+3. one AdamW step over the writer adapter and the heads, then the target update.
+
+Nothing here reads global RNG state except LoRA dropout (when > 0), and the batch of a
+step is a pure function of (seed, step): restoring the tensors below plus the RNG state
+resumes a run bit-for-bit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from tosca_mlmt.config import Config
+from tosca_mlmt.models.policies import PolicyPair
+from tosca_mlmt.upper.critic import StrategyCritic, strategy_token_ids
+from tosca_mlmt.upper.dataset import Transition, batch_indices
+from tosca_mlmt.upper.objective import (DecisionBatch, PolicySpec, advantages, bc_threshold, critic_loss, text_loss,
+                                        text_weights, weight_stats)
+from tosca_mlmt.upper.trunk import TargetAdapter, WriterTrunk
+
+
+class UpperLearner:
+    def __init__(self, cfg: Config, policies: PolicyPair, transitions: list[Transition], strategies: list[dict]):
+        self.cfg, self.uc = cfg, cfg.upper
+        self.policies, self.transitions, self.strategies = policies, transitions, strategies
+        self.trunk = WriterTrunk(policies)
+        A = len(strategies)
+        rows = bias = None
+        if self.uc.q_source == "logits":
+            ids = strategy_token_ids(policies.tokenizer("writer"), A)
+            rows = self.trunk.lm_head.weight[ids]
+            bias = self.trunk.lm_head.bias[ids] if getattr(self.trunk.lm_head, "bias", None) is not None else None
+        init = policies.q_head if (policies.q_head is not None and policies.q_head.proj.out_features == A) else None
+        self.critic = StrategyCritic(self.uc, self.trunk.hidden_size, A, rows, bias, init_head=init)
+        self.target_adapter = (TargetAdapter(self.trunk, self.uc.target_update, self.uc.target_tau,
+                                             self.uc.target_sync_every) if self.uc.q_source == "logits" else None)
+        groups = [{"params": list(self.trunk.params.values()), "lr": self.uc.lr}]
+        if self.critic.head_parameters():
+            groups.append({"params": self.critic.head_parameters(), "lr": self.uc.head_lr})
+        self.optimizer = torch.optim.AdamW(groups, weight_decay=self.uc.weight_decay)
+        self.policy = PolicySpec(cfg.episode.strategy_selection, cfg.episode.strategy_temperature, cfg.episode.epsilon)
+        self.all_returns = torch.tensor([t.ret for t in transitions], dtype=torch.float32)
+        self.bc_cut = bc_threshold(self.all_returns, self.uc.bc_top_frac) if self.uc.text_loss == "filtered_bc" else None
+        self.step = 0
+
+    # ------------------------------------------------------------------ one update
+    def _batch(self, idx: list[int]) -> DecisionBatch:
+        trs = [self.transitions[i] for i in idx]
+        return DecisionBatch(actions=torch.tensor([t.action for t in trs], dtype=torch.long),
+                             rewards=torch.tensor([t.reward for t in trs], dtype=torch.float32),
+                             dones=torch.tensor([float(t.done) for t in trs]),
+                             returns=torch.tensor([t.ret for t in trs], dtype=torch.float32))
+
+    def _next_features(self, idx: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(online h(s'), target h(s')) [B, H] with zero rows for terminal decisions; None if all terminal."""
+        trs = [self.transitions[i] for i in idx]
+        rows = [j for j, t in enumerate(trs) if t.next_index >= 0]
+        if not rows:
+            return None, None
+        states = [self.transitions[trs[j].next_index].state_ids for j in rows]
+        with torch.no_grad():
+            if self.uc.q_source == "logits" and self.uc.conservatism != "iql":
+                f_online, f_target = None, self.target_adapter.features(states)
+            else:  # head: target head on online features; iql: V(s') on online features
+                f_online = self.trunk.states(states)
+                f_target = f_online
+        def scatter(f):
+            if f is None:
+                return None
+            full = f.new_zeros(len(idx), f.shape[-1])
+            full[rows] = f
+            return full
+        return scatter(f_online), scatter(f_target)
+
+    def update(self) -> dict[str, float]:
+        """One optimiser step on the next batch; returns scalar metrics."""
+        uc = self.uc
+        self.step += 1
+        t0 = time.perf_counter()
+        idx = batch_indices(len(self.transitions), uc.batch_size, self.cfg.seed, self.step)
+        mbs = uc.micro_batch_size or uc.batch_size
+        text_on = uc.text_loss != "none" and self.step > uc.warmup_steps
+        trunk_q_grad = uc.q_source == "logits" or uc.q_trunk_grad
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = defaultdict(float)
+        vecs: dict[str, list[torch.Tensor]] = defaultdict(list)
+        with self.trunk.training():
+            for s in range(0, len(idx), mbs):
+                mb = idx[s:s + mbs]
+                trs = [self.transitions[i] for i in mb]
+                b = self._batch(mb)
+                if text_on:
+                    h, logp, mask = self.trunk.full([t.prompt_ids for t in trs], [t.response_ids for t in trs],
+                                                    [t.state_len for t in trs])
+                else:
+                    with torch.set_grad_enabled(trunk_q_grad):
+                        h = self.trunk.states([t.state_ids for t in trs])
+                h_q = h if trunk_q_grad else h.detach()
+                h_bar = h.detach()
+                if self.uc.q_source == "logits" and uc.conservatism == "iql":
+                    h_bar = self.target_adapter.features([t.state_ids for t in trs])
+                h_next, h_next_bar = self._next_features(mb)
+                loss, out = critic_loss(self.critic, b, h_q, h_bar, h_next, h_next_bar, uc.gamma, uc.cql_alpha,
+                                        uc.iql_tau, self.policy)
+                adv = advantages(out["q_sa"], out["v"], b.returns, uc.awr_advantage)
+                if uc.text_loss != "none":
+                    w = text_weights(uc.text_loss, adv, b.returns, uc.awr_beta, uc.awr_max_weight, self.bc_cut)
+                    vecs["w"].append(w)
+                if text_on:
+                    lt, tout = text_loss(logp, mask, w)
+                    loss = loss + uc.text_coef * lt
+                    sums["text_loss"] += float(lt) * len(mb)
+                    sums["text_nll"] += float(tout["text_nll"]) * len(mb)
+                (loss * len(mb) / len(idx)).backward()  # micro-batch means -> the batch mean
+                sums["loss"] += float(loss) * len(mb)
+                for k in ("td_loss", "cql_term", "v_loss"):
+                    if k in out:
+                        sums[k] += float(out[k]) * len(mb)
+                for k in ("q_sa", "v", "target"):
+                    vecs[k].append(out[k])
+                vecs["adv"].append(adv)
+        params = list(self.trunk.params.values()) + self.critic.head_parameters()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, uc.max_grad_norm)
+        self.optimizer.step()
+        self.critic.update_target(self.step)
+        if self.target_adapter is not None:
+            self.target_adapter.update(self.step)
+        m = {k: v / len(idx) for k, v in sums.items()}
+        cat = {k: torch.cat(v) for k, v in vecs.items()}
+        m.update(q_data=float(cat["q_sa"].mean()), v=float(cat["v"].mean()), td_target=float(cat["target"].mean()),
+                 grad_norm=float(grad_norm), text_on=float(text_on))
+        if "w" in cat:
+            m.update(weight_stats(cat["w"], cat["adv"]))
+        m["samples_per_s"] = len(idx) / (time.perf_counter() - t0)
+        return m
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def q_all(self) -> torch.Tensor:
+        """Q(s, .) [N, A] of every logged state with the current weights."""
+        out = []
+        bs = self.uc.eval_batch_size
+        with self.policies.use("writer"):
+            for s in range(0, len(self.transitions), bs):
+                h = self.trunk.states([t.state_ids for t in self.transitions[s:s + bs]])
+                out.append(self.critic.q(h))
+        return torch.cat(out)
+
+    # ------------------------------------------------------------------ checkpoint state
+    def save(self, folder: Path) -> None:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in self.trunk.state_dict().items()}, folder / "writer_adapter.safetensors")
+        heads = {k: v.detach().clone().contiguous() for k, v in self.critic.state_dict().items()}
+        if self.target_adapter is not None:
+            heads.update({"target_adapter." + k: v.clone().contiguous() for k, v in self.target_adapter.params.items()})
+        save_file(heads, folder / "heads.safetensors")
+        torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
+
+    def load(self, folder: Path, step: int) -> None:
+        from safetensors.torch import load_file
+
+        self.trunk.load_state_dict(load_file(folder / "writer_adapter.safetensors"))
+        heads = load_file(folder / "heads.safetensors")
+        if self.target_adapter is not None:
+            for k in self.target_adapter.params:
+                self.target_adapter.params[k] = heads.pop("target_adapter." + k)
+        self.critic.load_state_dict(heads)
+        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
+        self.step = step
+
+    def export_writer(self, folder: Path) -> Path:
+        """The trained writer (adapter + Q head + strategy list), loadable as model.writer_adapter."""
+        self.policies.q_head = self.critic.exported_head()
+        self.policies.strategies = [dict(s) for s in self.strategies]
+        return self.policies.save_role("writer", folder)
