@@ -23,7 +23,8 @@ class UpperConfig:
     batch_size: int = knob(16, "Strategy decisions (writer turns) per gradient step.")
     micro_batch_size: int = knob(0, "Decisions per forward pass (gradient accumulation); 0 = the whole batch.")
     lr: float = knob(1e-5, "AdamW learning rate of the writer's LoRA adapter (ArCHer's lm_lr).")
-    head_lr: float = knob(1e-3, "AdamW learning rate of the Q and V heads (fresh linear layers learn faster).")
+    head_lr: float = knob(1e-4, "AdamW learning rate of the Q and V heads. Adam moves each weight ~lr per step, so "
+                                "Q moves ~lr * sum|h_i| (about 0.06 for smollm2's 576 features of size ~1).")
     weight_decay: float = knob(0.0, "AdamW weight decay.")
     max_grad_norm: float = knob(1.0, "Gradient clipping by global norm (adapter and heads together).")
     # ---- the strategy-level MDP

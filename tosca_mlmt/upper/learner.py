@@ -120,10 +120,10 @@ class UpperLearner:
                 if text_on:
                     lt, tout = text_loss(logp, mask, w)
                     loss = loss + uc.text_coef * lt
-                    sums["text_loss"] += float(lt) * len(mb)
+                    sums["text_loss"] += float(lt.detach()) * len(mb)
                     sums["text_nll"] += float(tout["text_nll"]) * len(mb)
                 (loss * len(mb) / len(idx)).backward()  # micro-batch means -> the batch mean
-                sums["loss"] += float(loss) * len(mb)
+                sums["loss"] += float(loss.detach()) * len(mb)
                 for k in ("td_loss", "cql_term", "v_loss"):
                     if k in out:
                         sums[k] += float(out[k]) * len(mb)

@@ -1,0 +1,216 @@
+"""Upper level without a language model: transitions, the strategy critic on fixed features,
+targets, text weights, config checks. (test_upper_e2e.py trains the real writer.)"""
+
+import pytest
+import torch
+
+from tosca_mlmt.config import load_config
+from tosca_mlmt.episode import Episode, Turn
+from tosca_mlmt.errors import ConfigError, SnapshotError
+from tosca_mlmt.tasks.base import Problem
+from tosca_mlmt.upper.config import UpperConfig
+from tosca_mlmt.upper.critic import StrategyCritic
+from tosca_mlmt.upper.dataset import batch_indices, build_transitions, check_strategies, round_rewards
+from tosca_mlmt.upper.objective import (DecisionBatch, PolicySpec, advantages, bc_threshold, critic_loss,
+                                        text_loss, text_weights)
+
+A = 4
+
+
+# ------------------------------------------------------------------ hand-made episodes
+
+
+def _episode(eid: str, solver_rewards: list[float], actions: list[int], level: int = 2) -> Episode:
+    ep = Episode(eid, Problem("arith", f"p-{eid}", "What is 1 + 1?", "2", "train", {"level": level}), 0)
+    for k, r in enumerate(solver_rewards):
+        kind = "solve" if k == 0 else "refine"
+        if k > 0:
+            a = actions[k - 1]
+            ep.turns.append(Turn(len(ep.turns), k, "writer", "feedback", [1, 2, 3, 10 + k, 90, 91], [50 + k, 51],
+                                 [-0.1, -0.2], "stop", "fb", strategy=a, strategy_name=f"s{a}", behaviour_prob=0.25,
+                                 behaviour_probs=[0.25] * A, state_len=4))
+        ep.turns.append(Turn(len(ep.turns), k, "solver", kind, [7], [8], [-0.5], "stop", "x", reward=r, correct=r > 0))
+    return ep
+
+
+def test_two_round_transitions_rewards_and_returns():
+    ep = _episode("e", [0.0, 0.0, 1.0], actions=[0, 1])
+    tr = build_transitions([("snap-a", [ep])], reward_mode="final", gamma=0.8)
+    assert [t.round for t in tr] == [1, 2] and [t.action for t in tr] == [0, 1]
+    assert [t.reward for t in tr] == [0.0, 1.0] and [t.done for t in tr] == [False, True]
+    assert [t.next_index for t in tr] == [1, -1]
+    assert [t.ret for t in tr] == pytest.approx([0.8, 1.0]) and tr[0].episode_return == pytest.approx(0.8)
+    assert tr[0].state_ids == [1, 2, 3, 11] and tr[1].state_ids == [1, 2, 3, 12] and tr[0].response_ids == [51, 51]
+    assert tr[0].task_type == "arith/L2"
+    # indices stay global across episodes and snapshots
+    tr2 = build_transitions([("snap-a", [ep]), ("snap-b", [_episode("f", [1.0, 1.0, 0.0], [2, 3])])], gamma=0.8)
+    assert [t.next_index for t in tr2] == [1, -1, 3, -1] and tr2[2].snapshot_id == "snap-b"
+
+
+def test_improvement_reward_and_break_penalty():
+    assert round_rewards([1.0, 0.0, 1.0], [True, False, True], "improvement", 0.5) == [-1.5, 1.0]
+    assert round_rewards([1.0, 0.0, 1.0], [True, False, True], "final", 0.5) == [-0.5, 1.0]
+    assert sum(round_rewards([0.0, 1.0, 1.0, 0.0], [False, True, True, False], "improvement", 0.0)) == 0.0 - 0.0
+
+
+def test_snapshots_must_share_the_strategy_set():
+    s = [{"name": "a", "instruction": "x"}, {"name": "b", "instruction": "y"}]
+    assert check_strategies([{"id": "1", "strategies": s}, {"id": "2", "strategies": s}]) == s
+    with pytest.raises(SnapshotError, match="different strategy sets"):
+        check_strategies([{"id": "1", "strategies": s}, {"id": "2", "strategies": s[::-1]}])
+
+
+def test_batch_indices_are_a_pure_function_of_seed_and_step():
+    n, b = 5, 3
+    first_pass = sum((batch_indices(n, b, 7, s) for s in (1, 2)), [])[:n]
+    assert sorted(first_pass) == list(range(n))  # every decision once per pass
+    assert batch_indices(n, b, 7, 4) == batch_indices(n, b, 7, 4)
+    assert batch_indices(n, b, 7, 1) != batch_indices(n, b, 8, 1) or batch_indices(n, b, 7, 2) != batch_indices(n, b, 8, 2)
+
+
+# ------------------------------------------------------------------ the critic on fixed features
+
+
+def _synthetic(seed: int, p: torch.Tensor, type_scale: float, unlogged: dict[int, list[int]], n_per: int = 200,
+               hidden: int = 32):
+    """Three state types with P(correct | type, strategy) = p; features = a shared direction (LLM
+    states are highly correlated) + a type direction + noise. Behaviour: uniform over the
+    strategies logged in that type."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(hidden, generator=g)
+    u = 3.0 * u / u.norm()
+    types = type_scale * torch.randn(3, hidden, generator=g)
+    h, acts, rews, ty = [], [], [], []
+    for t in range(3):
+        allowed = [a for a in range(A) if a not in unlogged.get(t, [])]
+        for _ in range(n_per):
+            a = allowed[int(torch.randint(0, len(allowed), (1,), generator=g))]
+            h.append(u + types[t] + 0.3 * torch.randn(hidden, generator=g))
+            acts.append(a)
+            rews.append(float(torch.rand(1, generator=g) < p[t, a]))
+            ty.append(t)
+    return torch.stack(h), torch.tensor(acts), torch.tensor(rews), torch.tensor(ty), p
+
+
+def _fit(cfg: UpperConfig, h, acts, rews, dones=None, h_next=None, steps: int = 400, lr: float = 1e-2):
+    critic = StrategyCritic(cfg, h.shape[1], A)
+    opt = torch.optim.Adam(critic.head_parameters(), lr=lr)
+    dones = torch.ones(len(acts)) if dones is None else dones
+    b = DecisionBatch(acts, rews, dones, rews)
+    for step in range(1, steps + 1):
+        loss, _ = critic_loss(critic, b, h, h, h_next, h_next, cfg.gamma, cfg.cql_alpha, cfg.iql_tau, PolicySpec())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        critic.update_target(step)
+    return critic
+
+
+def _q_by_type(critic, h, ty):
+    with torch.no_grad():
+        q = critic.q(h)
+    return torch.stack([q[ty == t].mean(0) for t in range(3)])
+
+
+@pytest.mark.parametrize("conservatism", ["cql", "iql", "none"])
+def test_learned_q_ranks_the_best_strategy_first_per_state_type(conservatism):
+    p = torch.tensor([[0.8, 0.3, 0.2, 0.1], [0.2, 0.8, 0.3, 0.1], [0.3, 0.2, 0.1, 0.8]])
+    h, acts, rews, ty, _ = _synthetic(0, p, type_scale=1.0, unlogged={})
+    critic = _fit(UpperConfig(conservatism=conservatism), h, acts, rews)
+    q = _q_by_type(critic, h, ty)
+    best = p.argmax(1)  # a different best strategy per state type: 0, 1, 3
+    for t in range(3):
+        assert int(q[t].argmax()) == int(best[t]), (t, q[t].tolist())
+        assert q[t, best[t]] - q[t][torch.arange(A) != best[t]].max() > 0.05
+
+
+def test_cql_holds_never_logged_strategies_below_logged_ones_and_plain_td_overshoots():
+    # strategy 3 is never logged in type 0 (its true success rate there is 0) but pays 0.9 elsewhere
+    p = torch.tensor([[0.8, 0.3, 0.2, 0.0], [0.2, 0.8, 0.3, 0.9], [0.3, 0.2, 0.8, 0.9]])
+    h, acts, rews, ty, _ = _synthetic(1, p, type_scale=0.3, unlogged={0: [3]})
+    q_none = _q_by_type(_fit(UpperConfig(conservatism="none"), h, acts, rews), h, ty)[0]
+    q_cql = _q_by_type(_fit(UpperConfig(conservatism="cql", cql_alpha=0.5), h, acts, rews), h, ty)[0]
+    logged = [0, 1, 2]
+    # without conservatism the unseen strategy borrows the value it has in other states:
+    # far above its true 0 and above every logged strategy but the best
+    assert q_none[3] > 0.4 and q_none[3] > sorted(q_none[logged].tolist())[-2]
+    # with CQL it stays below every logged strategy of that state
+    assert q_cql[3] < q_cql[logged].min() - 0.5
+    assert q_none[3] - q_cql[3] > 1.0
+    assert int(q_cql.argmax()) == 0  # and the best logged strategy still wins
+
+
+@pytest.mark.parametrize("conservatism", ["none", "iql", "cql"])
+def test_gamma_backup_across_two_rounds(conservatism):
+    """Round 1 (state s1, strategy 0) earns nothing itself; round 2 (s2, strategy 1) ends correct.
+    Q(s2, 1) -> 1 and Q(s1, 0) -> 0 + gamma * (max_a Q_bar(s2, a) or V(s2)) = gamma."""
+    gamma = 0.8
+    tr = build_transitions([("s", [_episode("e", [0.0, 0.0, 1.0], actions=[0, 1])])], gamma=gamma)
+    h = torch.eye(2) * 2.0  # one-hot features of s1 and s2
+    h_next = torch.stack([h[1], torch.zeros(2)])  # s' of round 1 is s2; round 2 is terminal
+    acts = torch.tensor([t.action for t in tr])
+    rews = torch.tensor([t.reward for t in tr])
+    dones = torch.tensor([float(t.done) for t in tr])
+    cfg = UpperConfig(conservatism=conservatism, gamma=gamma, target_update="polyak", target_tau=0.2,
+                      cql_alpha=0.01, iql_tau=0.9)
+    critic = _fit(cfg, h, acts, rews, dones=dones, h_next=h_next, steps=1500, lr=2e-2)
+    with torch.no_grad():
+        q = critic.q(h)
+    assert float(q[1, 1]) == pytest.approx(1.0, abs=0.03)
+    assert float(q[0, 0]) == pytest.approx(gamma, abs=0.03)
+    assert tr[0].ret == pytest.approx(gamma)  # the logged return agrees with the backup
+
+
+def test_target_head_follows_the_configured_rule():
+    h = torch.randn(8, 5)
+    b = DecisionBatch(torch.zeros(8, dtype=torch.long), torch.ones(8), torch.ones(8), torch.ones(8))
+    for mode, tau, every in (("hard", 1.0, 3), ("polyak", 0.25, 1)):
+        critic = StrategyCritic(UpperConfig(target_update=mode, target_tau=tau, target_sync_every=every), 5, 2)
+        opt = torch.optim.SGD(critic.head_parameters(), lr=0.1)
+        for step in range(1, 7):
+            before = critic.q_target.proj.weight.clone()
+            loss, _ = critic_loss(critic, b, h, h, None, None, 0.9, 0.5, 0.7, PolicySpec())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            moved = critic.update_target(step)
+            online, target = critic.q.proj.weight, critic.q_target.proj.weight
+            if mode == "hard":
+                assert moved == (step % 3 == 0)
+                assert torch.equal(target, online) if moved else torch.equal(target, before)
+            else:
+                assert moved and torch.allclose(target, 0.75 * before + 0.25 * online)
+        assert not any(p.requires_grad for p in critic.q_target.parameters())
+
+
+# ------------------------------------------------------------------ text weights
+
+
+def test_awr_weights_from_q_minus_v_and_filtered_bc_cut():
+    q_sa, v, g = torch.tensor([0.5, 0.2, 0.9]), torch.tensor([0.3, 0.4, 0.1]), torch.tensor([1.0, 0.0, 1.0])
+    adv = advantages(q_sa, v, g, "q_minus_v")
+    assert adv.tolist() == pytest.approx([0.2, -0.2, 0.8])
+    w = text_weights("awr", adv, g, beta=0.5, max_weight=4.0)
+    assert w.tolist() == pytest.approx([torch.exp(torch.tensor(0.4)).item(), torch.exp(torch.tensor(-0.4)).item(), 4.0])
+    assert advantages(q_sa, v, g, "return_minus_q").tolist() == pytest.approx([0.5, -0.2, 0.1])
+    # filtered BC: 0/1 returns with a 0.5 quantile at 0 must not keep the failures
+    cut = bc_threshold(torch.tensor([0.0, 0.0, 0.0, 1.0]), 0.5)
+    assert text_weights("filtered_bc", adv, torch.tensor([1.0, 0.0, 1.0]), 1.0, 1.0, cut).tolist() == [1.0, 0.0, 1.0]
+    # the loss only reads feedback tokens: changing prompt log-probs changes nothing
+    logp = torch.tensor([[-9.0, -1.0, -3.0], [-9.0, -2.0, -4.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 0.0, 1.0]])
+    loss, _ = text_loss(logp, mask, torch.tensor([1.0, 0.5]))
+    assert float(loss) == pytest.approx((2.0 * 1.0 + 4.0 * 0.5) / 2)
+    logp[:, 0] = -100.0
+    assert float(text_loss(logp, mask, torch.tensor([1.0, 0.5]))[0]) == pytest.approx(float(loss))
+
+
+def test_upper_config_is_validated_at_load():
+    cfg = load_config(overrides={"upper.conservatism": "iql", "upper.gamma": 0.5})
+    assert cfg.upper.conservatism == "iql" and cfg.upper.gamma == 0.5 and cfg.upper.q_source == "head"
+    with pytest.raises(ConfigError, match="upper.gamma"):
+        load_config(overrides={"upper.gamma": 2})
+    with pytest.raises(ConfigError, match="allowed: cql, iql, none"):
+        load_config(overrides={"upper.conservatism": "bcq"})
+    with pytest.raises(ConfigError, match="unknown config field 'upper.nope'"):
+        load_config(overrides={"upper.nope": 1})
