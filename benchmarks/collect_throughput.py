@@ -197,7 +197,6 @@ def main(argv=None) -> int:
     raw_runs: list[dict] = []
     engine = None
     if "vllm" in engines or args.raw_runs > 0:  # raw vLLM is the baseline of every ratio
-        from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
 
         from tosca_mlmt.engines.base import SamplingParams
@@ -211,9 +210,10 @@ def main(argv=None) -> int:
         s = base_cfg.solver_sampling
 
         def run_raw(n_raw: int) -> None:
-            sp = VSP(n=n_raw, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
-                     max_tokens=args.max_new_tokens, logprobs=0, seed=args.seed + len(raw_runs),
-                     stop_token_ids=policies.eos_ids("solver"))
+            # Exactly the vLLM SamplingParams the engine uses for a solver turn, only with n_raw samples.
+            sp = engine.sampling_params(SamplingParams(
+                max_new_tokens=args.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                n=n_raw, seed=args.seed + len(raw_runs)), "solver")
             engine.llm.reset_prefix_cache()  # no head start from earlier runs' cached prompts
             t = time.perf_counter()
             outs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in p1], sp, use_tqdm=False)

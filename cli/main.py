@@ -147,6 +147,9 @@ def config_cmd(
 from tosca_mlmt.cli.lower_cmd import train_lower  # noqa: E402
 
 app.command("train-lower")(user_errors(train_lower))
+from tosca_mlmt.cli.eval_cmd import eval_cmd  # noqa: E402
+
+app.command("eval")(user_errors(eval_cmd))
 from tosca_mlmt.cli.upper_cmd import train_upper; app.command("train-upper")(user_errors(train_upper))  # noqa: E402,E702
 
 

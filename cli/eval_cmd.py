@@ -1,0 +1,43 @@
+"""``mlmt eval``: greedy three-turn evaluation on a held-out split."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def eval_cmd(
+    out: Path = typer.Option(..., "--out", "-o", help="Folder for eval.json and the eval snapshot."),
+    run: Optional[Path] = typer.Option(None, "--run", help="A training run folder (uses its solver/ and writer/)."),
+    solver: Optional[str] = typer.Option(None, help="Solver adapter folder (instead of --run)."),
+    writer: Optional[str] = typer.Option(None, help="Writer folder: adapter + Q head + strategies (instead of --run)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config."),
+    task: Optional[str] = typer.Option(None, help="Task: arith, gsm8k, math500, mbpp."),
+    data: Optional[str] = typer.Option(None, help="Data root for gsm8k/math500/mbpp."),
+    split: str = typer.Option("test", help="Must be test: eval never touches training problems."),
+    limit: Optional[int] = typer.Option(None, help="Number of held-out problems (0 = all)."),
+    engine: Optional[str] = typer.Option(None, help="hf or vllm."),
+    set_: list[str] = typer.Option([], "--set", help="Any config field (repeatable)."),
+    no_wandb: bool = typer.Option(False, "--no-wandb", help="Do not log to wandb."),
+):
+    """Run solve -> feedback -> refine greedily on held-out problems (no oracle stop) and report
+    Acc@t1, Acc@final, delta, wrong->right, right->wrong, strategy counts and lengths."""
+    import json
+
+    from tosca_mlmt.cli.main import _parse_sets, _print_summary, err
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.pipelines.evaluate import adapters_from_run, evaluate
+
+    ov = {k: v for k, v in {"task.name": task, "task.data_path": data, "task.split": split, "task.limit": limit,
+                            "engine.name": engine, "model.solver_adapter": solver,
+                            "model.writer_adapter": writer}.items() if v is not None}
+    if run is not None:
+        ov.update(adapters_from_run(run))
+    if no_wandb:
+        ov["logging.wandb"] = False
+    ov.update(_parse_sets(set_))
+    rep = evaluate(load_config(config, ov), out, console=err)
+    _print_summary(f"eval on {rep['task']}/{rep['split']}", {k: v for k, v in rep.items() if isinstance(v, (int, float))})
+    print(json.dumps({k: rep[k] for k in ("snapshot_id", "acc_t1", "acc_final", "delta")}))
