@@ -68,7 +68,7 @@ class ArithTask:
     verifier_version = VERIFIER_VERSION
     answer_format = "End with 'The answer is: <number>'."
 
-    def __init__(self, level: int = 2):
+    def __init__(self, level: int = 1):
         if level not in LEVELS:
             from tosca_mlmt.errors import ConfigError
 
