@@ -150,6 +150,12 @@ app.command("train-lower")(user_errors(train_lower))
 from tosca_mlmt.cli.eval_cmd import eval_cmd  # noqa: E402
 
 app.command("eval")(user_errors(eval_cmd))
+from tosca_mlmt.cli.joint_cmd import train_joint  # noqa: E402
+
+app.command("train-joint")(user_errors(train_joint))
+from tosca_mlmt.cli.analyze_cmd import analyze  # noqa: E402
+
+app.command("analyze")(user_errors(analyze))
 from tosca_mlmt.cli.upper_cmd import train_upper; app.command("train-upper")(user_errors(train_upper))  # noqa: E402,E702
 
 

@@ -34,13 +34,16 @@ class CollectResult:
 
 
 def collect(cfg: Config, policies: PolicyPair | None = None, engine=None, log_dir: str | None = None,
-            console=None) -> CollectResult:
+            console=None, problems: list | None = None) -> CollectResult:
+    """``problems`` overrides the task's first ``task.limit`` problems (train-joint rotates them)."""
     runtime.setup(cfg.seed, cfg.deterministic, cfg.engine.threads)
     timer = StageTimer()
     with timer("load_task"):
         task = make_task(cfg.task)
-        loaded = task.load(cfg.task.split, cfg.task.limit or None, cfg.task.skip_bad_rows)
-        problems = loaded.problems
+        skipped = 0
+        if problems is None:
+            loaded = task.load(cfg.task.split, cfg.task.limit or None, cfg.task.skip_bad_rows)
+            problems, skipped = loaded.problems, loaded.skipped_rows
     with timer("load_models"):
         policies = policies or PolicyPair(cfg.model, seed=cfg.seed)
     with timer("start_engine"):
@@ -83,7 +86,7 @@ def collect(cfg: Config, policies: PolicyPair | None = None, engine=None, log_di
         "config": cfg.to_dict(),
         "models": {r: policies.fingerprint(r) for r in ("solver", "writer")},
         "task": {"name": task.name, "split": cfg.task.split, "verifier_version": task.verifier_version,
-                 "problem_ids": [p.id for p in problems], "skipped_rows": loaded.skipped_rows,
+                 "problem_ids": [p.id for p in problems], "skipped_rows": skipped,
                  "n_problems": len(problems)},
         "seeds": {"seed": cfg.seed},
         "sampling": {"solver": asdict(to_params(cfg.solver_sampling, cfg.seed, n=n)),

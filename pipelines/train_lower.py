@@ -65,9 +65,12 @@ def _init_run(run: Path, cfg: Config, resume: bool, extra: dict) -> None:
 
 def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None = None,
                 snapshot_root: str | Path = "snapshots", resume: bool = False, console=None,
-                policies: PolicyPair | None = None, engine=None, stop_after: int | None = None) -> LowerResult:
+                policies: PolicyPair | None = None, engine=None, stop_after: int | None = None,
+                init_from: Path | None = None) -> LowerResult:
     """``stop_after`` ends the process-equivalent of a crash after that many iterations
-    (used by resume tests); checkpoints are written as usual up to then."""
+    (used by resume tests); checkpoints are written as usual up to then. ``init_from`` is a
+    checkpoint whose value head and optimizer state a fresh run starts from (train-joint
+    carries the solver's critic and Adam moments from round to round this way)."""
     runtime.setup(cfg.seed, cfg.deterministic, cfg.engine.threads)
     run = Path(run_dir)
     lo = cfg.lower
@@ -82,6 +85,8 @@ def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None
         latest = ck.latest()
         trainer.load(latest)
         start = CheckpointManager.load_state(latest)["iteration"]
+    elif init_from is not None:
+        trainer.load_trainer_state(Path(init_from))
     task = make_task(cfg.task)
     offline = None
     if snapshot_ids:

@@ -96,6 +96,7 @@ def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies
     progress = Progress(TextColumn("[bold]train-upper[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), disable=not cfg.logging.progress, console=console, transient=False)
     last_eval: dict = {}
+    last_q = None  # Q of every logged state at the last evaluation (the report reuses it)
     try:
         with progress:
             bar = progress.add_task("steps", total=uc.steps, completed=learner.step)
@@ -110,18 +111,19 @@ def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies
                     sink.log({"upper/" + k: v for k, v in m.items()}, step=step)
                 if step % uc.eval_every == 0 or step == uc.steps:
                     with timer("eval"):
-                        last_eval = evaluate_q(learner.q_all(), transitions, strategies, learner.policy)
+                        last_q = learner.q_all()
+                        last_eval = evaluate_q(last_q, transitions, strategies, learner.policy)
                     sink.log({"upper/" + k: v for k, v in last_eval.items()}, step=step)
                 if step % uc.save_every == 0 or step == uc.steps:
                     with timer("checkpoint"):
                         ckm.save(step, learner.save, {"snapshots": list(uc.snapshots), "stage": "upper"})
-        if not last_eval:  # resumed at the very end: nothing was evaluated in this process
-            last_eval = evaluate_q(learner.q_all(), transitions, strategies, learner.policy)
+        if last_q is None:
+            last_q = learner.q_all()  # resumed at the very end: nothing was evaluated in this process
+            last_eval = evaluate_q(last_q, transitions, strategies, learner.policy)
         with timer("save_writer"):
             writer_dir = learner.export_writer(run_dir / "writer")
         with timer("report"):
-            q = learner.q_all()
-            table = preference_table(q, transitions, strategies, learner.policy)
+            table = preference_table(last_q, transitions, strategies, learner.policy)
             info = {"snapshots": list(uc.snapshots), "transitions": len(transitions), "steps": learner.step,
                     "episodes": len({(t.snapshot_id, t.episode_id) for t in transitions}), "q_source": uc.q_source,
                     "conservatism": uc.conservatism, "selection": cfg.episode.strategy_selection}

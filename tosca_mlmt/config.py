@@ -17,6 +17,7 @@ import yaml
 
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.knobs import knob
+from tosca_mlmt.joint.config import JointConfig
 from tosca_mlmt.lower.config import LowerConfig
 from tosca_mlmt.upper.config import UpperConfig
 
@@ -127,6 +128,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     collect: CollectConfig = field(default_factory=CollectConfig)
     lower: LowerConfig = field(default_factory=LowerConfig)
+    joint: JointConfig = field(default_factory=JointConfig)
     upper: UpperConfig = field(default_factory=UpperConfig)
 
     def to_dict(self) -> dict:

@@ -94,7 +94,7 @@ class VLLMEngine:
                 "engine.name=vllm serves one base model; use engine.name=hf when solver and writer have different bases")
         self.llm = LLM(**kwargs)
         self.loaded_key: str | None = None  # weights_key() of the weights vLLM holds now
-        self.sync_seconds = 0.0  # time in syncs that changed the served weights (merge + reload)
+        self.sync_seconds = 0.0  # time in syncs that pushed weights (key check + merge + reload)
         self.check_seconds = 0.0  # time in sync checks that found nothing to load (~0.1 s each)
         self.syncs = 0  # full state-dict reloads pushed into vLLM
         self.sync_weights("solver")
@@ -120,8 +120,9 @@ class VLLMEngine:
     def sync_weights(self, policy: str, force: bool = False) -> float:
         """Load ``policy``'s merged weights unless vLLM already holds exactly them.
 
-        Returns the seconds spent (0.0 when nothing had to move). The base weights are assumed
-        frozen; after changing them in place, call with ``force=True``.
+        Returns the seconds spent (0.0 when nothing had to move; the ~0.1 s check then counts
+        in ``check_seconds``). The base weights are assumed frozen; after changing them in
+        place, call with ``force=True``.
         """
         t0 = time.perf_counter()
         key = self.weights_key(policy)
@@ -129,10 +130,13 @@ class VLLMEngine:
             self.check_seconds += time.perf_counter() - t0
             return 0.0
         # vLLM read the base from disk at start-up: nothing to push while the policy is the base.
-        if force or self.loaded_key is not None or key != "base":
-            self.load_state_dict(merged_state_dict(self.policies, policy))
-            self.syncs += 1
+        if not (force or self.loaded_key is not None or key != "base"):
+            self.loaded_key = key
+            self.check_seconds += time.perf_counter() - t0
+            return 0.0
+        self.load_state_dict(merged_state_dict(self.policies, policy))
         self.loaded_key = key
+        self.syncs += 1
         dt = time.perf_counter() - t0
         self.sync_seconds += dt
         return dt

@@ -244,11 +244,13 @@ class PPOTrainer:
                     "optimizer_steps": self.optimizer_steps}, folder / "optim.pt")
 
     def load(self, folder: Path) -> None:
-        from peft import set_peft_model_state_dict
+        self.policies.load_role("solver", folder / "solver")
+        self.load_trainer_state(folder)
+
+    def load_trainer_state(self, folder: Path) -> None:
+        """Value head, optimizer and scheduler only (the adapter comes from elsewhere)."""
         from safetensors.torch import load_file
 
-        sd = load_file(folder / "solver" / "adapter_model.safetensors")
-        set_peft_model_state_dict(self.model, sd, adapter_name="solver")
         self.acc.unwrap_model(self.value_head).load_state_dict(load_file(folder / VALUE_HEAD_FILE))
         st = torch.load(folder / "optim.pt", weights_only=False)
         self.optimizer.load_state_dict(st["optimizer"])

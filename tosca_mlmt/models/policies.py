@@ -181,6 +181,17 @@ class PolicyPair:
                 shutil.rmtree(tmp, ignore_errors=True)
         return folder
 
+    def load_role(self, role: str, folder: str | Path) -> None:
+        """Load weights written by :meth:`save_role` into the live adapter (and, for the writer,
+        its Q head and strategies), e.g. when a run resumes."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        set_peft_model_state_dict(self._models[role], load_file(folder / "adapter_model.safetensors"), adapter_name=role)
+        if role == "writer":
+            self._load_writer_extras(folder)
+
     # ------------------------------------------------------------------ writer extras
     def _load_writer_extras(self, folder: Path) -> None:
         from safetensors.torch import load_file

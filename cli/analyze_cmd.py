@@ -1,0 +1,28 @@
+"""``mlmt analyze``: offline report (PNG figures + report.md) from runs and snapshots.
+
+Registered in ``cli/main.py``. Messages go to stderr; stdout's last line is the report's
+path. pandas and matplotlib load only when the command runs, not with every ``mlmt`` call.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def analyze(
+    sources: list[str] = typer.Argument(..., metavar="RUN_OR_SNAPSHOT",
+                                        help="Run folders, snapshot folders or snapshot ids (under --root)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output folder for report.md and the PNG figures."),
+    root: Path = typer.Option(Path("snapshots"), help="Snapshot root for arguments given as snapshot ids."),
+):
+    """Learning curves, accuracy per turn, correction matrix, strategies, bonus and feedback length.
+
+    Offline: reads metrics.jsonl files and snapshots only. Prints the report's path last on stdout."""
+    from tosca_mlmt.cli.main import err
+    from tosca_mlmt.pipelines.analyze import analyze as run
+
+    res = run(sources, out, root, console=err)
+    err.print(f"analyze: {len(res.figures)} figure(s) in {out}", highlight=False)
+    print(res.report)

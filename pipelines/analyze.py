@@ -1,0 +1,44 @@
+"""``mlmt analyze``: an offline report from run folders and snapshots (no model is loaded).
+
+Steps: resolve the arguments -> read every snapshot manifest (unknown format versions are
+refused here, before any data is read) -> read metrics.jsonl records and snapshot turns ->
+tables (pure) -> figures -> report. Output folder::
+
+    <out>/report.md     every table, linking every figure by a relative path
+    <out>/*.png         the figures
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tosca_mlmt.analysis import plots
+from tosca_mlmt.analysis.report import render_report
+from tosca_mlmt.analysis.sources import read_metrics, read_turns, resolve
+from tosca_mlmt.analysis.tables import Tables, compute_tables
+from tosca_mlmt.errors import MlmtError
+
+
+@dataclass
+class AnalyzeResult:
+    report: Path
+    figures: list[Path]
+    tables: Tables
+
+
+def analyze(sources: list[str], out: str | Path, root: str | Path = "snapshots", console=None) -> AnalyzeResult:
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise MlmtError(f"--out {out} is a file, not a folder")
+    src = resolve(sources, Path(root))
+    if console is not None:
+        console.print(f"analyze: {len(src.metrics)} metrics file(s), {len(src.snapshots)} snapshot(s)",
+                      highlight=False)
+    tables = compute_tables(read_metrics(src.metrics), [m for _, m in src.snapshots.values()],
+                            read_turns(src.snapshots))
+    out.mkdir(parents=True, exist_ok=True)
+    figures = plots.draw_all(tables, out)
+    report = out / "report.md"
+    report.write_text(render_report(tables, figures, sources))
+    return AnalyzeResult(report, [out / f for f in figures.values()], tables)

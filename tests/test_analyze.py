@@ -1,0 +1,181 @@
+"""`mlmt analyze` on hand-made snapshots and metrics whose tables are known exactly. No model."""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from tosca_mlmt.analysis.sources import TURN_READERS, read_metrics, read_turns, resolve
+from tosca_mlmt.analysis.tables import compute_tables, snapshot_index
+from tosca_mlmt.cli.main import app
+from tosca_mlmt.episode import Episode, Turn
+from tosca_mlmt.snapshot import SUPPORTED_VERSIONS, write_snapshot
+from tosca_mlmt.tasks.base import Problem
+
+R, W = True, False
+STRATEGIES = ["verify", "hint", "explain"]
+# Snapshot A, one feedback round: (correct at turn 1, correct at the end), strategy, feedback length.
+# 3 right->right, 1 right->wrong, 4 wrong->right, 2 wrong->wrong.
+SPEC_A = [((R, R), "verify", 4), ((R, R), "verify", 4), ((R, R), "hint", 20), ((R, W), "hint", 20),
+          ((W, R), "verify", 10), ((W, R), "verify", 10), ((W, R), "hint", 40), ((W, R), "explain", 40),
+          ((W, W), "explain", 70), ((W, W), "hint", 70)]
+# Snapshot B, two feedback rounds, always "verify" with 4-token feedback.
+PATTERNS_B = [(W, W, R), (W, R, R), (R, R, R), (R, W, W)]
+METRICS = [
+    {"time": 1.0, "step": 1, "lower/acc_t1": 0.25, "lower/acc_final": 0.5, "lower/bonus/mean": 0.1,
+     "lower/bonus/corr_correct": float("nan"), "lower/kl": 0.0, "lower/time/generate": 3.0, "lower/iteration": 1,
+     "lower/iteration_seconds": 9.0, "lower/gen_tokens_per_s": 50.0, "lower/snapshot": "snap-x"},
+    {"time": 2.0, "step": 2, "lower/acc_t1": 0.5, "lower/acc_final": 0.75, "lower/bonus/mean": 0.2,
+     "lower/bonus/corr_correct": 0.5, "lower/kl": 0.01, "lower/snapshot": None},
+    {"time": 3.0, "step": 10, "upper/td_loss": 0.9, "upper/q/verify": 0.3},
+    {"time": 4.0, "joint/acc_final": 0.6, "collect/acc_t1": 0.1},  # no step: its line number (4) stands in
+    {"time": 5.0, "step": 2, "lower/acc_t1": 0.55},  # logged again after a resume: the later value wins
+]
+
+
+def episode(i: int, pattern, strategies, lengths, prefix: str) -> Episode:
+    """Solver attempts correct per ``pattern`` (reward 1/0), one feedback turn per later attempt."""
+    p = Problem("arith", f"{prefix}-{i:03d}", f"What is {i} + 1?", str(i + 1), "train", {"level": 1})
+    ep = Episode(f"{p.id}/s0", p, 0)
+    ep.turns = [Turn(0, 0, "solver", "solve", [1, 2], [7, 2], [-0.1, -0.2], "stop", "x", reward=float(pattern[0]),
+                     correct=pattern[0])]
+    for k, (ok, name, n) in enumerate(zip(pattern[1:], strategies, lengths), 1):
+        i0 = len(ep.turns)
+        ep.turns += [
+            Turn(i0, k, "writer", "feedback", [1, 3], list(range(n)), [-0.5] * n, "stop", "fb",
+                 strategy=STRATEGIES.index(name), strategy_name=name, behaviour_prob=1 / 3,
+                 behaviour_probs=[1 / 3] * 3, state_len=1),
+            Turn(i0 + 1, k, "solver", "refine", [1, 4], [5, 2], [-0.3, -0.1], "stop", "y", reward=float(ok),
+                 correct=ok)]
+    return ep
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A run folder: metrics.jsonl (torn last line, as after a kill) and snapshots B (iteration 0)
+    then A (iteration 1)."""
+    run = tmp_path_factory.mktemp("runs") / "run"
+    snaps = run / "snapshots"
+    eps_b = [episode(i, p, ["verify"] * 2, [4, 4], "b") for i, p in enumerate(PATTERNS_B)]
+    sid_b, _ = write_snapshot(snaps, eps_b, {"kind": "train-lower-batch", "iteration": 0})
+    eps_a = [episode(i, p, [s], [n], "a") for i, (p, s, n) in enumerate(SPEC_A)]
+    sid_a, _ = write_snapshot(snaps, eps_a, {"kind": "train-lower-batch", "iteration": 1})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in METRICS) + '{"step": 3, "lower/acc')
+    return run, sid_a, sid_b
+
+
+def tables_for(*args, root=Path("snapshots")):
+    src = resolve([str(a) for a in args], root)
+    return compute_tables(read_metrics(src.metrics), [m for _, m in src.snapshots.values()], read_turns(src.snapshots))
+
+
+def rows(df: pd.DataFrame, *cols) -> list[tuple]:
+    return [tuple(round(v, 9) if isinstance(v, float) else v for v in r)
+            for r in df[list(cols)].itertuples(index=False)]
+
+
+def test_every_supported_snapshot_format_version_has_a_reader():
+    assert set(SUPPORTED_VERSIONS) <= set(TURN_READERS)
+
+
+def test_snapshots_are_ordered_by_creation_then_iteration():
+    ms = [{"id": "snap-c", "created_at": "2026-01-01T00:00:02+00:00", "iteration": 0, "format_version": 1},
+          {"id": "snap-b", "created_at": "2026-01-01T00:00:01+00:00", "iteration": 5, "format_version": 1},
+          {"id": "snap-a", "created_at": "2026-01-01T00:00:01+00:00", "iteration": 4, "format_version": 1}]
+    assert snapshot_index(ms)["snapshot"].tolist() == ["snap-a", "snap-b", "snap-c"]
+
+
+def test_correction_matrix_matches_the_hand_made_episodes(run):
+    path, sid_a, sid_b = run
+    t = tables_for(path / "snapshots" / sid_a)
+    assert rows(t.correction, "snapshot", "turn1", "final", "count", "rate") == [
+        (sid_a, "right", "right", 3, 0.3), (sid_a, "right", "wrong", 1, 0.1),
+        (sid_a, "wrong", "right", 4, 0.4), (sid_a, "wrong", "wrong", 2, 0.2)]
+    pooled = tables_for(path).correction_all  # A and B together; B has no wrong->wrong
+    assert rows(pooled, "turn1", "final", "count") == [("right", "right", 4), ("right", "wrong", 2),
+                                                        ("wrong", "right", 6), ("wrong", "wrong", 2)]
+    assert pooled["rate"].tolist() == pytest.approx([4 / 14, 2 / 14, 6 / 14, 2 / 14])
+
+
+def test_accuracy_per_turn_follows_snapshot_order(run):
+    path, sid_a, sid_b = run
+    t = tables_for(path)
+    assert rows(t.snapshots, "order", "snapshot", "iteration", "episodes") == [(0, sid_b, 0, 4), (1, sid_a, 1, 10)]
+    assert rows(t.accuracy, "order", "attempt", "episodes", "accuracy") == [
+        (0, 1, 4, 0.5), (0, 2, 4, 0.5), (0, 3, 4, 0.75), (1, 1, 10, 0.4), (1, 2, 10, 0.7)]
+
+
+def test_strategy_distribution_and_value(run):
+    path, sid_a, sid_b = run
+    t = tables_for(path)
+    assert rows(t.strategies, "order", "strategy", "count", "share", "mean_r_final", "mean_improvement") == [
+        (0, "verify", 8, 1.0, 0.75, 0.25),
+        (1, "explain", 2, 0.2, 0.5, 0.5), (1, "hint", 4, 0.4, 0.5, 0.0), (1, "verify", 4, 0.4, 1.0, 0.5)]
+
+
+def test_feedback_length_vs_outcome(run):
+    path, sid_a, _ = run
+    t = tables_for(sid_a, root=path / "snapshots")  # a snapshot id resolved under --root
+    assert rows(t.feedback_length, "tokens", "feedback_turns", "final_accuracy", "mean_improvement") == [
+        ("0-7", 2, 1.0, 0.0), ("8-15", 2, 1.0, 1.0), ("16-31", 2, 0.5, -0.5), ("32-63", 2, 1.0, 1.0),
+        ("64-127", 2, 0.0, 0.0)]
+
+
+def test_learning_curves_and_bonus_from_metrics_jsonl(run):
+    path, _, _ = run
+    t = tables_for(path)
+    assert rows(t.runs, "run", "records") == [("run", 5)]  # the torn last line is skipped
+    assert rows(t.curves, "run", "level", "metric", "step", "value") == [
+        ("run", "joint", "acc_final", 4, 0.6),
+        ("run", "lower", "acc_final", 1, 0.5), ("run", "lower", "acc_final", 2, 0.75),
+        ("run", "lower", "acc_t1", 1, 0.25), ("run", "lower", "acc_t1", 2, 0.55),
+        ("run", "lower", "bonus/corr_correct", 2, 0.5),
+        ("run", "lower", "bonus/mean", 1, 0.1), ("run", "lower", "bonus/mean", 2, 0.2),
+        ("run", "lower", "kl", 1, 0.0), ("run", "lower", "kl", 2, 0.01),
+        ("run", "upper", "q/verify", 10, 0.3), ("run", "upper", "td_loss", 10, 0.9)]
+    expected = pd.DataFrame({"run": ["run", "run"], "step": [1, 2], "bonus/mean": [0.1, 0.2],
+                             "bonus/corr_correct": [np.nan, 0.5], "acc_t1": [0.25, 0.55], "acc_final": [0.5, 0.75]})
+    pd.testing.assert_frame_equal(t.bonus, expected)
+
+
+def test_cli_writes_figures_and_a_report_linking_them(run, tmp_path):
+    path, sid_a, _ = run
+    res = CliRunner().invoke(app, ["analyze", str(path), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    report = tmp_path / "out" / "report.md"
+    assert res.stdout.strip().splitlines()[-1] == str(report)
+    text = report.read_text()
+    pngs = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
+    assert pngs == sorted(["curves-00-joint.png", "curves-01-lower.png", "curves-02-upper.png",
+                           "accuracy_per_turn.png", "correction_matrix.png", "strategies.png",
+                           "bonus_vs_correctness.png", "feedback_length.png"])
+    assert all((tmp_path / "out" / p).stat().st_size > 1000 for p in pngs)
+    assert sorted(re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)) == pngs
+    for heading in ("Learning curves per level", "Accuracy per turn over snapshots", "Correction matrix",
+                    "Strategy distribution and value over time", "Context-dependency bonus vs correctness",
+                    "Feedback length vs outcome"):
+        assert f"## {heading}" in text
+    assert "| turn 1 right | 4 (28.6%) | 2 (14.3%) |" in text and sid_a in text
+
+
+def test_cli_refuses_an_unknown_snapshot_format_version(run, tmp_path):
+    path, sid_a, _ = run
+    bad = tmp_path / "run2" / "snapshots" / sid_a
+    shutil.copytree(path / "snapshots" / sid_a, bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    (bad / "manifest.json").write_text(json.dumps({**m, "format_version": 99}))
+    for arg in (bad, tmp_path / "run2"):  # as a snapshot folder, and found inside a run folder
+        res = CliRunner().invoke(app, ["analyze", str(arg), "--out", str(tmp_path / "out")])
+        assert res.exit_code == 2
+        assert sid_a in res.stderr and "format version 99 is not supported" in res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_rejects_an_argument_that_is_nothing_it_knows(tmp_path):
+    res = CliRunner().invoke(app, ["analyze", "snap-nope", "--root", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "'snap-nope' is not a run folder" in res.stderr

@@ -1,0 +1,178 @@
+"""train-upper on a real snapshot from ``collect`` with the embedded model (slow: loads it)."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import run_mlmt
+from tosca_mlmt.config import load_config
+from tosca_mlmt.models.loading import weights_fingerprint
+from tosca_mlmt.models.policies import PolicyPair
+from tosca_mlmt.pipelines.collect import collect
+from tosca_mlmt.pipelines.train_upper import train_upper
+from tosca_mlmt.snapshot import load_snapshot
+from tosca_mlmt.upper.dataset import build_transitions
+from tosca_mlmt.upper.trunk import WriterTrunk
+
+pytestmark = pytest.mark.slow
+
+TINY = {"model.dtype": "float32", "solver_sampling.max_new_tokens": 8, "writer_sampling.max_new_tokens": 8,
+        "episode.max_feedback_tokens": 8, "logging.wandb": False, "logging.progress": False}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    p = PolicyPair(load_config(overrides=TINY).model, seed=0)
+    yield p
+    torch.use_deterministic_algorithms(False)  # determinism mode is process-wide; do not leak it
+
+
+@pytest.fixture(scope="module")
+def snapshot(pair, tmp_path_factory):
+    """arith, 2 problems x 2 samples, K = 2 rounds (so s' and the gamma backup are exercised)."""
+    root = tmp_path_factory.mktemp("upper-snaps")
+    cfg = load_config(overrides={**TINY, "task.limit": 2, "episode.n_samples": 2, "episode.rounds": 2,
+                                 "collect.out": str(root)})
+    res = collect(cfg, policies=pair)
+    return root, res.snapshot_id
+
+
+def _cfg(snapshot, **over):
+    root, sid = snapshot
+    return load_config(overrides={**TINY, "upper.snapshots": [sid], "upper.snapshot_root": str(root),
+                                  "upper.steps": 3, "upper.batch_size": 2, "upper.warmup_steps": 1,
+                                  "upper.save_every": 2, "upper.log_every": 1, "upper.eval_every": 3,
+                                  "deterministic": True, **over})
+
+
+def _others_fingerprint(pair) -> str:
+    """Every tensor of the model except the writer adapter: solver adapter, base, buffers."""
+    m = pair.model("writer")
+    sd = {n: t for n, t in list(m.named_parameters()) + list(m.named_buffers()) if ".writer." not in n}
+    return weights_fingerprint(sd)
+
+
+def _reset_writer(pair, init):
+    WriterTrunk(pair).load_state_dict(init)
+    pair.q_head, pair.strategies = None, None
+
+
+@pytest.fixture(scope="module")
+def trained(pair, snapshot, tmp_path_factory):
+    init = WriterTrunk(pair).state_dict()
+    others = _others_fingerprint(pair)
+    run = tmp_path_factory.mktemp("upper-run") / "a"
+    res = train_upper(_cfg(snapshot), run, policies=pair)
+    root, sid = snapshot
+    states = [t.state_ids for t in build_transitions([(sid, load_snapshot(root, sid).episodes())])]
+    return {"init": init, "others_before": others, "others_after": _others_fingerprint(pair), "run": run,
+            "res": res, "after": WriterTrunk(pair).state_dict(), "q_states": pair.q_values(states), "states": states}
+
+
+def test_training_changes_the_writer_adapter_and_q_head_and_nothing_else(trained):
+    init, after = trained["init"], trained["after"]
+    changed = [n for n in init if not torch.equal(init[n], after[n])]
+    assert any("lora_B" in n for n in changed) and any("lora_A" in n for n in changed)
+    assert trained["others_after"] == trained["others_before"]  # solver adapter and base bit-identical
+    head = load_file(trained["run"] / "writer" / "q_head.safetensors")
+    assert head["proj.weight"].abs().sum() > 0 and head["proj.weight"].shape[0] == 6
+
+
+def test_run_folder_provenance_metrics_report(trained, snapshot):
+    run, (_, sid) = trained["run"], snapshot
+    assert trained["res"].step == 3 and trained["res"].writer_dir == run / "writer"
+    cfg = run / "config.yaml"
+    assert cfg.exists() and sid in cfg.read_text()
+    prov = json.loads((run / "provenance.json").read_text())
+    assert prov["parents"] == [sid] and prov["snapshots"][0]["id"] == sid and prov["final_step"] == 3
+    assert prov["decisions"] == 8  # 4 episodes x 2 rounds
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    keys = set().union(*recs)
+    for k in ("upper/td_loss", "upper/cql_term", "upper/q_data", "upper/v", "upper/adv_mean", "upper/adv_std",
+              "upper/w_ess_frac", "upper/text_loss", "upper/q/check_arithmetic", "upper/ope/value",
+              "upper/ope/behaviour_value", "upper/ope/ess", "upper/time/update"):
+        assert k in keys, k
+    assert [r["upper/text_on"] for r in recs if "upper/text_on" in r] == [0.0, 1.0, 1.0]  # warm-up of 1 step
+    report = (run / "report.md").read_text()
+    assert "## arith/L2: prefers" in report and "check_arithmetic" in report
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-000003"
+    assert json.loads((run / "writer" / "strategies.json").read_text())[0]["name"] == "check_arithmetic"
+
+
+def test_resume_from_a_checkpoint_reproduces_the_uninterrupted_weights(pair, snapshot, trained, tmp_path):
+    _reset_writer(pair, trained["init"])
+    run = tmp_path / "b"
+    part = train_upper(_cfg(snapshot), run, policies=pair, stop_at=2)  # "crash" right after step 2's checkpoint
+    assert part.writer_dir is None and (run / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    # scramble the live weights: the resumed run must take everything from the checkpoint
+    with torch.no_grad():
+        for p in WriterTrunk(pair).params.values():
+            p.add_(0.01)
+    res = train_upper(_cfg(snapshot), run, policies=pair, resume=True)
+    assert res.step == 3
+    a, b = trained["run"], run
+    for f in ("writer/adapter_model.safetensors", "writer/q_head.safetensors",
+              "checkpoints/step-000003/heads.safetensors", "checkpoints/step-000003/writer_adapter.safetensors"):
+        ta, tb = load_file(a / f), load_file(b / f)
+        assert ta.keys() == tb.keys()
+        assert all(torch.equal(ta[k], tb[k]) for k in ta), f
+    assert json.loads((b / "provenance.json").read_text())["resumed_from"] == ["step-000002"]
+
+
+def test_saved_writer_is_what_collect_loads(trained, snapshot, tmp_path):
+    """collect --set model.writer_adapter=<run>/writer: the Q head is read, strategies are drawn
+    by softmax over it, and the behaviour probabilities are logged."""
+    writer = str(trained["run"] / "writer")
+    loaded = PolicyPair(load_config(overrides={**TINY, "model.writer_adapter": writer}).model, seed=0)
+    assert loaded.q_head is not None and [s["name"] for s in loaded.strategies][0] == "check_arithmetic"
+    q = loaded.q_values(trained["states"])
+    assert torch.allclose(q, trained["q_states"], atol=1e-4)
+    # the learner's own reading of Q (right-padded, inside the full sequence) agrees with collect's
+    report = json.loads((trained["run"] / "report.json").read_text())
+    learner_q = torch.tensor([r["q"] for r in report["table"]["arith/L2"]])
+    assert torch.allclose(learner_q, q.mean(0), atol=1e-3)
+    cfg = load_config(overrides={**TINY, "model.writer_adapter": writer, "task.limit": 1, "episode.n_samples": 1,
+                                 "collect.out": str(tmp_path)})
+    res = collect(cfg, policies=loaded)
+    fb = [t for ep in load_snapshot(tmp_path, res.snapshot_id).episodes() for t in ep.turns if t.kind == "feedback"][0]
+    assert fb.q_values is not None
+    expect = torch.softmax(torch.tensor(fb.q_values, dtype=torch.float64) / cfg.episode.strategy_temperature, 0)
+    assert torch.allclose(torch.tensor(fb.behaviour_probs, dtype=torch.float64), expect, atol=1e-6)
+    assert fb.behaviour_prob == pytest.approx(fb.behaviour_probs[fb.strategy])
+
+
+def test_logits_q_source_trains_the_adapter_and_exports_an_equivalent_head(pair, snapshot, trained, tmp_path):
+    _reset_writer(pair, trained["init"])
+    res = train_upper(_cfg(snapshot, **{"upper.q_source": "logits", "upper.conservatism": "iql",
+                                        "upper.text_loss": "none", "upper.steps": 2}), tmp_path / "l", policies=pair)
+    after = WriterTrunk(pair).state_dict()
+    assert any(not torch.equal(trained["init"][n], after[n]) for n in after)  # TD moved the adapter
+    states = trained["states"][:2]
+    with torch.no_grad(), pair.use("writer"):
+        h = WriterTrunk(pair).states(states)
+        logits = pair.model("writer").get_base_model().get_output_embeddings()(h)
+    tok = pair.tokenizer("writer")
+    ids = [tok.encode(str(k), add_special_tokens=False)[0] for k in range(1, 7)]
+    assert torch.allclose(pair.q_values(states), logits[:, ids].float(), atol=1e-3)
+    assert res.metrics["ope/ess"] > 0
+
+
+def test_cli_train_upper(snapshot, tmp_path):
+    root, sid = snapshot
+    out = tmp_path / "cli-run"
+    sets = [a for k, v in {**TINY, "upper.steps": 1, "upper.batch_size": 2}.items() for a in ("--set", f"{k}={v}")]
+    p = run_mlmt("train-upper", "--snapshot", sid, "--root", root, "--out", out, "--no-wandb", *sets, check=True)
+    assert p.stdout.strip().splitlines()[-1] == str(out / "writer")
+    assert (out / "writer" / "q_head.safetensors").exists() and (out / "report.md").exists()
+    # user errors exit 2 with one line, before any model is loaded (in-process: no start-up cost)
+    from typer.testing import CliRunner
+
+    from tosca_mlmt.cli.main import app
+
+    again = CliRunner().invoke(app, ["train-upper", "--snapshot", sid, "--root", str(root), "--out", str(out), *sets])
+    assert again.exit_code == 2 and "already holds a train-upper run" in again.stderr
+    missing = CliRunner().invoke(app, ["train-upper", "--snapshot", "snap-nope", "--root", str(root),
+                                       "--out", str(tmp_path / "x"), *sets])
+    assert missing.exit_code == 2 and "no snapshot 'snap-nope'" in missing.stderr

@@ -1,0 +1,130 @@
+"""The Markdown report of ``mlmt analyze``: every table inline, every figure linked by a
+relative path, so the output folder can be moved or shared as a whole."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from tosca_mlmt.analysis.tables import CELLS, Tables, curve_table
+
+
+def _cell(v) -> str:
+    if not isinstance(v, str) and pd.isna(v):
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v).replace("|", "\\|")
+
+
+def md_table(df: pd.DataFrame) -> str:
+    """GitHub-flavoured Markdown; numeric columns right-aligned, NaN as an empty cell."""
+    align = ["---:" if pd.api.types.is_numeric_dtype(df[c]) else "---" for c in df.columns]
+    rows = [[_cell(c) for c in df.columns], align, *[[_cell(v) for v in r] for r in df.itertuples(index=False)]]
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def _figure(figures: dict[str, str], key: str, title: str) -> list[str]:
+    return [f"![{title}]({figures[key]})", ""] if key in figures else []
+
+
+def _missing(what: str) -> list[str]:
+    return [f"_Not available: {what}._", ""]
+
+
+def _inputs(t: Tables) -> list[str]:
+    out = ["## Inputs", ""]
+    out += ["Run metrics (`metrics.jsonl`):", "", md_table(t.runs), ""] if len(t.runs) else _missing("no metrics.jsonl")
+    snaps = t.snapshots.rename(columns={"order": "#"})
+    out += ["Snapshots, oldest first (`#` is the x axis of the snapshot figures):", "", md_table(snaps), ""] \
+        if len(snaps) else _missing("no snapshots")
+    return out
+
+
+def _curves(t: Tables, figures: dict[str, str]) -> list[str]:
+    out = ["## Learning curves per level", "",
+           "Every numeric `lower/*`, `upper/*`, `joint/*` metric per logged step (timings and throughput "
+           "left out); tables show at most 10 evenly spread steps, the figures all of them.", ""]
+    if not len(t.curves):
+        return out + _missing("no lower/upper/joint metrics in the metrics.jsonl files")
+    for (run, level), g in t.curves.groupby(["run", "level"]):
+        out += [f"### {run}: {level}", "", f"Steps logged: {g['step'].nunique()}.", ""]
+        out += _figure(figures, f"curves:{run}:{level}", f"{run} {level} learning curves")
+        out += [md_table(curve_table(g)), ""]
+    return out
+
+
+def _accuracy(t: Tables, figures: dict[str, str]) -> list[str]:
+    out = ["## Accuracy per turn over snapshots", "",
+           "Attempt 1 is the solver's first answer (turn 1); attempt k+1 its answer after feedback round k.", ""]
+    if not len(t.accuracy):
+        return out + _missing("no snapshots")
+    wide = t.accuracy.pivot(index=["order", "snapshot"], columns="attempt", values="accuracy")
+    wide.columns = [f"attempt {a}" for a in wide.columns]
+    episodes = t.accuracy[t.accuracy["attempt"] == 1].set_index(["order", "snapshot"])["episodes"]
+    wide.insert(0, "episodes", episodes)
+    out += _figure(figures, "accuracy", "accuracy per turn")
+    return out + [md_table(wide.reset_index().rename(columns={"order": "#"})), ""]
+
+
+def _cells(matrix: pd.DataFrame) -> pd.DataFrame:
+    """One row per snapshot: 'count (rate)' per cell, episodes, and Acc@final - Acc@t1."""
+    text = matrix.assign(cell=matrix["turn1"] + "->" + matrix["final"],
+                         value=[f"{c} ({r:.1%})" for c, r in zip(matrix["count"], matrix["rate"])])
+    wide = text.pivot(index=["order", "snapshot"], columns="cell", values="value")[[f"{a}->{b}" for a, b in CELLS]]
+    rate = matrix.set_index(["order", "snapshot", "turn1", "final"])["rate"]
+    wide.insert(0, "episodes", matrix.groupby(["order", "snapshot"])["count"].sum())
+    wide["acc_final - acc_t1"] = (rate.xs(("wrong", "right"), level=["turn1", "final"])
+                                  - rate.xs(("right", "wrong"), level=["turn1", "final"]))
+    return wide.reset_index().rename(columns={"order": "#"})
+
+
+def _correction(t: Tables, figures: dict[str, str]) -> list[str]:
+    out = ["## Correction matrix (turn 1 vs final)", "",
+           "Counts, and in brackets rates as fractions of all episodes (so wrong->right - right->wrong "
+           "= Acc@final - Acc@t1).", ""]
+    if not len(t.correction):
+        return out + _missing("no snapshots")
+    pooled = t.correction_all.set_index(["turn1", "final"])
+    grid = pd.DataFrame({f"final {b}": [f"{pooled.at[(a, b), 'count']} ({pooled.at[(a, b), 'rate']:.1%})"
+                                        for a in ("right", "wrong")] for b in ("right", "wrong")},
+                        index=["turn 1 right", "turn 1 wrong"])
+    out += ["All snapshots together:", "", md_table(grid.rename_axis("").reset_index()), ""]
+    out += _figure(figures, "correction", "correction matrix")
+    return out + ["Per snapshot:", "", md_table(_cells(t.correction)), ""]
+
+
+def _strategies(t: Tables, figures: dict[str, str]) -> list[str]:
+    out = ["## Strategy distribution and value over time", "",
+           "Per snapshot: feedback turns per strategy, their share, and the mean final reward and mean "
+           "improvement (r_final - r1) of their episodes.", ""]
+    if not len(t.strategies):
+        return out + _missing("no feedback turns in the snapshots")
+    out += _figure(figures, "strategies", "strategies")
+    return out + [md_table(t.strategies.rename(columns={"order": "#"})), ""]
+
+
+def _bonus(t: Tables, figures: dict[str, str]) -> list[str]:
+    out = ["## Context-dependency bonus vs correctness", "",
+           "`lower/bonus/mean` (the solver's bonus for depending on the feedback) and "
+           "`lower/bonus/corr_correct` (its correlation with a correct answer) next to the accuracy, per step.", ""]
+    if not len(t.bonus):
+        return out + _missing("no lower/bonus/mean in the metrics.jsonl files")
+    out += _figure(figures, "bonus", "bonus vs correctness")
+    return out + [md_table(t.bonus), ""]
+
+
+def _feedback_length(t: Tables, figures: dict[str, str]) -> list[str]:
+    out = ["## Feedback length vs outcome", "",
+           "Feedback turns of every snapshot, bucketed by length in tokens: their episodes' final accuracy "
+           "and mean improvement (r_final - r1).", ""]
+    if not len(t.feedback_length):
+        return out + _missing("no feedback turns in the snapshots")
+    out += _figure(figures, "feedback_length", "feedback length vs outcome")
+    return out + [md_table(t.feedback_length), ""]
+
+
+def render_report(t: Tables, figures: dict[str, str], sources: list[str]) -> str:
+    lines = ["# mlmt analyze", "", "From " + ", ".join(f"`{s}`" for s in sources) + ".", "", *_inputs(t)]
+    for section in (_curves, _accuracy, _correction, _strategies, _bonus, _feedback_length):
+        lines += section(t, figures)
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,185 @@
+"""Pure table builders for ``mlmt analyze``: DataFrames in, DataFrames out.
+
+Inputs (``sources`` reads them):
+
+* ``records``: one row per metrics.jsonl line: ``run``, ``line`` (1-based), the optional
+  ``step`` and every logged key as a column.
+* ``manifests``: snapshot manifests (dicts).
+* ``turns``: one row per turn of every snapshot, the same columns whatever the snapshot's
+  format version: ``snapshot``, ``episode_id``, ``turn_index``, ``round``, ``role``,
+  ``kind``, ``reward``, ``correct`` (bool), ``response_len``, ``strategy_name``.
+  ``compute_tables`` adds ``order``, the snapshot's position oldest first, and every
+  per-snapshot table is sorted by it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+LEVELS = ("lower", "upper", "joint")
+# Clocks, throughput and the iteration counter describe the machine or the x axis, not learning.
+_BOOKKEEPING = re.compile(r"(^|/)time/|_seconds$|_per_s$|^iteration$")
+CURVE_COLUMNS = ["run", "level", "metric", "step", "value"]
+BONUS_METRICS = ["bonus/mean", "bonus/corr_correct", "acc_t1", "acc_final"]
+CELLS = [("right", "right"), ("right", "wrong"), ("wrong", "right"), ("wrong", "wrong")]
+SNAPSHOT_KEYS = ["order", "snapshot", "episode_id"]
+
+
+@dataclass
+class Tables:
+    runs: pd.DataFrame  # run, records
+    snapshots: pd.DataFrame  # snapshot_index
+    curves: pd.DataFrame  # learning_curves
+    bonus: pd.DataFrame  # bonus_vs_correctness
+    accuracy: pd.DataFrame  # accuracy_per_turn
+    correction: pd.DataFrame  # correction_matrix per snapshot
+    correction_all: pd.DataFrame  # correction_matrix pooled over every snapshot
+    strategies: pd.DataFrame  # strategy_over_time
+    feedback_length: pd.DataFrame  # feedback_length_outcome
+
+
+def compute_tables(records: pd.DataFrame, manifests: list[dict], turns: pd.DataFrame) -> Tables:
+    snapshots = snapshot_index(manifests)
+    turns = turns.merge(snapshots[["order", "snapshot"]], on="snapshot")
+    outcomes = episode_outcomes(turns)
+    curves = learning_curves(records)
+    return Tables(
+        runs=records.groupby("run", sort=False).size().rename("records").reset_index(),
+        snapshots=snapshots, curves=curves, bonus=bonus_vs_correctness(curves),
+        accuracy=accuracy_per_turn(turns), correction=correction_matrix(outcomes),
+        correction_all=correction_matrix(outcomes.assign(order=0, snapshot="all")),
+        strategies=strategy_over_time(turns, outcomes), feedback_length=feedback_length_outcome(turns, outcomes))
+
+
+# ---------------------------------------------------------------------- run metrics
+
+
+def _is_learning_key(key: str) -> bool:
+    level, _, metric = key.partition("/")
+    return level in LEVELS and bool(metric) and not _BOOKKEEPING.search(metric)
+
+
+def learning_curves(records: pd.DataFrame) -> pd.DataFrame:
+    """Every numeric ``lower/*``, ``upper/*``, ``joint/*`` learning metric as (run, level,
+    metric, step, value). ``step`` is the record's ``step`` or, without one, its line number."""
+    keys = [c for c in records.columns if _is_learning_key(c)]
+    if not keys:
+        return pd.DataFrame(columns=CURVE_COLUMNS)
+    step = pd.to_numeric(records["step"], errors="coerce") if "step" in records else pd.Series(np.nan, records.index)
+    long = (records[keys].assign(run=records["run"], step=step.fillna(records["line"]))
+            .melt(["run", "step"], var_name="key", value_name="value"))
+    long["value"] = pd.to_numeric(long["value"], errors="coerce")  # ids and other strings are not curves
+    long = long.dropna(subset=["value"])
+    # A resumed run logs the steps after its last checkpoint again: the later record wins.
+    long = long.drop_duplicates(["run", "key", "step"], keep="last")
+    long[["level", "metric"]] = long["key"].str.split("/", n=1, expand=True)
+    long["step"] = long["step"].astype("int64")
+    return long.sort_values(["run", "level", "metric", "step"])[CURVE_COLUMNS].reset_index(drop=True)
+
+
+def curve_table(curves: pd.DataFrame, max_steps: int = 10) -> pd.DataFrame:
+    """One run and level: a row per metric, a column per step. At most ``max_steps`` evenly
+    spread steps (first and last kept) so long runs stay readable; the plot has them all."""
+    wide = curves.pivot(index="metric", columns="step", values="value")
+    if wide.shape[1] > max_steps:
+        wide = wide.iloc[:, np.unique(np.linspace(0, wide.shape[1] - 1, max_steps).round().astype(int))]
+    wide.columns = [f"step {s}" for s in wide.columns]
+    return wide.reset_index()
+
+
+def bonus_vs_correctness(curves: pd.DataFrame) -> pd.DataFrame:
+    """The solver's context-dependency bonus next to its accuracy, per run and step, for the
+    steps that logged ``lower/bonus/mean``. ``bonus/corr_correct`` is NaN where undefined."""
+    low = curves[(curves["level"] == "lower") & curves["metric"].isin(BONUS_METRICS)]
+    wide = (low.pivot(index=["run", "step"], columns="metric", values="value")
+            .reindex(columns=BONUS_METRICS).rename_axis(columns=None).reset_index())
+    return wide.dropna(subset=["bonus/mean"]).reset_index(drop=True)
+
+
+# ---------------------------------------------------------------------- snapshots
+
+
+def snapshot_index(manifests: list[dict]) -> pd.DataFrame:
+    """One row per snapshot, oldest first: by ``created_at``, then ``iteration`` (train-lower
+    can write several snapshots within the same second), then id; ``order`` numbers them."""
+    df = pd.DataFrame([{
+        "snapshot": m["id"], "created_at": m.get("created_at", ""), "iteration": m.get("iteration"),
+        "kind": m.get("kind", ""), "format_version": m["format_version"],
+        "episodes": m.get("rows", {}).get("episodes")} for m in manifests],
+        columns=["snapshot", "created_at", "iteration", "kind", "format_version", "episodes"])
+    df["iteration"] = df["iteration"].astype("Int64")
+    df = df.sort_values(["created_at", "iteration", "snapshot"], na_position="last").reset_index(drop=True)
+    return df.rename_axis("order").reset_index()
+
+
+def episode_outcomes(turns: pd.DataFrame) -> pd.DataFrame:
+    """Per episode: correctness and reward of the first and of the last solver attempt."""
+    solver = turns[turns["role"] == "solver"].sort_values(SNAPSHOT_KEYS + ["turn_index"])
+    first = solver.drop_duplicates(SNAPSHOT_KEYS, keep="first").set_index(SNAPSHOT_KEYS)
+    last = solver.drop_duplicates(SNAPSHOT_KEYS, keep="last").set_index(SNAPSHOT_KEYS)
+    return pd.DataFrame({"correct_t1": first["correct"], "correct_final": last["correct"],
+                         "r1": first["reward"], "r_final": last["reward"]}).reset_index()
+
+
+def accuracy_per_turn(turns: pd.DataFrame) -> pd.DataFrame:
+    """Accuracy of each solver attempt per snapshot: attempt 1 is turn 1 (solve), attempt k+1
+    the refine after feedback round k."""
+    solver = turns[turns["role"] == "solver"]
+    return (solver.assign(attempt=solver["round"] + 1).groupby(["order", "snapshot", "attempt"])["correct"]
+            .agg(episodes="size", accuracy="mean").reset_index())
+
+
+def correction_matrix(outcomes: pd.DataFrame) -> pd.DataFrame:
+    """Turn 1 vs final answer, per snapshot: the count of each of the four cells (empty ones
+    included) and its rate, a fraction of all the snapshot's episodes as in ``metrics.summarize``
+    (so wrong->right - right->wrong = Acc@final - Acc@t1)."""
+    df = outcomes.assign(turn1=np.where(outcomes["correct_t1"], "right", "wrong"),
+                         final=np.where(outcomes["correct_final"], "right", "wrong"))
+    counts = df.groupby(["order", "snapshot", "turn1", "final"]).size()
+    snaps = outcomes[["order", "snapshot"]].drop_duplicates().itertuples(index=False)
+    full = pd.MultiIndex.from_tuples([(o, s, a, b) for o, s in snaps for a, b in CELLS],
+                                     names=["order", "snapshot", "turn1", "final"])
+    out = counts.reindex(full, fill_value=0).rename("count").reset_index()
+    out["rate"] = out["count"] / out.groupby("order")["count"].transform("sum")
+    return out
+
+
+def strategy_over_time(turns: pd.DataFrame, outcomes: pd.DataFrame) -> pd.DataFrame:
+    """Per snapshot and strategy: how many feedback turns used it, their share, and the mean
+    final reward and mean improvement (r_final - r1) of their episodes (with K > 1 rounds an
+    episode counts once per feedback turn)."""
+    fb = turns[turns["kind"] == "feedback"].merge(outcomes, on=SNAPSHOT_KEYS)
+    out = (fb.assign(strategy=fb["strategy_name"], improvement=fb["r_final"] - fb["r1"])
+           .groupby(["order", "snapshot", "strategy"])
+           .agg(count=("episode_id", "size"), mean_r_final=("r_final", "mean"),
+                mean_improvement=("improvement", "mean")).reset_index())
+    out.insert(4, "share", out["count"] / out.groupby("order")["count"].transform("sum"))
+    return out
+
+
+def _length_edges(max_len: int) -> list[int]:
+    """Doubling buckets [0, 8), [8, 16), [16, 32), ... up past ``max_len``: feedback lengths
+    spread over orders of magnitude, and fixed edges keep buckets comparable between reports."""
+    edges = [0, 8]
+    while edges[-1] <= max_len:
+        edges.append(edges[-1] * 2)
+    return edges
+
+
+def feedback_length_outcome(turns: pd.DataFrame, outcomes: pd.DataFrame) -> pd.DataFrame:
+    """Feedback turns pooled over every snapshot, bucketed by length in tokens
+    (``len(response_ids)``): how many, their episodes' final accuracy and mean improvement."""
+    fb = turns[turns["kind"] == "feedback"].merge(outcomes, on=SNAPSHOT_KEYS)
+    edges = np.array(_length_edges(int(fb["response_len"].max()) if len(fb) else 0))
+    i = np.searchsorted(edges, fb["response_len"].to_numpy(), side="right") - 1
+    out = (fb.assign(lo=edges[i], hi=edges[i + 1] - 1, final_correct=fb["correct_final"].astype(float),
+                     improvement=fb["r_final"] - fb["r1"])
+           .groupby(["lo", "hi"])
+           .agg(feedback_turns=("episode_id", "size"), final_accuracy=("final_correct", "mean"),
+                mean_improvement=("improvement", "mean")).reset_index())
+    out.insert(0, "tokens", out["lo"].astype(str) + "-" + out["hi"].astype(str))
+    return out.drop(columns=["lo", "hi"])

@@ -1,0 +1,1 @@
+"""The hierarchical loop: collect -> train-upper -> train-lower, round after round."""
