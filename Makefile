@@ -29,8 +29,11 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/mlmt collect --config configs/demo.yaml --out $(DEMO_OUT)/snapshots
-	@echo "results: $(DEMO_OUT)/snapshots (snapshot id above; metrics under $(DEMO_OUT)/snapshots/_logs)"
+	rm -rf $(DEMO_OUT)
+	$(VENV)/bin/mlmt train-joint --config configs/demo.yaml --out $(DEMO_OUT)/run
+	$(VENV)/bin/mlmt eval --config configs/demo.yaml --run $(DEMO_OUT)/run --out $(DEMO_OUT)/eval --limit 0
+	$(VENV)/bin/mlmt analyze $(DEMO_OUT)/run $(DEMO_OUT)/eval --out $(DEMO_OUT)/report
+	@echo "run: $(DEMO_OUT)/run   eval: $(DEMO_OUT)/eval/eval.json   report: $(DEMO_OUT)/report/report.md"
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -97,6 +97,9 @@ class EpisodeConfig:
     strategy_temperature: float = knob(1.0, "Softmax temperature over the writer's Q-values.")
     epsilon: float = knob(0.1, "Exploration rate for epsilon_greedy.")
     max_feedback_tokens: int = knob(64, "Longest feedback text, in tokens.")
+    feedback: str = knob("generate", "generate = the writer model writes feedback; static = the chosen strategy's "
+                                     "instruction is the feedback verbatim (SCoRe's fixed self-correction prompt).",
+                         choices=("generate", "static"))
     max_prompt_tokens: int = knob(1536, "Prompts longer than this are left-truncated (counted in metrics).")
 
 

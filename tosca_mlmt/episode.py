@@ -171,8 +171,15 @@ class EpisodeRunner:
             text = WRITER_STRATEGY.format(instruction=self.strategies[a]["instruction"])
             ids, _ = wfmt.user_prompt_with_ids(WRITER_SYSTEM, pieces + [text])
             writer_prompts.append(ids)
-        fb_gens = self._gen(writer_prompts, to_params(cfg.writer_sampling, self._seed(rnd, "feedback", batch_index),
-                                                       max_new_tokens=cfg.episode.max_feedback_tokens), "writer", "feedback")
+        if cfg.episode.feedback == "static":
+            # SCoRe-style baseline: the chosen strategy's instruction itself is the feedback; no writer model
+            fb_gens = [[Generation(tuple(wfmt.encode(self.strategies[a]["instruction"]) + [wfmt.eos_ids[0]]),
+                                   (), "stop")] for a in actions]
+            self.on_turn("feedback", len(writer_prompts))
+        else:
+            fb_gens = self._gen(writer_prompts, to_params(cfg.writer_sampling, self._seed(rnd, "feedback", batch_index),
+                                                           max_new_tokens=cfg.episode.max_feedback_tokens),
+                                "writer", "feedback")
         tok_w = self.policies.tokenizer("writer")
         for i, (ep, gs) in enumerate(zip(episodes, fb_gens)):
             g = gs[0]
