@@ -96,7 +96,7 @@ def test_run_folder_provenance_metrics_report(trained, snapshot):
         assert k in keys, k
     assert [r["upper/text_on"] for r in recs if "upper/text_on" in r] == [0.0, 1.0, 1.0]  # warm-up of 1 step
     report = (run / "report.md").read_text()
-    assert "## arith/L2: prefers" in report and "check_arithmetic" in report
+    assert "## arith/L" in report and ": prefers `" in report and "check_arithmetic" in report
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-000003"
     assert json.loads((run / "writer" / "strategies.json").read_text())[0]["name"] == "check_arithmetic"
 
@@ -131,7 +131,8 @@ def test_saved_writer_is_what_collect_loads(trained, snapshot, tmp_path):
     assert torch.allclose(q, trained["q_states"], atol=1e-4)
     # the learner's own reading of Q (right-padded, inside the full sequence) agrees with collect's
     report = json.loads((trained["run"] / "report.json").read_text())
-    learner_q = torch.tensor([r["q"] for r in report["table"]["arith/L2"]])
+    (rows,) = report["table"].values()  # one task type: arith at the configured level
+    learner_q = torch.tensor([r["q"] for r in rows])
     assert torch.allclose(learner_q, q.mean(0), atol=1e-3)
     cfg = load_config(overrides={**TINY, "model.writer_adapter": writer, "task.limit": 1, "episode.n_samples": 1,
                                  "collect.out": str(tmp_path)})
@@ -146,7 +147,7 @@ def test_saved_writer_is_what_collect_loads(trained, snapshot, tmp_path):
 def test_logits_q_source_trains_the_adapter_and_exports_an_equivalent_head(pair, snapshot, trained, tmp_path):
     _reset_writer(pair, trained["init"])
     res = train_upper(_cfg(snapshot, **{"upper.q_source": "logits", "upper.conservatism": "iql",
-                                        "upper.text_loss": "none", "upper.steps": 2}), tmp_path / "l", policies=pair)
+                                        "upper.text_loss": "none", "upper.steps": 1}), tmp_path / "l", policies=pair)
     after = WriterTrunk(pair).state_dict()
     assert any(not torch.equal(trained["init"][n], after[n]) for n in after)  # TD moved the adapter
     states = trained["states"][:2]

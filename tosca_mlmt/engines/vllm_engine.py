@@ -36,35 +36,6 @@ def configure_cpu_env(cfg: VLLMConfig) -> None:
 
 
 @torch.no_grad()
-def merged_state_dict(policies, role: str) -> dict[str, torch.Tensor]:
-    """Base + ``role``'s LoRA deltas as a full HF-named state dict, without touching the model.
-
-    Same tensors as ``PolicyPair.merged_state_dict`` (w + peft's get_delta_weight), but that
-    one merges in place and unmerges with ``w -= delta``, which is not exact in floating
-    point: every call nudged ~200 base tensors by an ulp, so the frozen base (the reference
-    policy) drifted with each sync. Falls back to it for LoRA variants (DoRA, lora_bias).
-    """
-    from peft.tuners.lora import LoraLayer
-
-    base = policies.model(role).get_base_model()
-    deltas: dict[str, torch.Tensor] = {}
-    for name, mod in base.named_modules():
-        if not isinstance(mod, LoraLayer) or role not in mod.lora_A:
-            continue
-        if mod.merged or role in getattr(mod, "lora_variant", {}) or mod.lora_bias.get(role, False):
-            return policies.merged_state_dict(role)
-        deltas[f"{name}.base_layer.weight"] = mod.get_delta_weight(role)
-    sd = {}
-    for k, v in base.state_dict().items():
-        if "lora_" in k:
-            continue
-        d = deltas.pop(k, None)
-        sd[k.replace(".base_layer.", ".")] = v.detach().clone() if d is None else v.detach() + d.to(v.dtype)
-    if deltas:  # a LoRA layer whose base weight we did not see: let peft do it
-        return policies.merged_state_dict(role)
-    return sd
-
-
 class VLLMEngine:
     name = "vllm"
 
@@ -134,7 +105,7 @@ class VLLMEngine:
             self.loaded_key = key
             self.check_seconds += time.perf_counter() - t0
             return 0.0
-        self.load_state_dict(merged_state_dict(self.policies, policy))
+        self.load_state_dict(self.policies.merged_state_dict(policy))
         self.loaded_key = key
         self.syncs += 1
         dt = time.perf_counter() - t0

@@ -133,18 +133,28 @@ class PolicyPair:
     # ------------------------------------------------------------------ vLLM sync
     @torch.no_grad()
     def merged_state_dict(self, role: str) -> dict[str, torch.Tensor]:
-        """The full HF-named state dict of base + ``role``'s adapter merged (what vLLM loads)."""
-        m = self._models[role]
-        with self.use(role):
-            m.merge_adapter([role])
-            try:
-                sd = {}
-                for k, v in m.get_base_model().state_dict().items():
-                    if "lora_" in k:
-                        continue
-                    sd[k.replace(".base_layer.", ".")] = v.detach().clone()
-            finally:
-                m.unmerge_adapter()
+        """Base + ``role``'s LoRA deltas as a full HF-named state dict (what vLLM loads).
+
+        Computed into new tensors, never by peft's merge/unmerge: ``w -= delta`` is not exact
+        in floating point, so every sync would nudge the frozen base (the reference policy)."""
+        from peft.tuners.lora import LoraLayer
+
+        base = self._models[role].get_base_model()
+        deltas: dict[str, torch.Tensor] = {}
+        for name, mod in base.named_modules():
+            if not isinstance(mod, LoraLayer) or role not in mod.lora_A:
+                continue
+            if mod.merged or role in getattr(mod, "lora_variant", {}) or mod.lora_bias.get(role, False):
+                raise NotImplementedError(f"{name}: merged adapters, DoRA and LoRA bias are not supported for sync")
+            deltas[f"{name}.base_layer.weight"] = mod.get_delta_weight(role)
+        sd = {}
+        for k, v in base.state_dict().items():
+            if "lora_" in k:
+                continue
+            d = deltas.pop(k, None)
+            sd[k.replace(".base_layer.", ".")] = v.detach().clone() if d is None else v.detach() + d.to(v.dtype)
+        if deltas:
+            raise RuntimeError(f"LoRA layers without a base weight: {sorted(deltas)[:3]}")
         return sd
 
     # ------------------------------------------------------------------ saving

