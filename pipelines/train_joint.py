@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -80,8 +81,12 @@ def train_joint(cfg: Config, run_dir: str | Path, resume: bool = False, console=
     sink = MetricsSink(run, cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_mode, cfg.logging.project,
                        name=run.name)
     snap_root = run / "snapshots"
+    t_start = time.perf_counter() - manifest.get("seconds_used", 0.0)
     try:
         for r in range(jc.rounds):
+            if jc.max_seconds and time.perf_counter() - t_start > jc.max_seconds and r >= len(manifest["rounds"]):
+                manifest["stopped_by_budget"] = r
+                break
             if r >= len(manifest["rounds"]):
                 manifest["rounds"].append({"round": r, "done": []})
             rec = manifest["rounds"][r]
@@ -102,6 +107,7 @@ def train_joint(cfg: Config, run_dir: str | Path, resume: bool = False, console=
                     rec["sync_seconds"] = rec.get("sync_seconds", 0.0) + engine.sync_weights("solver")
                 rec["done"].append(step)
                 rec.setdefault("seconds", {})[step] = round(timer.seconds[step], 3)
+                manifest["seconds_used"] = round(time.perf_counter() - t_start, 3)
                 _write_json(man_path, manifest)
                 sink.log({f"joint/time/{step}": timer.seconds[step], "joint/round": r,
                           **{f"joint/{k}": v for k, v in rec.get(f"{step}_metrics", {}).items()}}, step=r)

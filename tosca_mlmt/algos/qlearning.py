@@ -130,8 +130,8 @@ def importance_weighted_value(returns: torch.Tensor, target_probs: torch.Tensor,
         target_probs, behaviour_probs = target_probs[:, None], behaviour_probs[:, None]
     if mask is None:
         mask = torch.ones_like(target_probs)
-    log_ratio = (torch.log(target_probs.clamp(min=1e-30)) - torch.log(behaviour_probs.clamp(min=1e-30))) * mask
-    rho = torch.exp(log_ratio.sum(-1))  # [N]
+    ratio = torch.where(mask > 0, target_probs / behaviour_probs.clamp(min=1e-30), torch.ones_like(target_probs))
+    rho = ratio.prod(-1)  # [N]; exactly 0 when the target never takes a logged action
     total = rho.sum()
     value = (rho * returns).sum() / total.clamp(min=1e-30)
     return {"value": value, "behaviour_value": returns.mean(), "ess": effective_sample_size(rho),

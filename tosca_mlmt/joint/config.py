@@ -17,3 +17,5 @@ class JointConfig:
     replay_window: int = knob(2, "The writer learns from this round's snapshot and the previous window - 1 ones.")
     freeze_solver: bool = knob(False, "Never update the solver (e.g. writer-only ablations).")
     freeze_writer: bool = knob(False, "Never update the writer (e.g. SCoRe-style self-correction baselines).")
+    max_seconds: float = knob(0.0, "Wall-clock budget: no new round starts after this many seconds (0 = none). "
+                                   "Lets baselines be compared at equal compute.")
