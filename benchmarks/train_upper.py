@@ -39,7 +39,8 @@ MODES = {
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--decisions", type=int, default=16, help="synthetic decisions in the dataset")
-    ap.add_argument("--attempt-tokens", type=int, default=128, help="solver attempt length in the state (collect default)")
+    ap.add_argument("--attempt-tokens", type=int, default=128,
+                    help="solver attempt length in the state (collect's default)")
     ap.add_argument("--feedback-tokens", type=int, default=64, help="feedback length (episode.max_feedback_tokens)")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per mode (after one untimed step)")

@@ -83,7 +83,8 @@ def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies
         if latest is not None:
             state = ckm.load_state(latest)  # also restores python/numpy/torch RNG
             learner.load(latest, state["step"])
-            prov = json.loads((run_dir / "provenance.json").read_text()) if (run_dir / "provenance.json").exists() else prov
+            if (run_dir / "provenance.json").exists():
+                prov = json.loads((run_dir / "provenance.json").read_text())
             prov.setdefault("resumed_from", []).append(latest.name)
     _write_atomic(run_dir / "provenance.json", json.dumps(prov, indent=2, default=str))
 
@@ -147,7 +148,8 @@ def _check_run_dir(cfg: Config, run_dir: Path, resume: bool, ckm: CheckpointMana
         raise MlmtError("no snapshot to learn from: pass --snapshot ID (repeatable) or set upper.snapshots")
     used = (run_dir / "config.yaml").exists() or ckm.latest() is not None
     if used and not resume:
-        raise MlmtError(f"{run_dir} already holds a train-upper run; pass --resume to continue it or choose a new --out")
+        raise MlmtError(f"{run_dir} already holds a train-upper run; pass --resume to continue it "
+                        "or choose a new --out")
     if resume and used:
         old = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else None
         if old is not None:
@@ -183,7 +185,8 @@ def _provenance(cfg: Config, snaps, policies: PolicyPair, transitions, strategie
     return {
         "kind": "train-upper",
         "started_at": _now(),
-        "snapshots": [{"id": s.id, "created_at": s.manifest.get("created_at"), "task": s.manifest.get("task", {}).get("name"),
+        "snapshots": [{"id": s.id, "created_at": s.manifest.get("created_at"),
+                       "task": s.manifest.get("task", {}).get("name"),
                        "rows": s.manifest.get("rows"), "models": s.manifest.get("models"),
                        "acc_t1": s.manifest.get("summary", {}).get("acc_t1"),
                        "acc_final": s.manifest.get("summary", {}).get("acc_final")} for s in snaps],

@@ -25,8 +25,8 @@ from tosca_mlmt.config import Config
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.upper.critic import StrategyCritic, strategy_token_ids
 from tosca_mlmt.upper.dataset import Transition, batch_indices
-from tosca_mlmt.upper.objective import (DecisionBatch, PolicySpec, advantages, bc_threshold, critic_loss, text_loss,
-                                        text_weights, weight_stats)
+from tosca_mlmt.upper.objective import (DecisionBatch, PolicySpec, advantage_stats, advantages, bc_threshold,
+                                        critic_loss, text_loss, text_weights, weight_stats)
 from tosca_mlmt.upper.trunk import TargetAdapter, WriterTrunk
 
 
@@ -51,7 +51,8 @@ class UpperLearner:
         self.optimizer = torch.optim.AdamW(groups, weight_decay=self.uc.weight_decay)
         self.policy = PolicySpec(cfg.episode.strategy_selection, cfg.episode.strategy_temperature, cfg.episode.epsilon)
         self.all_returns = torch.tensor([t.ret for t in transitions], dtype=torch.float32)
-        self.bc_cut = bc_threshold(self.all_returns, self.uc.bc_top_frac) if self.uc.text_loss == "filtered_bc" else None
+        self.bc_cut = (bc_threshold(self.all_returns, self.uc.bc_top_frac) if self.uc.text_loss == "filtered_bc"
+                       else None)
         self.step = 0
 
     # ------------------------------------------------------------------ one update
@@ -140,8 +141,9 @@ class UpperLearner:
         cat = {k: torch.cat(v) for k, v in vecs.items()}
         m.update(q_data=float(cat["q_sa"].mean()), v=float(cat["v"].mean()), td_target=float(cat["target"].mean()),
                  grad_norm=float(grad_norm), text_on=float(text_on))
+        m.update(advantage_stats(cat["adv"]))
         if "w" in cat:
-            m.update(weight_stats(cat["w"], cat["adv"]))
+            m.update(weight_stats(cat["w"]))
         m["samples_per_s"] = len(idx) / (time.perf_counter() - t0)
         return m
 
@@ -161,7 +163,8 @@ class UpperLearner:
     def save(self, folder: Path) -> None:
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in self.trunk.state_dict().items()}, folder / "writer_adapter.safetensors")
+        save_file({k: v.contiguous() for k, v in self.trunk.state_dict().items()},
+                  folder / "writer_adapter.safetensors")
         heads = {k: v.detach().clone().contiguous() for k, v in self.critic.state_dict().items()}
         if self.target_adapter is not None:
             heads.update({"target_adapter." + k: v.clone().contiguous() for k, v in self.target_adapter.params.items()})

@@ -135,7 +135,13 @@ def text_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor) -> 
     return loss, {"text_nll": nll.mean().detach(), "weights": weights.detach()}
 
 
-def weight_stats(w: torch.Tensor, adv: torch.Tensor) -> dict[str, float]:
+def advantage_stats(adv: torch.Tensor) -> dict[str, float]:
     return {"adv_mean": float(adv.mean()), "adv_std": float(adv.std()) if len(adv) > 1 else 0.0,
-            "adv_min": float(adv.min()), "adv_max": float(adv.max()), "w_mean": float(w.mean()),
-            "w_max": float(w.max()), "w_ess_frac": float(effective_sample_size(w) / len(w)) if w.sum() > 0 else 0.0}
+            "adv_min": float(adv.min()), "adv_max": float(adv.max())}
+
+
+def weight_stats(w: torch.Tensor) -> dict[str, float]:
+    """Text weights: mean, max and the effective sample size as a fraction of the batch (1 = all
+    decisions count equally; small = a few decisions dominate the text update)."""
+    return {"w_mean": float(w.mean()), "w_max": float(w.max()),
+            "w_ess_frac": float(effective_sample_size(w) / len(w)) if w.sum() > 0 else 0.0}

@@ -56,7 +56,8 @@ def evaluate_q(q: torch.Tensor, transitions: list[Transition], strategies: list[
         if k != "behaviour_value":
             out[f"ope/greedy_{k}"] = v
     out["v_mean"] = float((pi * q).sum(-1).mean())
-    out["greedy_agrees_with_data"] = float((q.argmax(1) == torch.tensor([t.action for t in transitions])).float().mean())
+    logged = torch.tensor([t.action for t in transitions])
+    out["greedy_agrees_with_data"] = float((q.argmax(1) == logged).float().mean())
     return out
 
 
