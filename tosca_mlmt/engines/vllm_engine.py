@@ -35,7 +35,6 @@ def configure_cpu_env(cfg: VLLMConfig) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
 
 
-@torch.no_grad()
 class VLLMEngine:
     name = "vllm"
 
