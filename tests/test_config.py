@@ -62,3 +62,13 @@ def test_shipped_presets_load():
     assert presets
     for p in presets:
         load_config(p)
+
+
+def test_readme_documents_every_knob_and_command():
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    missing = [name for name, *_ in describe_fields() if f"`{name}`" not in readme]
+    assert missing == [], f"README config reference lacks: {missing}"
+    for cmd in ("collect", "train-upper", "train-lower", "train-joint", "eval", "analyze", "snapshots"):
+        assert f"mlmt {cmd}" in readme, cmd
