@@ -29,6 +29,7 @@ from tosca_mlmt import __version__, runtime
 from tosca_mlmt.config import Config
 from tosca_mlmt.engines import make_engine
 from tosca_mlmt.errors import MlmtError
+from tosca_mlmt.fsutil import atomic_dir
 from tosca_mlmt.metrics import MetricsSink, StageTimer
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.pipelines.collect import collect
@@ -182,10 +183,6 @@ def _publish(run: Path, manifest: dict) -> None:
         src = manifest.get(role)
         if not src:
             continue
-        dst = run / role
-        tmp = run / f".{role}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(run / src, tmp)
-        shutil.rmtree(dst, ignore_errors=True)
-        os.replace(tmp, dst)
+        with atomic_dir(run / role) as tmp:
+            shutil.copytree(run / src, tmp, dirs_exist_ok=True)
         manifest[f"final_{role}"] = role

@@ -121,7 +121,7 @@ class EpisodeRunner:
     def run(self, problems: list[Problem], batch_index: int = 0) -> list[Episode]:
         cfg = self.cfg
         n = cfg.episode.n_samples
-        sfmt, wfmt = self.fmt["solver"], self.fmt["writer"]
+        sfmt = self.fmt["solver"]
         p1 = [sfmt.first_prompt(self.task.instruction(p)) for p in problems]
         gens = self._gen(p1, to_params(cfg.solver_sampling, self._seed(0, "solve", batch_index), n=n), "solver", "solve")
         episodes: list[Episode] = []
@@ -144,7 +144,7 @@ class EpisodeRunner:
                         rng: np.random.Generator) -> None:
         cfg, sfmt, wfmt = self.cfg, self.fmt["solver"], self.fmt["writer"]
         # ---- turn 2: the writer's state s = (x, z [, earlier rounds]) and its strategy choice
-        states, tails = [], []
+        states = []
         for ep in episodes:
             pieces: list = [WRITER_STATE.format(question=ep.problem.question)]
             solver_turns = ep.solver_turns

@@ -13,11 +13,10 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from tosca_mlmt.errors import ModelError
+from tosca_mlmt.fsutil import atomic_dir
 
 EMBEDDED = {
     "smollm2-135m": {
@@ -74,20 +73,10 @@ def convert_embedded(name: str, target: Path) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    try:
+    with atomic_dir(target, overwrite=False) as tmp:  # a concurrent converter may finish first; keep theirs
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         (tmp / "tosca_mlmt_source.json").write_text(json.dumps({"gguf": str(gguf), "package": spec["package"]}))
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
-        if target.exists():  # another process finished first; keep theirs
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

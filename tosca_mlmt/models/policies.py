@@ -163,15 +163,13 @@ class PolicyPair:
         ``model.solver_adapter`` / ``model.writer_adapter`` can load it. Atomic: built in a
         sibling temp folder and renamed."""
         import os
-        import shutil
-        import tempfile
 
         from safetensors.torch import save_file
 
+        from tosca_mlmt.fsutil import atomic_dir
+
         folder = Path(folder)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-        try:
+        with atomic_dir(folder) as tmp:
             self._models[role].save_pretrained(tmp, selected_adapters=[role])
             # peft nests non-"default" adapters in a subfolder named after the adapter
             nested = tmp / role
@@ -183,12 +181,6 @@ class PolicyPair:
                 (tmp / STRATEGIES_FILE).write_text(json.dumps(self.strategies, indent=2) if self.strategies else "null")
                 if self.q_head is not None:
                     save_file({k: v.contiguous() for k, v in self.q_head.state_dict().items()}, tmp / Q_HEAD_FILE)
-            if folder.exists():
-                shutil.rmtree(folder)
-            os.replace(tmp, folder)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
         return folder
 
     def load_role(self, role: str, folder: str | Path) -> None:

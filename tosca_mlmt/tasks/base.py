@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 SPLITS = ("train", "test")
@@ -54,6 +56,19 @@ class Task(Protocol):
         ...
 
     def verify(self, problem: Problem, response: str) -> Verdict: ...
+
+
+DATA_ENV_VAR = "TOSCA_MLMT_DATA"
+
+
+def default_data_path() -> Path:
+    """``$TOSCA_MLMT_DATA``, else ``../shared/data`` next to the project root."""
+
+    env = os.environ.get(DATA_ENV_VAR)
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[2]  # tosca_mlmt/tasks/ -> tosca_mlmt/ -> repo
+    return repo.parent / "shared" / "data"
 
 
 def stable_split(key: str, test_fraction: float = 0.2, salt: str = "tosca-mlmt-split-v1") -> str:

@@ -8,23 +8,12 @@ across runs and machines as long as the file is unchanged.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from tosca_mlmt.errors import ConfigError, DataError
-from tosca_mlmt.tasks.base import LoadResult, Problem, Verdict, check_split, stable_split
+from tosca_mlmt.tasks.base import DATA_ENV_VAR, default_data_path, LoadResult, Problem, Verdict, check_split, stable_split
 from tosca_mlmt.tasks.mathverify import VERIFIER_VERSION, extract_answer, extract_gold, match_method
 
-DATA_ENV_VAR = "TOSCA_MLMT_DATA"
-
-
-def default_data_path() -> Path:
-    """``$TOSCA_MLMT_DATA``, else ``../shared/data`` next to the project root."""
-    env = os.environ.get(DATA_ENV_VAR)
-    if env:
-        return Path(env)
-    repo = Path(__file__).resolve().parents[2]  # tosca_mlmt/tasks/ -> tosca_mlmt/ -> repo
-    return repo.parent / "shared" / "data"
 
 
 def _parse_row(path: Path, line_no: int, line: str) -> tuple[str, str, str]:

@@ -8,16 +8,14 @@ running the code it contains against the row's tests in :mod:`tosca_mlmt.tasks.s
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 from tosca_mlmt.errors import ConfigError, DataError
-from tosca_mlmt.tasks.base import LoadResult, Problem, Verdict, check_split
+from tosca_mlmt.tasks.base import DATA_ENV_VAR, default_data_path, LoadResult, Problem, Verdict, check_split
 from tosca_mlmt.tasks.sandbox import SANDBOX_VERSION, run_python
 
-DATA_ENV_VAR = "TOSCA_MLMT_DATA"
 DATA_FILE = Path("mbpp") / "mbpp.jsonl"
 SPLIT_IDS = {"train": range(601, 975), "test": range(11, 511)}
 
@@ -26,15 +24,6 @@ SPLIT_IDS = {"train": range(601, 975), "test": range(11, 511)}
 _FENCE_RE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _PYTHON_TAGS = {"", "python", "python3", "py"}
 NO_CODE_FEEDBACK = "no code block found: the response has no ```python block and no function definition"
-
-
-def default_data_path() -> Path:
-    """``$TOSCA_MLMT_DATA``, else ``../shared/data`` next to the project root."""
-    env = os.environ.get(DATA_ENV_VAR)
-    if env:
-        return Path(env)
-    repo = Path(__file__).resolve().parents[2]  # tosca_mlmt/tasks/ -> tosca_mlmt/ -> repo
-    return repo.parent / "shared" / "data"
 
 
 def extract_code(response: str) -> str | None:

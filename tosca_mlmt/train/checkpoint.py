@@ -13,12 +13,13 @@ import json
 import os
 import random
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
+
+from tosca_mlmt.fsutil import atomic_dir
 
 
 def rng_state() -> dict:
@@ -40,17 +41,10 @@ class CheckpointManager:
         """``write(folder)`` puts the trainer's files in place; ``state`` goes to state.json."""
         self.dir.mkdir(parents=True, exist_ok=True)
         final = self.dir / f"step-{step:06d}"
-        tmp = Path(tempfile.mkdtemp(prefix=f".step-{step:06d}-", dir=self.dir))
-        try:
+        with atomic_dir(final) as tmp:
             write(tmp)
             torch.save(rng_state(), tmp / "rng.pt")
             (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2, default=str))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
         pointer = self.dir / ".latest.tmp"
         pointer.write_text(final.name)
         os.replace(pointer, self.dir / "latest")

@@ -1,0 +1,33 @@
+"""Folders that appear whole or not at all."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | Path, overwrite: bool = True):
+    """Yield an empty temp folder beside ``target``; when the block succeeds it is renamed to
+    ``target``. A crash inside the block leaves ``target`` as it was and removes the temp folder.
+
+    With ``overwrite=False`` an existing ``target`` wins (another process finished first). With
+    ``overwrite=True`` the old folder is removed just before the rename: readers may briefly see
+    no folder, never a partial one."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
+        if target.exists():
+            if not overwrite:
+                return
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
