@@ -163,3 +163,29 @@ def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(tiny_cfg, polic
     m_full = (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
     m_cut = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
     assert len(m_full) == len(m_cut) == 2  # nothing repeated, nothing skipped
+
+
+@pytest.mark.slow
+def test_training_from_an_off_policy_snapshot_warns_and_uses_behaviour_logprobs(lower_setup, policies, tmp_path):
+    from tosca_mlmt.engines.hf import HFEngine
+    from tosca_mlmt.episode import EpisodeRunner
+    from tosca_mlmt.pipelines.train_lower import train_lower
+    from tosca_mlmt.snapshot import write_snapshot
+    from tosca_mlmt.tasks.arith import ArithTask
+
+    cfg, _ = lower_setup
+    task = ArithTask(1)
+    eps = EpisodeRunner(cfg, task, HFEngine(policies, 8), policies).run(task.load("train", 1).problems)
+    fp = dict(policies.fingerprint("solver"), adapter_sha="someone-else")
+    sid, _ = write_snapshot(tmp_path / "snaps", eps, {"models": {"solver": fp}})
+    model = policies.model("solver")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = replace(cfg, lower=replace(cfg.lower, iterations=1, problems_per_iteration=1, old_logprobs="behaviour",
+                                     advantage="gae"))
+    with pytest.warns(UserWarning, match="off-policy"):
+        res = train_lower(cfg, tmp_path / "run", snapshot_ids=[sid], snapshot_root=tmp_path / "snaps", policies=policies)
+    assert res.iterations == 1 and res.last_metrics["lower/episodes"] == 2
+    # behaviour logprobs were sampled by the same weights here, so the first ratio is ~1
+    assert res.last_metrics["lower/ratio_mean"] == pytest.approx(1.0, abs=0.05)
+    for n, p in model.named_parameters():
+        p.data.copy_(before[n])
