@@ -107,3 +107,25 @@ def test_value_loss_clipping_and_kl_estimators_and_ev():
     assert est.item() == pytest.approx(exact.item(), rel=1e-5)
     assert explained_variance(torch.tensor([[2.0, 2.0]]), torch.tensor([[1.0, 3.0]]), torch.ones(1, 2)) == pytest.approx(0.0)
     assert explained_variance(torch.tensor([[1.0, 3.0]]), torch.tensor([[1.0, 3.0]]), torch.ones(1, 2)) == pytest.approx(1.0)
+
+
+def test_archer_targets_and_advantages_hand_case():
+    from tosca_mlmt.lower.archer import advantages, critic_loss, critic_targets
+
+    # two turns; target critic: V-bar(s1) = min(0.5, 0.7) = 0.5; Q-bar(s0,a0) = min(0.2, 0.4) = 0.2
+    r = torch.tensor([[0.0, 1.0]])
+    valid = torch.ones(1, 2)
+    q_bar = torch.tensor([[[0.2, 0.4], [0.9, 0.8]]])
+    v_bar = torch.tensor([[[0.3, 0.6], [0.5, 0.7]]])
+    y_q, y_v = critic_targets(r, valid, q_bar, v_bar, gamma=0.9)
+    assert torch.allclose(y_q, torch.tensor([[0.9 * 0.5, 1.0]]))  # last turn is terminal
+    assert torch.allclose(y_v, torch.tensor([[0.2, 0.8]]))
+    q = torch.tensor([[[1.0, 0.5], [0.0, 0.2]]])
+    v = torch.tensor([[[0.1, 0.3], [0.4, -0.1]]])
+    assert torch.allclose(advantages(q, v, valid), torch.tensor([[0.5 - 0.1, 0.0 + 0.1]]))
+    # a padded (invalid) second turn: no bootstrap from it, zero advantage there
+    y_q, _ = critic_targets(r * torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0]]), q_bar, v_bar, 0.9)
+    assert torch.allclose(y_q, torch.zeros(1, 2))
+    # mean over the two Q heads plus mean over the two V heads, on the one valid turn
+    assert critic_loss(q, v, y_q, y_v, torch.tensor([[1.0, 0.0]])).item() == pytest.approx(
+        ((1.0 - 0) ** 2 + (0.5 - 0) ** 2) / 2 + ((0.1 - 0.2) ** 2 + (0.3 - 0.2) ** 2) / 2)

@@ -107,7 +107,7 @@ def test_bonus_equals_an_independent_two_forward_computation(lower_setup, polici
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("advantage", ["gae", "grpo"])
+@pytest.mark.parametrize("advantage", ["gae", "grpo", "archer"])
 def test_update_changes_the_solver_adapter_and_nothing_else(lower_setup, policies, advantage):
     from peft import set_peft_model_state_dict
 
@@ -128,6 +128,9 @@ def test_update_changes_the_solver_adapter_and_nothing_else(lower_setup, policie
     assert metrics["grad_norm"] > 0 and metrics["optimizer_steps"] >= 1
     vh_changed = any(not torch.equal(v, trainer.value_head.state_dict()[k]) for k, v in vh_before.items())
     assert vh_changed == (advantage == "gae")
+    if advantage == "archer":  # the utterance critic learned, and its target followed by Polyak averaging
+        assert metrics["critic_loss"] > 0
+        assert not torch.equal(trainer.critic.q.weight, trainer.critic_target.q.weight)
     set_peft_model_state_dict(model, {k: v for k, v in policies.adapter_state("solver").items()}, adapter_name="solver")
     for n, p in model.named_parameters():  # restore for the next tests
         p.data.copy_(before[n])

@@ -29,7 +29,10 @@ class ContextBonus:
 class LowerConfig:
     iterations: int = knob(4, "PPO iterations (each: collect a batch, score, update).")
     problems_per_iteration: int = knob(4, "Problems per iteration (x episode.n_samples episodes).")
-    advantage: str = knob("grpo", "Advantage estimator.", choices=("gae", "grpo", "rloo", "reinforce"))
+    advantage: str = knob("grpo", "Advantage estimator; archer = ArCHer's utterance-level double Q/V critic with "
+                                  "target networks.", choices=("gae", "grpo", "rloo", "reinforce", "archer"))
+    archer_tau: float = knob(0.1, "archer: Polyak rate of the target critic (ArCHer's 0.1).")
+    critic_lr: float = knob(1e-3, "archer: learning rate of the utterance-level Q/V heads.")
     policy_loss: str = knob("ppo_clip", "Policy loss.", choices=("ppo_clip", "reinforce"))
     loss_agg: str = knob("token-mean", "How token losses are averaged.", choices=("token-mean", "seq-mean-token-mean"))
     grpo_norm_std: bool = knob(True, "grpo: divide by the group std (off = Dr. GRPO style).")

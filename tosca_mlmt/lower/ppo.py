@@ -21,6 +21,8 @@ from torch import nn
 
 from tosca_mlmt.algos.advantages import ADVANTAGES, broadcast_turns, turn_returns
 from tosca_mlmt.algos.losses import POLICY_LOSSES, explained_variance, kl_estimate, value_loss
+from tosca_mlmt.algos.qlearning import polyak_update
+from tosca_mlmt.lower import archer
 from tosca_mlmt.config import Config
 from tosca_mlmt.lower.trajectory import SolverTrajectory, no_feedback_sequences, shaped_turn_rewards, to_tensors
 from tosca_mlmt.metrics import StageTimer
@@ -56,9 +58,12 @@ class PPOTrainer:
         self.value_head = nn.Linear(hidden, 1)
         nn.init.normal_(self.value_head.weight, std=1e-3)
         nn.init.zeros_(self.value_head.bias)
-        self.optimizer = torch.optim.AdamW(
-            [{"params": self.params, "lr": self.lo.lr}, {"params": self.value_head.parameters(), "lr": self.lo.value_lr}],
-            weight_decay=self.lo.weight_decay)
+        self.critic = archer.UtteranceCritic(hidden)
+        self.critic_target = archer.make_target(self.critic)
+        groups = [{"params": self.params, "lr": self.lo.lr}, {"params": self.value_head.parameters(), "lr": self.lo.value_lr}]
+        if self.lo.advantage == "archer":
+            groups.append({"params": self.critic.parameters(), "lr": self.lo.critic_lr})
+        self.optimizer = torch.optim.AdamW(groups, weight_decay=self.lo.weight_decay)
         warm = max(1, self.lo.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm))
         self.value_head, self.optimizer, self.scheduler = self.acc.prepare(self.value_head, self.optimizer, self.scheduler)
@@ -75,9 +80,11 @@ class PPOTrainer:
             return contextlib.nullcontext()
         return torch.autocast(self.acc.device.type, dtype=torch.bfloat16)
 
-    def _forward(self, ids, attn, values: bool = False, reference: bool = False, entropy: bool = False):
+    def _forward(self, ids, attn, values: bool = False, reference: bool = False, entropy: bool = False,
+                 keep_hidden: bool = False):
         """(logprobs [B, T], values [B, T] | None, entropy [B, T] | None) under the solver (or the
-        reference = the same base with every adapter disabled)."""
+        reference = the same base with every adapter disabled); ``keep_hidden`` stores the last
+        hidden states [B, T, H] in ``self.last_hidden`` (the ArCHer critic reads them)."""
         ctx = self.model.disable_adapter() if reference else self.policies.use("solver")
         with ctx, self._autocast():
             out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1)
@@ -85,6 +92,7 @@ class PPOTrainer:
             head = self.model.get_base_model().get_output_embeddings()
             res = token_logprobs_from_hidden(hidden, head, ids, self.lo.logprob_chunk, with_entropy=entropy)
         lp, ent = res if entropy else (res, None)
+        self.last_hidden = hidden if keep_hidden else None
         v = None
         if values:
             # V for action token t is read from the state before it, i.e. hidden position t - 1
@@ -140,7 +148,10 @@ class PPOTrainer:
         self.model.eval()  # LoRA dropout is 0; eval keeps old/new log-probs comparable
         with torch.no_grad():
             with timer("old_ref_logprobs"):
-                old_lp, old_v, ent = self._forward(tt.input_ids, tt.attention_mask, values=use_critic, entropy=True)
+                use_archer = lo.advantage == "archer"
+                old_lp, old_v, ent = self._forward(tt.input_ids, tt.attention_mask, values=use_critic, entropy=True,
+                                                   keep_hidden=use_archer)
+                old_hidden = self.last_hidden  # later forwards (reference, bonus) overwrite it
                 if lo.old_logprobs == "behaviour":
                     old_lp = torch.where(tt.mask > 0, tt.behaviour_logprobs, old_lp)
                 need_ref = lo.kl_coef > 0 or lo.score.enabled or lo.bonus.model == "reference"
@@ -159,8 +170,11 @@ class PPOTrainer:
                 if lo.kl_mode == "reward":
                     rewards -= klw_tok * kl_tok
                 rewards *= tt.mask
+                self.critic_batch = None
                 if use_critic:
                     adv, returns = ADVANTAGES["gae"](rewards, old_v, tt.mask, lo.gamma, lo.lam)
+                elif use_archer:
+                    adv, returns = self._archer_advantages(trajs, tt, rewards, old_hidden)
                 else:
                     R = turn_returns(rewards, tt.turn_ids, tt.n_turns)
                     valid = torch.stack([(tt.turn_ids == k).any(1) for k in range(tt.n_turns)], 1)
@@ -183,6 +197,19 @@ class PPOTrainer:
             metrics["explained_variance"] = explained_variance(old_v, returns, m)
         return metrics
 
+    def _archer_advantages(self, trajs, tt, rewards, hidden):
+        """Per-turn A = min Q - min V from the critic; stores the critic's TD targets for the update."""
+        per_turn = torch.stack([(rewards * (tt.turn_ids == k)).sum(1) for k in range(tt.n_turns)], 1)  # r_k [B, K]
+        valid = torch.stack([(tt.turn_ids == k).any(1) for k in range(tt.n_turns)], 1).float()
+        spans = [t.turn_spans for t in trajs]
+        hs, ha = archer.turn_features(hidden, spans, tt.n_turns)
+        q, v = self.critic(hs, ha)
+        q_bar, v_bar = self.critic_target(hs, ha)
+        y_q, y_v = archer.critic_targets(per_turn, valid, q_bar, v_bar, self.lo.gamma)
+        self.critic_batch = (spans, y_q, y_v, valid)
+        adv = broadcast_turns(archer.advantages(q, v, valid), tt.turn_ids)
+        return adv, adv
+
     def _epochs(self, tt, old_lp, old_v, ref_lp, adv, returns, klw_tok, step: int) -> dict:
         lo = self.lo
         B = tt.input_ids.shape[0]
@@ -199,7 +226,7 @@ class PPOTrainer:
                     rows = torch.as_tensor(mb[i: i + micro])
                     loss, info = self._loss(tt.select(rows), old_lp[rows], None if old_v is None else old_v[rows],
                                             None if ref_lp is None else ref_lp[rows], adv[rows], returns[rows],
-                                            klw_tok[rows])
+                                            klw_tok[rows], rows)
                     self.acc.backward(loss / n_micro)
                     for k, v in info.items():
                         logs.setdefault(k, []).append(v)
@@ -208,6 +235,8 @@ class PPOTrainer:
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer_steps += 1
+                if self.critic_batch is not None:
+                    polyak_update(self.critic_target.parameters(), self.critic.parameters(), lo.archer_tau)
                 logs.setdefault("grad_norm", []).append(float(grad_norm))
         self.model.eval()
         out = {k: float(np.mean(v)) for k, v in logs.items()}
@@ -215,9 +244,10 @@ class PPOTrainer:
         out["optimizer_steps"] = self.optimizer_steps
         return out
 
-    def _loss(self, tt, old_lp, old_v, ref_lp, adv, returns, klw_tok):
+    def _loss(self, tt, old_lp, old_v, ref_lp, adv, returns, klw_tok, rows=None):
         lo = self.lo
-        lp, v, _ = self._forward(tt.input_ids, tt.attention_mask, values=old_v is not None)
+        lp, v, _ = self._forward(tt.input_ids, tt.attention_mask, values=old_v is not None,
+                                 keep_hidden=self.critic_batch is not None)
         m = tt.mask
         kw = {"clip_low": lo.clip_low, "clip_high": lo.clip_high} if lo.policy_loss == "ppo_clip" else {}
         pg, info = POLICY_LOSSES[lo.policy_loss](lp, old_lp, adv, m, agg=lo.loss_agg, **kw)
@@ -227,6 +257,15 @@ class PPOTrainer:
             vl, vinfo = value_loss(v, old_v, returns, m, lo.value_clip)
             loss = loss + lo.vf_coef * vl
             info.update(value_loss=float(vl.detach()), **vinfo)
+        if self.critic_batch is not None:
+            spans, y_q, y_v, valid = self.critic_batch
+            idx = rows.tolist()
+            # detached features: the critic learns on the actor's representation without moving it
+            hs, ha = archer.turn_features(self.last_hidden.detach(), [spans[i] for i in idx], tt.n_turns)
+            q, v_u = self.critic(hs, ha)
+            cl = archer.critic_loss(q, v_u, y_q[rows], y_v[rows], valid[rows])
+            loss = loss + cl
+            info["critic_loss"] = float(cl.detach())
         if lo.kl_mode == "loss" and ref_lp is not None:
             kl = masked_mean(klw_tok * kl_estimate(lp, ref_lp, lo.kl_estimator), m)
             loss = loss + kl
@@ -241,7 +280,8 @@ class PPOTrainer:
         save_file({k: v.contiguous() for k, v in self.acc.unwrap_model(self.value_head).state_dict().items()},
                   folder / VALUE_HEAD_FILE)
         torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                    "optimizer_steps": self.optimizer_steps}, folder / "optim.pt")
+                    "optimizer_steps": self.optimizer_steps, "critic": self.critic.state_dict(),
+                    "critic_target": self.critic_target.state_dict()}, folder / "optim.pt")
 
     def load(self, folder: Path) -> None:
         self.policies.load_role("solver", folder / "solver")
@@ -256,3 +296,5 @@ class PPOTrainer:
         self.optimizer.load_state_dict(st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
         self.optimizer_steps = st["optimizer_steps"]
+        self.critic.load_state_dict(st["critic"])
+        self.critic_target.load_state_dict(st["critic_target"])

@@ -1,0 +1,75 @@
+"""ArCHer's utterance-level critic for the solver (``lower.advantage: archer``).
+
+Hierarchy in time: a critic over whole utterances (solver turns) and a token-level actor.
+For turn k of a trajectory, with s_k the context before the turn and a_k the turn itself:
+    Q_i(s_k, a_k) <- r_k + gamma (1 - d_k) min_j Vbar_j(s_{k+1})        (double Q, target V)
+    V_i(s_k)      <- min_j Qbar_j(s_k, a_k)                              (target Q at the taken action)
+    A_k = min_j Q_j(s_k, a_k) - min_j V_j(s_k)                           (the actor's advantage)
+Q and V are linear heads on the solver trunk's hidden state (detached, so critic gradients never
+move the actor's adapter): V reads the position before the turn's first token, Q its last token.
+Targets are Polyak copies (tau). Shapes: B trajectories, K turns, H hidden size.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+class UtteranceCritic(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.q = nn.Linear(hidden, 2)  # two Q heads
+        self.v = nn.Linear(hidden, 2)  # two V heads
+        for layer in (self.q, self.v):
+            nn.init.normal_(layer.weight, std=1e-3)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, h_state: torch.Tensor, h_action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, K, H] x2 -> (Q [B, K, 2], V [B, K, 2])."""
+        return self.q(h_action.float()), self.v(h_state.float())
+
+
+def turn_features(hidden: torch.Tensor, spans: list[list[tuple[int, int]]], n_turns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [B, T, H] -> (state features [B, K, H] at start - 1, action features [B, K, H] at end - 1)."""
+    B, _, H = hidden.shape
+    hs = hidden.new_zeros(B, n_turns, H)
+    ha = hidden.new_zeros(B, n_turns, H)
+    for b, turns in enumerate(spans):
+        for k, (s, e) in enumerate(turns):
+            hs[b, k] = hidden[b, s - 1]
+            ha[b, k] = hidden[b, e - 1]
+    return hs, ha
+
+
+def critic_targets(turn_rewards: torch.Tensor, valid: torch.Tensor, q_bar: torch.Tensor, v_bar: torch.Tensor,
+                   gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """turn_rewards, valid [B, K]; q_bar, v_bar [B, K, 2] from the target critic -> (y_q, y_v) [B, K].
+
+    The last valid turn is terminal (d = 1)."""
+    v_next = torch.zeros_like(turn_rewards)
+    v_min = v_bar.min(-1).values
+    v_next[:, :-1] = v_min[:, 1:] * valid[:, 1:]
+    y_q = turn_rewards + gamma * v_next
+    y_v = q_bar.min(-1).values
+    return y_q * valid, y_v * valid
+
+
+def advantages(q: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """A_k = min Q - min V per turn [B, K]."""
+    return (q.min(-1).values - v.min(-1).values) * valid
+
+
+def critic_loss(q: torch.Tensor, v: torch.Tensor, y_q: torch.Tensor, y_v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    m = valid.unsqueeze(-1).float()
+    n = m.sum().clamp(min=1.0) * 2
+    return (((q - y_q.unsqueeze(-1)) ** 2 * m).sum() + ((v - y_v.unsqueeze(-1)) ** 2 * m).sum()) / n
+
+
+def make_target(critic: UtteranceCritic) -> UtteranceCritic:
+    target = copy.deepcopy(critic)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    return target
