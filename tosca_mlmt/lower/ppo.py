@@ -177,7 +177,7 @@ class PPOTrainer:
                     adv, returns = self._archer_advantages(trajs, tt, rewards, old_hidden)
                 else:
                     R = turn_returns(rewards, tt.turn_ids, tt.n_turns)
-                    valid = torch.stack([(tt.turn_ids == k).any(1) for k in range(tt.n_turns)], 1)
+                    valid = tt.turn_valid()
                     kw = {"norm_std": lo.grpo_norm_std} if lo.advantage == "grpo" else (
                         {"baseline": lo.reinforce_baseline} if lo.advantage == "reinforce" else {})
                     adv = broadcast_turns(ADVANTAGES[lo.advantage](R, tt.groups, valid, **kw), tt.turn_ids)
@@ -200,7 +200,7 @@ class PPOTrainer:
     def _archer_advantages(self, trajs, tt, rewards, hidden):
         """Per-turn A = min Q - min V from the critic; stores the critic's TD targets for the update."""
         per_turn = torch.stack([(rewards * (tt.turn_ids == k)).sum(1) for k in range(tt.n_turns)], 1)  # r_k [B, K]
-        valid = torch.stack([(tt.turn_ids == k).any(1) for k in range(tt.n_turns)], 1).float()
+        valid = tt.turn_valid().float()
         spans = [t.turn_spans for t in trajs]
         hs, ha = archer.turn_features(hidden, spans, tt.n_turns)
         q, v = self.critic(hs, ha)

@@ -62,6 +62,10 @@ class TrajectoryTensors:
     groups: torch.Tensor  # [B] problem index, for group-relative estimators
     n_turns: int
 
+    def turn_valid(self) -> torch.Tensor:
+        """[B, K] bool: trajectory b has a turn k (trajectories may have fewer turns than K)."""
+        return torch.stack([(self.turn_ids == k).any(1) for k in range(self.n_turns)], 1)
+
     def select(self, rows: torch.Tensor) -> "TrajectoryTensors":
         return TrajectoryTensors(self.input_ids[rows], self.attention_mask[rows], self.mask[rows],
                                  self.turn_ids[rows], self.behaviour_logprobs[rows], self.groups[rows], self.n_turns)
