@@ -46,6 +46,9 @@ def main() -> None:
     ap.add_argument("--gsm8k-limit", type=int, default=10, help="held-out GSM8K problems (0 = skip GSM8K)")
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
     ap.add_argument("--work", default="/tmp/tosca-bench-efficacy")
+    ap.add_argument("--small-rounds", action="store_true",
+                    help="shrink each train-joint round (4 problems, 1 PPO iteration, 6 writer steps) so short "
+                         "budgets still finish several rounds")
     args = ap.parse_args()
 
     from tosca_mlmt.config import load_config
@@ -64,6 +67,10 @@ def main() -> None:
         for preset in PRESETS:
             cfg_file = ROOT / "configs" / f"{preset}.yaml"
             train_ov = {k: v for k, v in tov.items() if k != "task.limit"}
+            if args.small_rounds:
+                train_ov.update({"joint.collect_problems": 4, "joint.lower_iterations": 1, "joint.upper_steps": 6,
+                                 "lower.problems_per_iteration": 2, "upper.warmup_steps": 2, "upper.eval_every": 6,
+                                 "upper.batch_size": 4})
             cfg = load_config(cfg_file, dict(train_ov, **{"joint.max_seconds": args.budget, "joint.rounds": 100,
                                                           "logging.wandb": False, "logging.progress": False}))
             t0 = time.time()
