@@ -96,6 +96,7 @@ def train_joint(cfg: Config, run_dir: str | Path, resume: bool = False, console=
             for step in STEPS:
                 if step in rec["done"]:
                     continue
+                sync0 = getattr(engine, "sync_seconds", 0.0)
                 with timer(step):
                     if step == "collect":
                         _collect(cfg, rec, manifest, snap_root, policies, engine, r, console)
@@ -105,7 +106,9 @@ def train_joint(cfg: Config, run_dir: str | Path, resume: bool = False, console=
                         _lower(cfg, rec, manifest, run, rdir, policies, engine, console, r)
                     # the rollout engine must serve what the trainers just produced (vLLM: a full
                     # state-dict reload; the writer's weights follow lazily on its next turn)
-                    rec["sync_seconds"] = rec.get("sync_seconds", 0.0) + engine.sync_weights("solver")
+                    engine.sync_weights("solver")
+                # every reload of the step (eager here, lazy inside generate) counts
+                rec["sync_seconds"] = round(rec.get("sync_seconds", 0.0) + getattr(engine, "sync_seconds", 0.0) - sync0, 3)
                 rec["done"].append(step)
                 rec.setdefault("seconds", {})[step] = round(timer.seconds[step], 3)
                 manifest["seconds_used"] = round(time.perf_counter() - t_start, 3)
