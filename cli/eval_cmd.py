@@ -26,7 +26,7 @@ def eval_cmd(
     Acc@t1, Acc@final, delta, wrong->right, right->wrong, strategy counts and lengths."""
     import json
 
-    from tosca_mlmt.cli.main import _parse_sets, _print_summary, err
+    from tosca_mlmt.cli.main import _flag_overrides, _parse_sets, _print_summary, err
     from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.evaluate import adapters_from_run, evaluate
 
@@ -35,8 +35,7 @@ def eval_cmd(
                             "model.writer_adapter": writer}.items() if v is not None}
     if run is not None:
         ov.update(adapters_from_run(run))
-    if no_wandb:
-        ov["logging.wandb"] = False
+    ov.update(_flag_overrides(no_wandb))
     ov.update(_parse_sets(set_))
     rep = evaluate(load_config(config, ov), out, console=err)
     _print_summary(f"eval on {rep['task']}/{rep['split']}", {k: v for k, v in rep.items() if isinstance(v, (int, float))})

@@ -19,13 +19,12 @@ def train_joint(
 ):
     """Hierarchical RL: each round collects a snapshot, fits the writer offline on it (plus a replay
     window), then runs online PPO iterations of the solver."""
-    from tosca_mlmt.cli.main import _parse_sets, _print_summary, err
+    from tosca_mlmt.cli.main import _flag_overrides, _parse_sets, _print_summary, err
     from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.train_joint import train_joint as run
 
     ov = {k: v for k, v in {"joint.rounds": rounds, "engine.name": engine}.items() if v is not None}
-    if no_wandb:
-        ov["logging.wandb"] = False
+    ov.update(_flag_overrides(no_wandb))
     ov.update(_parse_sets(set_))
     res = run(load_config(config, ov), out, resume=resume, console=err)
     for rec in res.manifest["rounds"]:

@@ -21,14 +21,13 @@ def train_lower(
     no_wandb: bool = typer.Option(False, "--no-wandb", help="Do not log to wandb (metrics.jsonl is always written)."),
 ):
     """Train the solver (turn 1 and every refine) with PPO; online unless --snapshot is given."""
-    from tosca_mlmt.cli.main import _parse_sets, _print_summary, err
+    from tosca_mlmt.cli.main import _flag_overrides, _parse_sets, _print_summary, err
     from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.train_lower import train_lower as run
 
     ov = {k: v for k, v in {"lower.iterations": iterations, "task.name": task, "engine.name": engine}.items()
           if v is not None}
-    if no_wandb:
-        ov["logging.wandb"] = False
+    ov.update(_flag_overrides(no_wandb))
     ov.update(_parse_sets(set_))
     cfg = load_config(config, ov)
     res = run(cfg, out, snapshot_ids=list(snapshot) or None, snapshot_root=root, resume=resume, console=err)

@@ -55,6 +55,16 @@ def _parse_sets(sets: list[str]) -> dict:
     return out
 
 
+def _flag_overrides(no_wandb: bool = False, no_progress: bool = False) -> dict:
+    """The logging switches every command offers, as config overrides."""
+    ov = {}
+    if no_wandb:
+        ov["logging.wandb"] = False
+    if no_progress:
+        ov["logging.progress"] = False
+    return ov
+
+
 def _print_summary(title: str, summary: dict) -> None:
     t = Table(title=title, show_header=True)
     t.add_column("metric")
@@ -101,10 +111,7 @@ def collect(
         ov["task.skip_bad_rows"] = True
     if parent:
         ov["collect.parents"] = list(parent)
-    if no_wandb:
-        ov["logging.wandb"] = False
-    if no_progress:
-        ov["logging.progress"] = False
+    ov.update(_flag_overrides(no_wandb, no_progress))
     ov.update(_parse_sets(set_))
     cfg = load_config(config, ov)
     from tosca_mlmt.pipelines.collect import collect as run_collect

@@ -28,7 +28,7 @@ def train_upper(
     """Fit the feedback writer's strategy Q-values and feedback text from logged snapshots (no rollouts).
 
     Prints the trained writer's folder as the last line of stdout."""
-    from tosca_mlmt.cli.main import _parse_sets, _print_summary, err
+    from tosca_mlmt.cli.main import _flag_overrides, _parse_sets, _print_summary, err
     from tosca_mlmt.config import load_config
 
     ov: dict = {"upper.snapshots": list(snapshot)}
@@ -38,10 +38,7 @@ def train_upper(
         ov["seed"] = seed
     if deterministic:
         ov["deterministic"] = True
-    if no_wandb:
-        ov["logging.wandb"] = False
-    if no_progress:
-        ov["logging.progress"] = False
+    ov.update(_flag_overrides(no_wandb, no_progress))
     ov.update(_parse_sets(set_))
     cfg = load_config(config, ov)
     from tosca_mlmt.pipelines.train_upper import train_upper as run
