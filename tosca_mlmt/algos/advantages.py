@@ -19,15 +19,12 @@ from typing import Callable
 
 import torch
 
+from tosca_mlmt.algos import registrar
+
 ADVANTAGES: dict[str, Callable] = {}
 
 
-def register(name: str):
-    def deco(fn):
-        ADVANTAGES[name] = fn
-        return fn
-
-    return deco
+register = registrar(ADVANTAGES)
 
 
 @register("gae")

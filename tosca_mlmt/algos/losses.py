@@ -9,17 +9,14 @@ from typing import Callable
 
 import torch
 
+from tosca_mlmt.algos import registrar
+
 from tosca_mlmt.train.batching import masked_mean
 
 POLICY_LOSSES: dict[str, Callable] = {}
 
 
-def register(name: str):
-    def deco(fn):
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return deco
+register = registrar(POLICY_LOSSES)
 
 
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:

@@ -16,17 +16,14 @@ from typing import Callable, Iterable
 
 import torch
 
+from tosca_mlmt.algos import registrar
+
 # --------------------------------------------------------------------------- TD targets
 
 BOOTSTRAPS: dict[str, Callable] = {}
 
 
-def register_bootstrap(name: str):
-    def deco(fn):
-        BOOTSTRAPS[name] = fn
-        return fn
-
-    return deco
+register_bootstrap = registrar(BOOTSTRAPS)
 
 
 @register_bootstrap("max")
