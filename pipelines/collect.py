@@ -13,7 +13,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from tosca_mlmt import __version__, runtime
 from tosca_mlmt.config import Config
@@ -23,6 +29,7 @@ from tosca_mlmt.metrics import MetricsSink, StageTimer, summarize
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.snapshot import write_snapshot
 from tosca_mlmt.tasks import make_task
+from tosca_mlmt.train import distributed as dist
 
 
 @dataclass
@@ -36,7 +43,7 @@ class CollectResult:
 def collect(cfg: Config, policies: PolicyPair | None = None, engine=None, log_dir: str | None = None,
             console=None, problems: list | None = None) -> CollectResult:
     """``problems`` overrides the task's first ``task.limit`` problems (train-joint rotates them)."""
-    runtime.setup(cfg.seed, cfg.deterministic, cfg.engine.threads)
+    runtime.setup(cfg)
     timer = StageTimer()
     with timer("load_task"):
         task = make_task(cfg.task)
@@ -55,26 +62,38 @@ def collect(cfg: Config, policies: PolicyPair | None = None, engine=None, log_di
     # the whole turn itself, so it gets every problem at once.
     per_batch = len(problems) if cfg.engine.name == "vllm" else max(1, cfg.engine.batch_size // n)
     progress = Progress(TextColumn("[bold]collect[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), disable=not cfg.logging.progress, console=console, transient=False)
-    if console is not None:
+                        TimeElapsedColumn(), disable=not (cfg.logging.progress and dist.is_main()), console=console,
+                        transient=False)
+    if console is not None and dist.is_main():
         console.print(f"collect: {len(problems)} problems x {n} samples on {cfg.engine.name}, "
                       f"{cfg.episode.rounds} feedback round(s)", highlight=False)
     episodes = []
     with progress:
-        bar = progress.add_task(cfg.task.name, total=len(problems) * n * turns_per_episode)
+        starts = list(range(0, len(problems), per_batch))
+        mine = dist.shard(len(starts))
+        n_mine = sum(len(problems[starts[b]:starts[b] + per_batch]) for b in mine)  # rank 0's bar: its share
+        bar = progress.add_task(cfg.task.name, total=n_mine * n * turns_per_episode)
         runner = EpisodeRunner(cfg, task, engine, policies,
                                on_turn=lambda kind, k: progress.update(bar, advance=k * (n if kind == "solve" else 1),
                                                                         description=f"{cfg.task.name}: {kind}"))
         with timer("episodes"):
-            for b, start in enumerate(range(0, len(problems), per_batch)):
-                episodes += runner.run(problems[start:start + per_batch], batch_index=b)
+            # Under several processes each rank plays a contiguous share of the batches, so the
+            # snapshot holds the same episodes, in the same order, as a one-process run.
+            local = []
+            for b in mine:
+                local.append(runner.run(problems[starts[b]:starts[b] + per_batch], batch_index=b))
+            episodes = [e for batch in dist.gather_sharded(local, len(starts)) for e in batch]
     summary = summarize(episodes)
+    counts = dist.all_sum({"gen_tokens": runner.gen_tokens, "gen_seconds": runner.gen_seconds,
+                           "truncated_prompts": runner.truncated_prompts,
+                           "score_seconds": timer.seconds["episodes"] - runner.gen_seconds})
     summary.update({
-        "gen_tokens": runner.gen_tokens,
-        "gen_seconds": round(runner.gen_seconds, 3),
-        "tokens_per_s": round(runner.gen_tokens / max(runner.gen_seconds, 1e-9), 2),
-        "truncated_prompts": runner.truncated_prompts,
-        "score_seconds": round(timer.seconds["episodes"] - runner.gen_seconds, 3),
+        "gen_tokens": int(counts["gen_tokens"]),
+        "gen_seconds": round(counts["gen_seconds"], 3),
+        "tokens_per_s": round(counts["gen_tokens"] / max(counts["gen_seconds"], 1e-9), 2),
+        "truncated_prompts": int(counts["truncated_prompts"]),
+        "score_seconds": round(counts["score_seconds"], 3),
+        "processes": dist.world(),
     })
     if hasattr(engine, "sync_seconds"):
         summary["weight_sync_seconds"] = round(engine.sync_seconds, 3)
@@ -99,7 +118,8 @@ def collect(cfg: Config, policies: PolicyPair | None = None, engine=None, log_di
         "timings": timer.as_metrics(""),
     }
     with timer("write_snapshot"):
-        sid, created = write_snapshot(cfg.collect.out, episodes, manifest)
+        sid, created = write_snapshot(cfg.collect.out, episodes, manifest) if dist.is_main() else (None, False)
+        sid, created = dist.broadcast((sid, created))  # readers on every rank may open it now
     summary.update(timer.as_metrics())
     sink = MetricsSink(log_dir or Path(cfg.collect.out) / "_logs" / f"collect-{_stamp()}-{os.getpid()}",
                        cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_mode, cfg.logging.project, name=sid)

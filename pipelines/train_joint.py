@@ -24,6 +24,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
+from tosca_mlmt.pipelines.collect import collect
+from tosca_mlmt.pipelines.train_lower import train_lower
+from tosca_mlmt.pipelines.train_upper import train_upper
 
 from tosca_mlmt import __version__, runtime
 from tosca_mlmt.config import Config
@@ -32,9 +35,7 @@ from tosca_mlmt.errors import MlmtError
 from tosca_mlmt.fsutil import atomic_dir
 from tosca_mlmt.metrics import MetricsSink, StageTimer
 from tosca_mlmt.models.policies import PolicyPair
-from tosca_mlmt.pipelines.collect import collect
-from tosca_mlmt.pipelines.train_lower import train_lower
-from tosca_mlmt.pipelines.train_upper import train_upper
+from tosca_mlmt.train import distributed as dist
 
 STEPS = ("collect", "upper", "lower")
 
@@ -46,6 +47,8 @@ class JointResult:
 
 
 def _write_json(path: Path, obj) -> None:
+    if not dist.is_main():  # every rank keeps the same manifest in memory; rank 0 writes it
+        return
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj, indent=2, default=str))
     os.replace(tmp, path)
@@ -59,18 +62,21 @@ def train_joint(cfg: Config, run_dir: str | Path, resume: bool = False, console=
                 policies: PolicyPair | None = None, stop_after: tuple[int, str] | None = None) -> JointResult:
     """``stop_after=(round, step)`` returns right after that step finished, as a kill would
     (tests use it for the resume-equivalence check)."""
-    runtime.setup(cfg.seed, cfg.deterministic, cfg.engine.threads)
+    runtime.setup(cfg)
     jc = cfg.joint
     run = Path(run_dir)
     man_path = run / "manifest.json"
     if man_path.exists() and not resume:
         raise MlmtError(f"{run} already holds a train-joint run; pass --resume or choose another --out")
-    run.mkdir(parents=True, exist_ok=True)
     if man_path.exists():
         manifest = json.loads(man_path.read_text())
     else:
         manifest = {"stage": "train-joint", "tosca_mlmt_version": __version__, "git_sha": runtime.git_sha(),
                     "rounds": [], "solver": None, "writer": None}
+    manifest = dist.broadcast(manifest)
+    dist.barrier()  # every rank has read it before rank 0 writes
+    if dist.is_main() and not man_path.exists():
+        run.mkdir(parents=True, exist_ok=True)
         (run / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         _write_json(man_path, manifest)
     policies = policies or PolicyPair(cfg.model, seed=cfg.seed)
@@ -85,7 +91,9 @@ def train_joint(cfg: Config, run_dir: str | Path, resume: bool = False, console=
     t_start = time.perf_counter() - manifest.get("seconds_used", 0.0)
     try:
         for r in range(jc.rounds):
-            if jc.max_seconds and time.perf_counter() - t_start > jc.max_seconds and r >= len(manifest["rounds"]):
+            # rank 0's clock decides, or ranks could disagree and wait on each other forever
+            over = dist.broadcast(bool(jc.max_seconds) and time.perf_counter() - t_start > jc.max_seconds)
+            if over and r >= len(manifest["rounds"]):
                 manifest["stopped_by_budget"] = r
                 break
             if r >= len(manifest["rounds"]):
@@ -117,8 +125,10 @@ def train_joint(cfg: Config, run_dir: str | Path, resume: bool = False, console=
                           **{f"joint/{k}": v for k, v in rec.get(f"{step}_metrics", {}).items()}}, step=r)
                 if stop_after == (r, step):
                     return JointResult(run, manifest)
-        _publish(run, manifest)
+        if dist.is_main():
+            _publish(run, manifest)
         _write_json(man_path, manifest)
+        dist.barrier()
     finally:
         sink.close()
         engine.close()
@@ -131,6 +141,7 @@ def _collect(cfg, rec, manifest, snap_root, policies, engine, r, console) -> Non
                    collect=replace(cfg.collect, out=str(snap_root), parents=parents),
                    logging=replace(cfg.logging, wandb=False))
     from tosca_mlmt.pipelines.train_lower import iteration_indices
+
     from tosca_mlmt.tasks import make_task
 
     pool = make_task(cfg.task).load(cfg.task.split, cfg.task.limit or None, cfg.task.skip_bad_rows).problems

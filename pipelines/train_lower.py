@@ -16,7 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from tosca_mlmt import __version__, runtime
 from tosca_mlmt.config import Config
@@ -29,6 +35,7 @@ from tosca_mlmt.metrics import MetricsSink, StageTimer, summarize
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.snapshot import load_snapshot, write_snapshot
 from tosca_mlmt.tasks import make_task
+from tosca_mlmt.train import distributed as dist
 from tosca_mlmt.train.checkpoint import CheckpointManager
 
 
@@ -56,8 +63,9 @@ def _init_run(run: Path, cfg: Config, resume: bool, extra: dict) -> None:
     cfg_file = run / "config.yaml"
     if cfg_file.exists() and not resume:
         raise MlmtError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
-    run.mkdir(parents=True, exist_ok=True)
-    if not cfg_file.exists():
+    dist.barrier()  # every rank has checked before rank 0 writes
+    if dist.is_main() and not cfg_file.exists():
+        run.mkdir(parents=True, exist_ok=True)
         cfg_file.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         (run / "run.json").write_text(json.dumps({"stage": "train-lower", "tosca_mlmt_version": __version__,
                                                   "git_sha": runtime.git_sha(), **extra}, indent=2))
@@ -71,7 +79,7 @@ def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None
     (used by resume tests); checkpoints are written as usual up to then. ``init_from`` is a
     checkpoint whose value head and optimizer state a fresh run starts from (train-joint
     carries the solver's critic and Adam moments from round to round this way)."""
-    runtime.setup(cfg.seed, cfg.deterministic, cfg.engine.threads)
+    runtime.setup(cfg)
     run = Path(run_dir)
     lo = cfg.lower
     _init_run(run, cfg, resume, {"snapshots": snapshot_ids or []})
@@ -100,7 +108,8 @@ def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None
     metrics: dict = {}
     done = start
     progress = Progress(TextColumn("[bold]train-lower[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        TextColumn("{task.description}"), disable=not cfg.logging.progress, console=console)
+                        TextColumn("{task.description}"), disable=not (cfg.logging.progress and dist.is_main()),
+                        console=console)
     with progress:
         bar = progress.add_task("", total=lo.iterations, completed=start)
         for it in range(start, lo.iterations):
@@ -110,11 +119,14 @@ def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None
                 idx = iteration_indices(len(pool), lo.problems_per_iteration, it, cfg.seed)
                 gen0, score0 = runner.gen_seconds, runner.gen_tokens
                 with it_timer("episodes"):
-                    episodes = runner.run([pool[i] for i in idx], batch_index=it)
+                    # each rank plays its share of the problems; every rank gets all episodes
+                    mine = [pool[idx[i]] for i in dist.shard(len(idx))]
+                    episodes = dist.gather_sharded(runner.run(mine, batch_index=it) if mine else [],
+                                                   len(idx) * cfg.episode.n_samples)
                 it_timer.seconds["generate"] = runner.gen_seconds - gen0
                 it_timer.seconds["score"] = it_timer.seconds.pop("episodes") - it_timer.seconds["generate"]
-                gen_tokens, sid = runner.gen_tokens - score0, None
-                if lo.keep_snapshots:
+                gen_tokens, sid = int(dist.all_sum({"t": runner.gen_tokens - score0})["t"]), None
+                if lo.keep_snapshots and dist.is_main():
                     with it_timer("snapshot"):
                         sid, _ = write_snapshot(run / "snapshots", episodes, {
                             "kind": "train-lower-batch", "iteration": it, "config": cfg.to_dict(),
@@ -151,9 +163,11 @@ def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None
                                                  "optimizer_steps": trainer.optimizer_steps})
             if stop_after is not None and done >= stop_after:
                 break
-    if done == lo.iterations:
+    if done == lo.iterations and dist.is_main():
         policies.save_role("solver", run / "solver")
+    trainer.close()
     sink.close()
+    dist.barrier()
     return LowerResult(run, done, metrics)
 
 

