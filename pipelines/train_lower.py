@@ -118,6 +118,7 @@ def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None
             if offline is None:
                 idx = iteration_indices(len(pool), lo.problems_per_iteration, it, cfg.seed)
                 gen0, score0 = runner.gen_seconds, runner.gen_tokens
+                sync0 = getattr(engine, "sync_seconds", 0.0)
                 with it_timer("episodes"):
                     # each rank plays its share of the problems; every rank gets all episodes
                     mine = [pool[idx[i]] for i in dist.shard(len(idx))]
@@ -145,6 +146,8 @@ def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None
             with it_timer("weight_sync"):
                 if offline is None:
                     engine.sync_weights("solver")
+                    # every reload of the iteration, also those generate() made between roles
+                    it_timer.seconds["engine_sync_total"] = getattr(engine, "sync_seconds", 0.0) - sync0
             summary = summarize(episodes)
             metrics = {f"lower/{k}": v for k, v in {**summary, **upd}.items()}
             for k in range(max(len(t.turn_rewards) for t in trajs)):

@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tosca_mlmt.pipelines.collect import collect
 
 from tosca_mlmt.config import load_config
-from tosca_mlmt.pipelines.collect import collect
 
 pytestmark = pytest.mark.slow
 
@@ -170,3 +170,32 @@ def test_deepspeed_zero2_killed_and_resumed_gives_the_one_process_update(single,
     assert_same_update(_tensors(single), _tensors(out), initial, "solver")
     assert_same_update(_tensors(single), _tensors(out), initial, "writer")
     assert_same_metrics(single, out)
+
+
+def test_train_joint_with_two_processes_through_the_cli(tmp_path):
+    """The whole loop under torchrun: sharded collect and rollouts, one writer of every file."""
+    sets = {"joint.rounds": 1, "joint.collect_problems": 2, "joint.lower_iterations": 1, "joint.upper_steps": 2,
+            "upper.batch_size": 2, "upper.micro_batch_size": 1, "upper.warmup_steps": 1, "upper.log_every": 1,
+            "lower.problems_per_iteration": 2, "lower.minibatch_size": 4, "lower.grad_accum": 2,
+            "episode.n_samples": 2, "solver_sampling.max_new_tokens": 10, "writer_sampling.max_new_tokens": 8,
+            "episode.max_feedback_tokens": 8, "model.dtype": "float32", "logging.progress": False}
+    run = tmp_path / "run"
+    args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        str(_port()), "-m", "tosca_mlmt.cli.main", "train-joint", "--out", str(run), "--no-wandb",
+                        *args], capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-4000:]
+    man = json.loads((run / "manifest.json").read_text())
+    assert [r["done"] for r in man["rounds"]] == [["collect", "upper", "lower"]]
+    snaps = [d for d in (run / "snapshots").iterdir() if d.name.startswith("snap-")]
+    assert [d.name for d in snaps] == [man["rounds"][0]["snapshot"]]
+    assert len(list((run / "snapshots" / "_logs").iterdir())) == 1  # collect's log: rank 0's only
+    snap = json.loads((snaps[0] / "manifest.json").read_text())
+    assert snap["rows"]["episodes"] == 4 and snap["summary"]["processes"] == 2  # both ranks' shares, gathered
+    lower = run / man["rounds"][0]["lower"]
+    assert [json.loads(x)["lower/iteration"] for x in (lower / "metrics.jsonl").read_text().splitlines()
+            if "lower/iteration" in x] == [1]
+    assert len(json.loads((lower / "snapshots" / man["rounds"][0]["lower_snapshots"][0] / "manifest.json")
+                          .read_text())["task"]["problem_ids"]) == 2
+    assert (run / "solver" / "adapter_model.safetensors").exists() and (run / "writer" / "q_head.safetensors").exists()

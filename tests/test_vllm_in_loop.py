@@ -37,11 +37,11 @@ pytestmark = [
                        reason="vllm is not installed (pip install 'tosca-mlmt[vllm]')"),
 ]
 
-import torch
+import torch  # noqa: E402
 
-from tosca_mlmt.config import load_config
-from tosca_mlmt.prompts import ChatFormat
-from tosca_mlmt.train.batching import build_batch, forward_logprobs
+from tosca_mlmt.config import load_config  # noqa: E402
+from tosca_mlmt.prompts import ChatFormat  # noqa: E402
+from tosca_mlmt.train.batching import build_batch, forward_logprobs  # noqa: E402
 
 # fp32 on both sides; vLLM vs HF agree to ~2e-5 (see test_vllm_engine.py).
 LOGPROB_TOL = 1e-3

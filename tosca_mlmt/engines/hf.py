@@ -7,6 +7,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from tosca_mlmt.engines.base import Generation, SamplingParams
 from tosca_mlmt.models.policies import PolicyPair
+from tosca_mlmt.train.distributed import full_parameters
 
 
 class _RawLogprobRecorder(LogitsProcessor):
@@ -92,7 +93,8 @@ class HFEngine:
             top_p=1.0, num_beams=1, eos_token_id=eos_ids, pad_token_id=pad_id,
         )
         torch.manual_seed(seed)
-        with self.policies.use(policy):
+        # ZeRO-3 partitions the weights: generation needs them whole (a no-op otherwise)
+        with self.policies.use(policy), full_parameters(model):
             seqs = model.generate(input_ids=ids, attention_mask=attn, generation_config=gc,
                                   logits_processor=LogitsProcessorList([rec]))
         rec.gather_last(seqs[:, -1])

@@ -110,7 +110,11 @@ class PolicyPair:
     def adapter_state(self, role: str) -> dict[str, torch.Tensor]:
         from peft import get_peft_model_state_dict
 
-        return get_peft_model_state_dict(self._models[role], adapter_name=role)
+        from tosca_mlmt.train.distributed import full_parameters
+
+        with full_parameters(self._models[role]):
+            return {k: v.detach().clone() for k, v in
+                    get_peft_model_state_dict(self._models[role], adapter_name=role).items()}
 
     def fingerprint(self, role: str) -> dict[str, str]:
         path = self.base_paths[role]
@@ -137,6 +141,12 @@ class PolicyPair:
 
         Computed into new tensors, never by peft's merge/unmerge: ``w -= delta`` is not exact
         in floating point, so every sync would nudge the frozen base (the reference policy)."""
+        from tosca_mlmt.train.distributed import full_parameters
+
+        with full_parameters(self._models[role]):
+            return self._merged(role)
+
+    def _merged(self, role: str) -> dict[str, torch.Tensor]:
         from peft.tuners.lora import LoraLayer
 
         base = self._models[role].get_base_model()
@@ -169,7 +179,9 @@ class PolicyPair:
         from tosca_mlmt.fsutil import atomic_dir
 
         folder = Path(folder)
-        with atomic_dir(folder) as tmp:
+        from tosca_mlmt.train.distributed import full_parameters
+
+        with atomic_dir(folder) as tmp, full_parameters(self._models[role]):
             self._models[role].save_pretrained(tmp, selected_adapters=[role])
             # peft nests non-"default" adapters in a subfolder named after the adapter
             nested = tmp / role

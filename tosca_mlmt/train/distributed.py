@@ -153,6 +153,19 @@ def fill_deepspeed_config(conf: dict, micro_size: int, local_micros: int, max_gr
     return conf
 
 
+def full_parameters(module: nn.Module):
+    """Context in which ZeRO-3-partitioned parameters of ``module`` are whole (read-only), for
+    generation, weight sync and saving; a no-op for every other engine."""
+    import contextlib
+
+    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
+    if not params:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
 def saved_world_size(folder: Path) -> int:
     """How many processes wrote the ZeRO checkpoint in ``folder`` (one optimizer shard each)."""
     return len(list((folder / "deepspeed" / "state").glob("zero_pp_rank_*_optim_states.pt")))
