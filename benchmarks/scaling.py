@@ -28,10 +28,16 @@ init) and tear-down (last iteration -> exit: final checkpoint and adapter save),
 seconds the launch used (user + sys of all its processes) and the load average before it.
 
 Repeats run round-robin (A B C D, A B C D, ...) so that drift of the shared machine hits every
-configuration alike; the tables give the median and min-max over repeats.
+configuration alike; the tables give the median and min-max over repeats. While a launch runs, the
+CPU time of its processes and of the whole machine is sampled each second, so every launch records
+the cores it got and the cores other work took during its timed iterations. Launches during which
+other work used at most ``--quiet`` cores get a table of their own, and the overhead paragraph is
+computed from them: on a shared 2-core box, one busy core distorts a 2-thread process more than
+two 1-thread processes, so the all-launch medians partly measure the load.
 
     .venv/bin/python benchmarks/scaling.py                  # full run, writes benchmarks/results/scaling.{json,md}
     .venv/bin/python benchmarks/scaling.py --quick --repeats 1   # smoke run, writes under --work
+    .venv/bin/python benchmarks/scaling.py --report-only benchmarks/results/scaling.json  # re-render the .md
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ CONFIGS = {
     "ddp": {"label": "2 processes x 1 thread, DDP (gloo)", "nproc": 2, "threads": 1, "deepspeed": None},
     "zero2": {"label": "2 processes x 1 thread, DeepSpeed ZeRO-2", "nproc": 2, "threads": 1, "deepspeed": str(ZERO2)},
 }
+QUIET = 0.25  # cores of other work during the timed iterations, at most, for a launch to count as quiet
 REFERENCE = "single-2t"  # the speed-up column is relative to 1 process on the same two cores
 PACKAGES = ("torch", "deepspeed", "accelerate", "transformers", "peft", "numpy")
 
@@ -94,6 +101,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="results JSON (the .md goes beside it); default "
                                                 "benchmarks/results/scaling.json, or under --work with --quick")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per launch")
+    ap.add_argument("--retries", type=int, default=1, help="relaunches of a failed launch (recorded in the JSON)")
+    ap.add_argument("--quiet", type=float, default=QUIET,
+                    help="a launch is 'quiet' when other work used at most this many cores during its timed "
+                         "iterations; quiet launches get their own table")
+    ap.add_argument("--report-only", metavar="JSON", default=None,
+                    help="launch nothing: re-summarize an existing results JSON (also a .partial.json) and "
+                         "rewrite its .md beside --out")
     args = ap.parse_args(argv)
     if args.quick:
         for k, v in {"problems": 2, "problems_per_iteration": 1, "samples": 4, "max_new_tokens": 16,
@@ -223,7 +237,11 @@ def run_sampled(cmd: list[str], log, env: dict, timeout: float, every: float = 1
     deadline = time.time() + timeout
     while p.poll() is None:
         if time.time() > deadline:
-            p.kill()
+            for q in [*root.children(recursive=True), root]:  # torchrun and its workers
+                try:
+                    q.kill()
+                except psutil.Error:
+                    pass
             raise subprocess.TimeoutExpired(cmd, timeout)
         try:
             for q in [root, *root.children(recursive=True)]:
@@ -332,6 +350,8 @@ def summarize(runs: list[dict], names: list[str]) -> dict:
     out = {}
     for name in names:
         mine = [r for r in runs if r["config"] == name]
+        if not mine:
+            continue
         out[name] = {k: mmm([r[k] for r in mine]) for k in SUMMARY_KEYS}
         out[name]["repeats"] = len(mine)
     ref = out.get(REFERENCE)
@@ -368,16 +388,18 @@ def report(res: dict) -> str:
              f"({a['grad_accum']} micro-batch slots of {a['minibatch'] // a['grad_accum']}), {a['epochs']} epoch(s); "
              f"{a['iterations']} iterations per launch, the first dropped as warm-up; {a['repeats']} launch(es) per "
              f"row, round-robin. Median (min-max) over launches.")
+    quiet, thr = res.get("summary_quiet") or {}, a.get("quiet", QUIET)
     lines = [f"# Scaling: 1 vs 2 processes on CPU ({res['date']})", "", intro, "",
-             ("| configuration | processes x threads | update s/step | train tokens/s | speed-up vs 1 process "
-              "(update) | iteration s | speed-up (iteration) | startup s | wall s |"),
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, s in summ.items():
-        c = CONFIGS[name]
-        lines.append(f"| {name}: {c['label']} | {c['nproc']} x {c['threads']} | {_fmt(s, 'update_s_per_step')} | "
-                     f"{_fmt(s, 'train_tokens_per_s', 0)} | {s.get('speedup_update_vs_single_2t', float('nan')):.2f} | "
-                     f"{_fmt(s, 'iteration_s')} | {s.get('speedup_iteration_vs_single_2t', float('nan')):.2f} | "
-                     f"{_fmt(s, 'startup_s', 1)} | {_fmt(s, 'wall_s', 1)} |")
+             "All launches:", "", *_main_table(summ)]
+    if quiet:
+        lines += ["", (f"Quiet launches only (other work on the machine used <= {thr} cores during the timed "
+                      f"iterations; n = launches kept per row):"), "", *_main_table(quiet)]
+        missing = [n for n in summ if n not in quiet]
+        if missing:
+            lines += ["", f"No quiet launch of: {', '.join(missing)}."]
+    else:
+        lines += ["", f"No launch was quiet (other work <= {thr} cores during its timed iterations)."]
+    summ = quiet or summ  # the breakdown and the findings use the fairer of the two
     legend = ("*update s/step*: `lower/time/update` (forward + backward + gradient communication + optimizer "
               "step) per optimizer step. *iteration s*: the whole offline iteration (sharded no-grad old/ref "
               "log-prob and bonus forwards, advantages, update). *startup s*: launch until the first iteration "
@@ -387,7 +409,7 @@ def report(res: dict) -> str:
                "(CPU seconds of all its processes / wall seconds) and the cores other work on the machine used "
                "meanwhile, and *CPU-s/step* = update s/step x cores used, an estimate of the CPU work per "
                "optimizer step that does not depend on how much of the machine the launch got.")
-    lines += ["", legend, "", legend2, "",
+    lines += ["", legend, "", legend2 + (" Quiet launches." if quiet else " All launches."), "",
               ("| configuration | old/ref log-probs s | bonus s | update s | cores used | other work (cores) | "
                "CPU-s/step (approx.) | CPU s per launch | tear-down s |"),
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -397,13 +419,32 @@ def report(res: dict) -> str:
                      f"{_fmt(s, 'steady_cores_used')} | {_fmt(s, 'steady_other_cores')} | "
                      f"{s['cpu_s_per_step']['median']:.2f} | {s['cpu_s']['median']:.0f} | "
                      f"{s['teardown_s']['median']:.1f} |")
-    lines += ["", "## Overhead", "", *findings(res)]
+    kept = ", ".join(f"{n}: {q['repeats']}" for n, q in quiet.items())
+    lines += ["", "## Overhead", "",
+              (f"From the medians of the quiet launches ({kept}"
+               f" of {a['repeats']} each). The all-launch medians mix quiet and contended launches in different "
+               f"proportions per row, so their speed-ups compare the machine's load as much as the configurations."
+               if quiet else "From the medians of all launches (none was quiet)."), "", *findings(res, summ)]
     return "\n".join(lines) + "\n"
 
 
-def findings(res: dict) -> list[str]:
-    """The overhead, in words, from the summary (medians)."""
-    summ, out = res["summary"], []
+def _main_table(summ: dict) -> list[str]:
+    lines = [("| configuration | processes x threads | n | update s/step | train tokens/s | speed-up vs 1 process "
+              "(update) | iteration s | speed-up (iteration) | startup s | wall s |"),
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, s in summ.items():
+        c = CONFIGS[name]
+        lines.append(f"| {name}: {c['label']} | {c['nproc']} x {c['threads']} | {s['repeats']} | "
+                     f"{_fmt(s, 'update_s_per_step')} | {_fmt(s, 'train_tokens_per_s', 0)} | "
+                     f"{s.get('speedup_update_vs_single_2t', float('nan')):.2f} | {_fmt(s, 'iteration_s')} | "
+                     f"{s.get('speedup_iteration_vs_single_2t', float('nan')):.2f} | {_fmt(s, 'startup_s', 1)} | "
+                     f"{_fmt(s, 'wall_s', 1)} |")
+    return lines
+
+
+def findings(res: dict, summ: dict) -> list[str]:
+    """The overhead, in words, from a summary (medians)."""
+    out = []
     med = {n: {k: v["median"] for k, v in s.items() if isinstance(v, dict)} for n, s in summ.items()}
     ref, one = med.get(REFERENCE), med.get("single-1t")
     if ref and one:
@@ -439,6 +480,9 @@ def findings(res: dict) -> list[str]:
                    f"train, so partitioning their optimizer state saves little memory at this size; what ZeRO-2 "
                    f"changes per step is DeepSpeed's bookkeeping (flat gradient buffers, reduce-scatter, all-gather "
                    f"of the updated partitions).")
+    for f in res.get("failed_launches", []):
+        out.append(f"- Launch {f['config']} repeat {f['repeat']} (attempt {f['attempt'] + 1}) failed and was "
+                   f"relaunched: {f['error'].strip().splitlines()[-1][:200]}")
     other = [r["steady_other_cores"] for r in res["runs"]]
     out.append(f"- The 2 cores were shared with other work, which used {min(other):.2f}-{max(other):.2f} cores "
                f"(median {statistics.median(other):.2f}) during the timed iterations. A process with 2 OpenMP "
@@ -448,15 +492,27 @@ def findings(res: dict) -> list[str]:
     return out
 
 
+def finish(res: dict, quiet: float) -> None:
+    names = list(res["configs"])
+    res["args"]["quiet"] = quiet
+    res["summary"] = summarize(res["runs"], names)
+    res["summary_quiet"] = summarize([r for r in res["runs"] if r["steady_other_cores"] <= quiet], names)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.report_only:
+        res = json.loads(Path(args.report_only).read_text())
+        finish(res, args.quiet)
+        out = Path(args.out)
+        out.write_text(json.dumps(res, indent=2, default=str) + "\n")
+        out.with_suffix(".md").write_text(report(res))
+        print(report(res))
+        print(f"written to {out} and {out.with_suffix('.md')}")
+        return 0
     Path(args.work).mkdir(parents=True, exist_ok=True)
     root, sid, snap_info = snapshot(args)
     print(f"snapshot {sid} ({'cached' if snap_info['cached'] else 'collected'}) in {root}", flush=True)
-    runs = []
-    for rep in range(args.repeats):
-        for name in args.configs:
-            runs.append(launch(args, name, rep, (root, sid)))
     res = {"date": dt.datetime.now().isoformat(timespec="seconds"), "machine": machine_info(),
            "args": vars(args), "command": " ".join([Path(sys.executable).name, *sys.argv]),
            "configs": {n: {**CONFIGS[n], "env": {"OMP_NUM_THREADS": str(CONFIGS[n]["threads"]),
@@ -464,13 +520,31 @@ def main(argv=None) -> int:
                                                   "OMP_WAIT_POLICY": "PASSIVE"},
                            "overrides": train_overrides(args, CONFIGS[n])} for n in args.configs},
            "snapshot": {"root": root, "id": sid, **{k: v for k, v in snap_info.items() if k != "snapshot"}},
-           "runs": runs}
-    res["summary"] = summarize(runs, args.configs)
-    md = report(res)
+           "runs": [], "failed_launches": [], "complete": False}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.stem + ".partial.json")
+    for rep in range(args.repeats):
+        for name in args.configs:
+            for attempt in range(args.retries + 1):
+                try:
+                    res["runs"].append(launch(args, name, rep, (root, sid)))
+                    break
+                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                    # e.g. a launch killed from outside on the shared machine: logged, retried
+                    res["failed_launches"].append({"config": name, "repeat": rep, "attempt": attempt,
+                                                   "error": str(e)[-2000:]})
+                    print(f"  {name} r{rep}: launch failed (attempt {attempt + 1}): {str(e)[:300]}", flush=True)
+                    if attempt == args.retries:
+                        partial.write_text(json.dumps(res, indent=2, default=str) + "\n")
+                        raise
+            partial.write_text(json.dumps(res, indent=2, default=str) + "\n")  # survives an interrupted run
+    res["complete"] = True
+    finish(res, args.quiet)
+    md = report(res)
     out.write_text(json.dumps(res, indent=2, default=str) + "\n")
     out.with_suffix(".md").write_text(md)
+    partial.unlink(missing_ok=True)
     print(md)
     print(f"written to {out} and {out.with_suffix('.md')}")
     return 0

@@ -76,7 +76,7 @@ def collect(cfg: Config, policies: PolicyPair | None = None, engine=None, log_di
         runner = EpisodeRunner(cfg, task, engine, policies,
                                on_turn=lambda kind, k: progress.update(bar, advance=k * (n if kind == "solve" else 1),
                                                                         description=f"{cfg.task.name}: {kind}"))
-        with timer("episodes"):
+        with timer("episodes"), policies.full_weights():  # ZeRO-3: whole weights, no per-forward collectives
             # Under several processes each rank plays a contiguous share of the batches, so the
             # snapshot holds the same episodes, in the same order, as a one-process run.
             local = []

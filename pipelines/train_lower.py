@@ -122,16 +122,18 @@ def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None
                 with it_timer("episodes"):
                     # each rank plays its share of the problems; every rank gets all episodes
                     mine = [pool[idx[i]] for i in dist.shard(len(idx))]
-                    episodes = dist.gather_sharded(runner.run(mine, batch_index=it) if mine else [],
-                                                   len(idx) * cfg.episode.n_samples)
+                    with policies.full_weights():  # ZeRO-3: ranks generate different amounts
+                        local = runner.run(mine, batch_index=it) if mine else []
+                    episodes = dist.gather_sharded(local, len(idx) * cfg.episode.n_samples)
                 it_timer.seconds["generate"] = runner.gen_seconds - gen0
                 it_timer.seconds["score"] = it_timer.seconds.pop("episodes") - it_timer.seconds["generate"]
                 gen_tokens, sid = int(dist.all_sum({"t": runner.gen_tokens - score0})["t"]), None
+                fp = policies.fingerprint("solver") if lo.keep_snapshots else None  # collective under ZeRO-3
                 if lo.keep_snapshots and dist.is_main():
                     with it_timer("snapshot"):
                         sid, _ = write_snapshot(run / "snapshots", episodes, {
                             "kind": "train-lower-batch", "iteration": it, "config": cfg.to_dict(),
-                            "models": {"solver": policies.fingerprint("solver")}, "parents": [],
+                            "models": {"solver": fp}, "parents": [],
                             "task": {"name": task.name, "split": cfg.task.split,
                                      "verifier_version": task.verifier_version,
                                      "problem_ids": [pool[i].id for i in idx]}})
@@ -166,8 +168,8 @@ def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None
                                                  "optimizer_steps": trainer.optimizer_steps})
             if stop_after is not None and done >= stop_after:
                 break
-    if done == lo.iterations and dist.is_main():
-        policies.save_role("solver", run / "solver")
+    if done == lo.iterations:
+        policies.save_role("solver", run / "solver")  # every rank: a collective under ZeRO-3
     trainer.close()
     sink.close()
     dist.barrier()

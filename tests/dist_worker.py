@@ -40,11 +40,10 @@ def main(spec_path: str) -> None:
     if "upper" in spec["stages"]:
         res = train_upper(cfg, out / "upper", policies=policies, resume=spec.get("resume", False))
         metrics["upper"] = res.metrics
+    tensors = {}  # every rank: reading partitioned (ZeRO-3) weights is a collective
+    for role in ("solver", "writer"):
+        tensors.update({f"{role}/{k}": v.detach().clone().contiguous() for k, v in policies.adapter_state(role).items()})
     if dist.is_main():
-        tensors = {}
-        for role in ("solver", "writer"):
-            tensors.update({f"{role}/{k}": v.detach().clone().contiguous()
-                            for k, v in policies.adapter_state(role).items()})
         save_file(tensors, out / "tensors.safetensors")
         (out / "worker.json").write_text(json.dumps({"world": dist.world(), "metrics": metrics}, default=str))
     dist.barrier()

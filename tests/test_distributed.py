@@ -3,9 +3,10 @@
 One snapshot is collected in-process; then ``tests/dist_worker.py`` runs offline train-lower
 (PPO + GAE value head + KL + context bonus, 2 iterations) and train-upper (CQL + AWR text
 loss, 2 steps) on it through the real pipelines, once as a single process and once as two
-processes (plain DDP, DeepSpeed ZeRO-1 and ZeRO-2). All runs use the same global batches
+processes (plain DDP, DeepSpeed ZeRO-1, ZeRO-2 and ZeRO-3 with offload). All runs use the same global batches
 (lower.grad_accum = 2 and upper micro-batches of 2: one process runs both micro-batches, two
-processes one each), so the trained adapters must agree to float tolerance. Also checked:
+processes one each), so the trained adapters must agree to float tolerance (ZeRO-3 with CPU
+offload included: it runs on CPU too). Also checked:
 only rank 0 writes (one metrics line per iteration), DDP checkpoints resume into another
 world size, and ZeRO checkpoints resume (same world size: DeepSpeed cannot re-partition them).
 
@@ -46,9 +47,9 @@ OVERRIDES = {
     "upper.lr": 2e-3, "upper.save_every": 1, "upper.eval_every": 2, "upper.log_every": 1,
 }
 # fp32 sums in another order differ by ~1e-7 relative, but Adam divides each gradient by its own
-# size: LoRA A-matrix gradients (tiny after the zero-init B moved once) come out with a few
-# 1e-3 of the step size. A wrong shard or loss scale shows up as O(1) here, or in grad_norm.
-REL_TOL = 2e-2
+# size, so the few elements whose gradient is ~eps move by a visible share of a step. Compared as
+# a whole (L2 over the adapter) the updates agree to ~1e-4; a wrong shard or loss scale gives O(1).
+REL_TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -101,10 +102,10 @@ def initial(policies):
 def assert_same_update(a: dict, b: dict, initial: dict, role: str) -> None:
     keys = [k for k in a if k.startswith(role + "/")]
     assert keys and set(keys) == {k for k in b if k.startswith(role + "/")}
-    change = max(float((a[k] - initial[k]).abs().max()) for k in keys)
-    diff = max(float((a[k] - b[k]).abs().max()) for k in keys)
-    assert change > 1e-4, f"{role}: training did not move the adapter ({change:.2e})"
-    assert diff <= REL_TOL * change, f"{role}: 1 vs 2 processes differ by {diff:.2e} (update size {change:.2e})"
+    change = float(torch.sqrt(sum(((a[k] - initial[k]) ** 2).sum() for k in keys)))
+    diff = float(torch.sqrt(sum(((a[k] - b[k]) ** 2).sum() for k in keys)))
+    assert change > 1e-2, f"{role}: training did not move the adapter (|update| {change:.2e})"
+    assert diff <= REL_TOL * change, f"{role}: 1 vs 2 processes differ by {diff:.2e} (|update| {change:.2e})"
 
 
 def _metric_lines(run: Path) -> list[dict]:
@@ -145,9 +146,11 @@ def test_ddp_checkpoint_resumes_into_another_world_size(single, snapshot, initia
 
 
 @needs_deepspeed
-def test_deepspeed_zero1_gives_the_one_process_update(single, snapshot, initial, tmp_path):
-    out = tmp_path / "zero1"
-    launch(out, snapshot, 2, overrides={"distributed.deepspeed": str(REPO / "configs/deepspeed/zero1.json")})
+@pytest.mark.parametrize("config", ["zero1", "zero3-offload"])
+def test_deepspeed_zero_gives_the_one_process_update(single, snapshot, initial, tmp_path, config):
+    """ZeRO-3 also partitions the frozen base: rollouts, scoring, syncs and saves gather it."""
+    out = tmp_path / config
+    launch(out, snapshot, 2, overrides={"distributed.deepspeed": str(REPO / f"configs/deepspeed/{config}.json")})
     assert_same_update(_tensors(single), _tensors(out), initial, "solver")
     assert_same_update(_tensors(single), _tensors(out), initial, "writer")
     assert_same_metrics(single, out)

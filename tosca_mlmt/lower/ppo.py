@@ -198,7 +198,8 @@ class PPOTrainer:
         tt = to_tensors(trajs, self.pad_id)
         use_critic = lo.advantage == "gae"
         self.model.eval()  # LoRA dropout is 0; eval keeps old/new log-probs comparable
-        with torch.no_grad():
+        # ZeRO-3: weights whole for the scoring block, so ranks may run different forwards
+        with torch.no_grad(), self.policies.full_weights(), dist.full_parameters(self.value_head, self.critic):
             with timer("old_ref_logprobs"):
                 use_archer = lo.advantage == "archer"
                 old_lp, old_v, ent, feats = self._sharded_forward(tt, trajs, values=use_critic, entropy=True,
@@ -293,7 +294,8 @@ class PPOTrainer:
                 grad_norm = eng.step()
                 self.optimizer_steps += 1
                 if self.critic_batch is not None:
-                    polyak_update(self.critic_target.parameters(), self.critic.parameters(), lo.archer_tau)
+                    with dist.full_parameters(self.critic):
+                        polyak_update(self.critic_target.parameters(), self.critic.parameters(), lo.archer_tau)
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm / dist.world()
                 sums["n/grad_norm"] = sums.get("n/grad_norm", 0.0) + 1 / dist.world()
         self.model.eval()
@@ -336,11 +338,14 @@ class PPOTrainer:
         """Collective (every rank calls it); rank 0 writes the adapter and value head."""
         from safetensors.torch import save_file
 
-        if dist.is_main():
-            self.policies.save_role("solver", folder / "solver")
-            save_file({k: v.detach().contiguous() for k, v in self.value_head.state_dict().items()},
-                      folder / VALUE_HEAD_FILE)
-        self.engine.save(folder, {"optimizer_steps": self.optimizer_steps, "critic": self.critic.state_dict(),
+        self.policies.save_role("solver", folder / "solver")
+        with dist.full_parameters(self.value_head):
+            if dist.is_main():
+                save_file({k: v.detach().clone().contiguous() for k, v in self.value_head.state_dict().items()},
+                          folder / VALUE_HEAD_FILE)
+        with dist.full_parameters(self.critic):
+            critic = {k: v.detach().clone() for k, v in self.critic.state_dict().items()}
+        self.engine.save(folder, {"optimizer_steps": self.optimizer_steps, "critic": critic,
                                   "critic_target": self.critic_target.state_dict()})
 
     def load(self, folder: Path) -> None:
@@ -351,9 +356,10 @@ class PPOTrainer:
         """Value head, critic, optimizer and scheduler (the adapter comes from elsewhere)."""
         from safetensors.torch import load_file
 
-        with torch.no_grad():
+        with torch.no_grad(), dist.full_parameters(self.value_head, modify=True):
             self.value_head.load_state_dict(load_file(folder / VALUE_HEAD_FILE))
         st = self.engine.load(folder)
         self.optimizer_steps = st["optimizer_steps"]
-        self.critic.load_state_dict(st["critic"])
+        with dist.full_parameters(self.critic, modify=True):
+            self.critic.load_state_dict(st["critic"])
         self.critic_target.load_state_dict(st["critic_target"])

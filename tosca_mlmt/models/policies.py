@@ -130,6 +130,13 @@ class PolicyPair:
             fp["q_head_sha"] = weights_fingerprint(self.q_head.state_dict())
         return fp
 
+    def full_weights(self):
+        """Every model's weights whole for a block (ZeRO-3; else a no-op): wrap rollouts, scoring
+        and syncs in it on every rank, so the forwards inside need no collectives."""
+        from tosca_mlmt.train.distributed import full_parameters
+
+        return full_parameters(*{id(m): m for m in self._models.values()}.values())
+
     def has_trained_adapter(self, role: str) -> bool:
         """False while every LoRA B matrix is zero, i.e. the policy still equals its base."""
         return any(v.abs().sum() > 0 for k, v in self.adapter_state(role).items() if "lora_B" in k)
@@ -171,17 +178,24 @@ class PolicyPair:
     def save_role(self, role: str, folder: str | Path) -> Path:
         """Write ``role``'s adapter (and, for the writer, its Q head and strategy list) so that
         ``model.solver_adapter`` / ``model.writer_adapter`` can load it. Atomic: built in a
-        sibling temp folder and renamed."""
+        sibling temp folder and renamed. Every rank calls it."""
+        from tosca_mlmt.train import distributed as dist
+
+        folder = Path(folder)
+        # Collective under ZeRO-3 (every rank gathers); rank 0 alone writes.
+        with dist.full_parameters(self._models[role]):
+            if dist.is_main():
+                self._write_role(role, folder)
+        return folder
+
+    def _write_role(self, role: str, folder: Path) -> None:
         import os
 
         from safetensors.torch import save_file
 
         from tosca_mlmt.fsutil import atomic_dir
 
-        folder = Path(folder)
-        from tosca_mlmt.train.distributed import full_parameters
-
-        with atomic_dir(folder) as tmp, full_parameters(self._models[role]):
+        with atomic_dir(folder) as tmp:
             self._models[role].save_pretrained(tmp, selected_adapters=[role])
             # peft nests non-"default" adapters in a subfolder named after the adapter
             nested = tmp / role
@@ -193,7 +207,6 @@ class PolicyPair:
                 (tmp / STRATEGIES_FILE).write_text(json.dumps(self.strategies, indent=2) if self.strategies else "null")
                 if self.q_head is not None:
                     save_file({k: v.contiguous() for k, v in self.q_head.state_dict().items()}, tmp / Q_HEAD_FILE)
-        return folder
 
     def load_role(self, role: str, folder: str | Path) -> None:
         """Load weights written by :meth:`save_role` into the live adapter (and, for the writer,
@@ -201,8 +214,12 @@ class PolicyPair:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
+        from tosca_mlmt.train.distributed import full_parameters
+
         folder = Path(folder)
-        set_peft_model_state_dict(self._models[role], load_file(folder / "adapter_model.safetensors"), adapter_name=role)
+        with full_parameters(self._models[role], modify=True):
+            set_peft_model_state_dict(self._models[role], load_file(folder / "adapter_model.safetensors"),
+                                      adapter_name=role)
         if role == "writer":
             self._load_writer_extras(folder)
 

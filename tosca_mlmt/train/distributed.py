@@ -17,6 +17,7 @@ accelerate reports one process on every rank (accelerate 1.15).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -153,17 +154,43 @@ def fill_deepspeed_config(conf: dict, micro_size: int, local_micros: int, max_gr
     return conf
 
 
-def full_parameters(module: nn.Module):
-    """Context in which ZeRO-3-partitioned parameters of ``module`` are whole (read-only), for
-    generation, weight sync and saving; a no-op for every other engine."""
-    import contextlib
+# Live ZeRO-3 engines: their module hooks would re-partition parameters mid-block (see below).
+_ZERO3_ENGINES: list = []
 
-    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
+
+@contextlib.contextmanager
+def full_parameters(*modules: nn.Module, modify: bool = False):
+    """Block in which ZeRO-3-partitioned parameters of ``modules`` are whole, for generation,
+    scoring, weight sync and saving; with ``modify`` what rank 0 writes into them is kept and
+    re-partitioned on exit (loading). A no-op for every other engine and for parameters an
+    enclosing block already gathered. Under ZeRO-3 it is a collective: every rank enters it.
+
+    The engines' ZeRO-3 forward hooks are lifted for the block (as TRL does for generation):
+    they would release the gathered weights after each sub-module and re-gather them with
+    collectives, which ranks running different numbers of forwards cannot match."""
+    params = [p for m in modules for p in m.parameters() if hasattr(p, "ds_id")]
+    if params:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        params = [p for p in params if p.ds_status != ZeroParamStatus.AVAILABLE]
     if not params:
-        return contextlib.nullcontext()
+        yield
+        return
     import deepspeed
 
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    offloads = [e.optimizer.parameter_offload for e in _ZERO3_ENGINES]
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None):
+        for off in offloads:
+            for p in off.module.parameters():
+                p.ds_active_sub_modules.clear()
+            for hook in off.forward_hooks + off.backward_hooks:
+                hook.remove()
+            off.forward_hooks, off.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            for off in offloads:
+                off._register_deepspeed_module(off.module)
 
 
 def saved_world_size(folder: Path) -> int:
@@ -199,6 +226,7 @@ class TrainEngine:
                               f"processes; make it a multiple of the world size")
         self.local_slots = slots // self.world
         self.module = Closure(modules)
+        self.zero_stage = 0
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.optimizer, self.scheduler = optimizer, scheduler
         ds_path = deepspeed_config_path(dcfg.deepspeed)
@@ -219,6 +247,8 @@ class TrainEngine:
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=self.module, optimizer=optimizer, lr_scheduler=scheduler, config=conf,
                 dist_init_required=False)
+            if self.zero_stage == 3:
+                _ZERO3_ENGINES.append(self.engine)
         elif self.kind == "ddp":
             from accelerate import Accelerator
             from accelerate.utils import DistributedDataParallelKwargs
@@ -306,6 +336,8 @@ class TrainEngine:
     def close(self) -> None:
         """Drop the wrappers so their gradient hooks leave the shared model's parameters."""
         if self.kind == "deepspeed":
+            if self.engine in _ZERO3_ENGINES:
+                _ZERO3_ENGINES.remove(self.engine)
             self.engine.destroy()
         self.engine = self.module
         if hasattr(self, "acc"):

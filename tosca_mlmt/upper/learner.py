@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from tosca_mlmt.config import Config
+from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.train import distributed as dist
 from tosca_mlmt.train.distributed import TrainEngine
@@ -71,6 +72,9 @@ class UpperLearner:
                                   find_unused=True)
         for p in self.trunk.params.values():
             p.requires_grad_(False)  # trainable only inside trunk.training()
+        if self.engine.zero_stage == 3 and self.uc.q_source == "logits":
+            raise ConfigError("invalid value for field 'upper.q_source': 'logits' keeps a target copy of the "
+                              "writer adapter that ZeRO-3 cannot partition; use q_source=head or ZeRO-1/2")
         self.policy = PolicySpec(cfg.episode.strategy_selection, cfg.episode.strategy_temperature, cfg.episode.epsilon)
         self.all_returns = torch.tensor([t.ret for t in transitions], dtype=torch.float32)
         self.bc_cut = (bc_threshold(self.all_returns, self.uc.bc_top_frac) if self.uc.text_loss == "filtered_bc"
@@ -90,6 +94,9 @@ class UpperLearner:
         trs = [self.transitions[i] for i in idx]
         rows = [j for j, t in enumerate(trs) if t.next_index >= 0]
         if not rows:
+            if self.engine.zero_stage == 3:  # every rank must run the same forwards (gathers inside)
+                with torch.no_grad():
+                    self.trunk.states([trs[0].state_ids])
             return None, None
         states = [self.transitions[trs[j].next_index].state_ids for j in rows]
         with torch.no_grad():
@@ -131,7 +138,8 @@ class UpperLearner:
                     if k in out:
                         vecs[k].append(out[k].detach())
         grad_norm = self.engine.step()
-        self.critic.update_target(self.step)
+        with dist.full_parameters(self.critic, modify=True):  # the target head is partitioned too
+            self.critic.update_target(self.step)
         if self.target_adapter is not None:
             self.target_adapter.update(self.step)
         m = {k: v / len(idx) for k, v in dist.all_sum(sums).items()}
@@ -180,7 +188,7 @@ class UpperLearner:
         out = []
         bs = self.uc.eval_batch_size
         mine = dist.shard(len(self.transitions))  # each rank scores a share; all get every row
-        with self.policies.use("writer"):
+        with self.policies.use("writer"), self.policies.full_weights(), dist.full_parameters(self.critic):
             for s in range(0, len(mine), bs):
                 h = self.trunk.states([self.transitions[i].state_ids for i in mine[s:s + bs]])
                 out.append(self.critic.q(h))
@@ -193,11 +201,12 @@ class UpperLearner:
         from safetensors.torch import save_file
 
         self.engine.save(folder)
+        with dist.full_parameters(self.trunk.model, self.critic):  # a collective under ZeRO-3
+            trunk = self.trunk.state_dict()
+            heads = {k: v.detach().clone().contiguous() for k, v in self.critic.state_dict().items()}
         if not dist.is_main():
             return
-        save_file({k: v.contiguous() for k, v in self.trunk.state_dict().items()},
-                  folder / "writer_adapter.safetensors")
-        heads = {k: v.detach().clone().contiguous() for k, v in self.critic.state_dict().items()}
+        save_file({k: v.contiguous() for k, v in trunk.items()}, folder / "writer_adapter.safetensors")
         if self.target_adapter is not None:
             heads.update({"target_adapter." + k: v.clone().contiguous() for k, v in self.target_adapter.params.items()})
         save_file(heads, folder / "heads.safetensors")
@@ -205,12 +214,13 @@ class UpperLearner:
     def load(self, folder: Path, step: int) -> None:
         from safetensors.torch import load_file
 
-        self.trunk.load_state_dict(load_file(folder / "writer_adapter.safetensors"))
         heads = load_file(folder / "heads.safetensors")
         if self.target_adapter is not None:
             for k in self.target_adapter.params:
                 self.target_adapter.params[k] = heads.pop("target_adapter." + k)
-        self.critic.load_state_dict(heads)
+        with dist.full_parameters(self.trunk.model, self.critic, modify=True):
+            self.trunk.load_state_dict(load_file(folder / "writer_adapter.safetensors"))
+            self.critic.load_state_dict(heads)
         self.engine.load(folder)
         self.step = step
 
@@ -219,9 +229,9 @@ class UpperLearner:
 
     def export_writer(self, folder: Path) -> Path:
         """The trained writer (adapter + Q head + strategy list), loadable as model.writer_adapter."""
-        self.policies.q_head = self.critic.exported_head()
+        with dist.full_parameters(self.critic):
+            self.policies.q_head = self.critic.exported_head()
         self.policies.strategies = [dict(s) for s in self.strategies]
-        if dist.is_main():
-            self.policies.save_role("writer", folder)
+        self.policies.save_role("writer", folder)
         dist.barrier()  # other ranks may read it next (train-joint's next step)
         return Path(folder)
