@@ -222,8 +222,9 @@ class TrainEngine:
                  find_unused: bool = False):
         self.world, self.max_grad_norm = world(), max_grad_norm
         if slots % self.world:
-            raise ConfigError(f"{what}: {slots} micro-batch(es) per step cannot be split over {self.world} "
-                              f"processes; make it a multiple of the world size")
+            raise ConfigError(f"invalid value for field '{what}': it gives {slots} micro-batch(es) per optimizer "
+                              f"step, which {self.world} processes cannot share; make that a multiple of the "
+                              f"world size")
         self.local_slots = slots // self.world
         self.module = Closure(modules)
         self.zero_stage = 0
