@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -43,3 +44,37 @@ def policies(tiny_cfg):
     from tosca_mlmt.models.policies import PolicyPair
 
     return PolicyPair(tiny_cfg.model, seed=0)
+
+
+@contextlib.contextmanager
+def vllm_session(overrides: dict):
+    """(cfg, PolicyPair, VLLMEngine) on one thread for a test module; skips when vLLM cannot be
+    imported or the embedded model is unavailable. One thread: 2-thread runs collapse 3-5x on
+    a shared 2-core box. vLLM's in-process CPU worker replaces torch.set_num_threads with a
+    no-op, so the real one is kept and restored."""
+    import torch
+
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # noqa: BLE001 -- a broken install (e.g. CUDA-built torchvision) must skip, not error
+        pytest.skip(f"import vllm failed: {type(e).__name__}: {e}")
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.engines.vllm_engine import VLLMEngine
+    from tosca_mlmt.errors import ModelError
+    from tosca_mlmt.models.policies import PolicyPair
+
+    cfg = load_config(overrides=overrides)
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    set_threads(1)
+    try:
+        policies = PolicyPair(cfg.model, seed=cfg.seed)
+    except ModelError as e:
+        set_threads(threads)
+        pytest.skip(f"embedded model unavailable: {e}")
+    engine = VLLMEngine(policies, cfg.engine.vllm, seed=cfg.seed)
+    try:
+        yield cfg, policies, engine
+    finally:
+        engine.close()
+        torch.set_num_threads = set_threads
+        set_threads(threads)

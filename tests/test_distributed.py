@@ -74,7 +74,8 @@ def launch(out: Path, snapshot, nproc: int, stages=("lower", "upper"), **spec) -
                                                "stages": list(stages), "overrides": overrides, **spec}))
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                 "--master_port", str(_port())]
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(REPO))
+    # the 2 cores shared out: one process takes both, two take one each
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, 2 // nproc)), OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(REPO))
     p = subprocess.run([*launcher, str(WORKER), str(out / "spec.json")], capture_output=True, text=True,
                        timeout=900, env=env, cwd=REPO)
     if p.returncode != 0:

@@ -36,6 +36,7 @@ pytestmark = [
 
 import torch  # noqa: E402
 
+from conftest import vllm_session  # noqa: E402
 from tosca_mlmt.config import load_config  # noqa: E402
 from tosca_mlmt.engines.base import SamplingParams  # noqa: E402
 from tosca_mlmt.prompts import ChatFormat  # noqa: E402
@@ -62,34 +63,12 @@ def _overrides(**extra) -> dict:
 @pytest.fixture(scope="module")
 def env():
     """(cfg, PolicyPair, VLLMEngine, HFEngine, ChatFormat), built once for the module."""
-    try:
-        import vllm  # noqa: F401
-    except Exception as e:  # a broken install (e.g. CUDA-built torchvision) must skip, not error
-        pytest.skip(f"import vllm failed: {type(e).__name__}: {e}")
     from tosca_mlmt.engines.hf import HFEngine
-    from tosca_mlmt.engines.vllm_engine import VLLMEngine
-    from tosca_mlmt.errors import ModelError
-    from tosca_mlmt.models.policies import PolicyPair
 
-    cfg = load_config(overrides=_overrides())
-    # One thread: 2-thread runs collapse 3-5x on a shared 2-core box. vLLM's in-process CPU
-    # worker replaces torch.set_num_threads with a no-op, so keep the real one and restore it.
-    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    set_threads(1)
-    try:
-        policies = PolicyPair(cfg.model, seed=cfg.seed)
-    except ModelError as e:
-        set_threads(threads)
-        pytest.skip(f"embedded model unavailable: {e}")
-    engine = VLLMEngine(policies, cfg.engine.vllm, seed=cfg.seed)
-    hf = HFEngine(policies, batch_size=8)
-    fmt = ChatFormat(policies.tokenizer("solver"), policies.eos_ids("solver"))
-    try:
+    with vllm_session(_overrides()) as (cfg, policies, engine):
+        hf = HFEngine(policies, batch_size=8)
+        fmt = ChatFormat(policies.tokenizer("solver"), policies.eos_ids("solver"))
         yield cfg, policies, engine, hf, fmt
-    finally:
-        engine.close()
-        torch.set_num_threads = set_threads
-        set_threads(threads)
 
 
 def _prompts(fmt: ChatFormat, texts=PROMPTS) -> list[list[int]]:

@@ -39,7 +39,7 @@ pytestmark = [
 
 import torch  # noqa: E402
 
-from tosca_mlmt.config import load_config  # noqa: E402
+from conftest import vllm_session  # noqa: E402
 from tosca_mlmt.prompts import ChatFormat  # noqa: E402
 from tosca_mlmt.train.batching import build_batch, forward_logprobs  # noqa: E402
 
@@ -102,29 +102,10 @@ def _max_diff(a, b) -> float:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """Build policies + engine, measure the probe, train 2 iterations, measure again."""
-    try:
-        import vllm  # noqa: F401
-    except Exception as e:  # noqa: BLE001 -- a broken install (e.g. CUDA-built torchvision) must skip, not error
-        pytest.skip(f"import vllm failed: {type(e).__name__}: {e}")
     from tosca_mlmt.pipelines.train_lower import train_lower
-
-    from tosca_mlmt.engines.vllm_engine import VLLMEngine
-    from tosca_mlmt.errors import ModelError
-    from tosca_mlmt.models.policies import PolicyPair
     from tosca_mlmt.tasks import make_task
 
-    cfg = load_config(overrides=_overrides())
-    # One thread: 2-thread runs collapse 3-5x on a shared 2-core box. vLLM's in-process CPU
-    # worker replaces torch.set_num_threads with a no-op, so keep the real one and restore it.
-    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    set_threads(1)
-    try:
-        policies = PolicyPair(cfg.model, seed=cfg.seed)
-    except ModelError as e:
-        set_threads(threads)
-        pytest.skip(f"embedded model unavailable: {e}")
-    engine = VLLMEngine(policies, cfg.engine.vllm, seed=cfg.seed)
-    try:
+    with vllm_session(_overrides()) as (cfg, policies, engine):
         fmt = ChatFormat(policies.tokenizer("solver"), policies.eos_ids("solver"))
         problem = make_task(cfg.task).load("train", 1).problems[0]
         prompt = fmt.first_prompt(problem.question)
@@ -166,10 +147,6 @@ def run(tmp_path_factory):
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         yield {"policies": policies, "engine": engine, "result": result, "adapter0": adapter0, "writer0": writer0,
                "pre": pre, "post": post, "loop_syncs": loop_syncs, "records": records}
-    finally:
-        engine.close()
-        torch.set_num_threads = set_threads
-        set_threads(threads)
 
 
 def test_loop_trained_the_solver_adapter(run):
