@@ -58,10 +58,18 @@ def test_include_and_overrides_layer_in_order(tmp_path):
 def test_shipped_presets_load():
     from pathlib import Path
 
-    presets = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
-    assert presets
-    for p in presets:
-        load_config(p)
+    import os
+
+    root = Path(__file__).parent.parent
+    presets = sorted(root.glob("configs/*.yaml")) + sorted(root.glob("configs/cluster/*.yaml"))
+    assert len(presets) > 9
+    cwd = os.getcwd()
+    os.chdir(root)  # presets name other files (DeepSpeed JSONs) relative to the repository root
+    try:
+        for p in presets:
+            load_config(p)
+    finally:
+        os.chdir(cwd)
 
 
 def test_readme_documents_every_knob_and_command():

@@ -1,0 +1,38 @@
+"""DeepSpeed JSON handling: "auto" fields come from the trainer's knobs, never silently disagree."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tosca_mlmt.errors import ConfigError
+from tosca_mlmt.train.distributed import deepspeed_config_path, fill_deepspeed_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3-offload"])
+def test_shipped_configs_get_their_batch_fields_from_the_trainer(name):
+    conf = json.loads((REPO / "configs" / "deepspeed" / f"{name}.json").read_text())
+    out = fill_deepspeed_config(conf, micro_size=4, local_micros=2, max_grad_norm=0.5, bf16=True, source=name)
+    # one process here: train = micro x accumulation x world
+    assert (out["train_micro_batch_size_per_gpu"], out["gradient_accumulation_steps"], out["train_batch_size"],
+            out["gradient_clipping"]) == (4, 2, 8, 0.5)
+    assert out["bf16"]["enabled"] is True and out["fp16"]["enabled"] is False
+    assert conf["train_batch_size"] == "auto"  # the shipped file itself is left alone
+
+
+def test_an_explicit_value_that_disagrees_is_refused():
+    with pytest.raises(ConfigError, match="'gradient_accumulation_steps' is 4 but the trainer's config implies 2"):
+        fill_deepspeed_config({"gradient_accumulation_steps": 4}, 4, 2, 1.0, False, "x.json")
+    ok = fill_deepspeed_config({"gradient_accumulation_steps": 2}, 4, 2, 1.0, False, "x.json")
+    assert ok["gradient_accumulation_steps"] == 2
+
+
+def test_accelerate_launch_deepspeed_config_is_picked_up(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    assert deepspeed_config_path("") == ""
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "configs/deepspeed/zero2.json")
+    assert deepspeed_config_path("") == "configs/deepspeed/zero2.json"
+    assert deepspeed_config_path("mine.json") == "mine.json"  # the mlmt config wins
