@@ -158,9 +158,8 @@ class EpisodeRunner:
                     pieces += [f"Feedback after attempt {i + 1}:\n", wfmt.strip_eos(fb.response_ids), "\n\n"]
             states.append(pieces)
         n_actions = len(self.strategies)
-        state_ids = [wfmt.user_prompt_with_ids(WRITER_SYSTEM, pieces)[0] for pieces in states]
-        state_lens = [wfmt.user_prompt_with_ids(WRITER_SYSTEM, pieces)[1][-1] for pieces in states]
-        q = self.policies.q_values([ids[:sl] for ids, sl in zip(state_ids, state_lens)])
+        rendered = [wfmt.user_prompt_with_ids(WRITER_SYSTEM, pieces) for pieces in states]  # (ids, cuts)
+        q = self.policies.q_values([ids[:cuts[-1]] for ids, cuts in rendered])
         q_np = None if q is None else q.numpy()
         probs = behaviour_distribution(q_np, n_actions, cfg.episode.strategy_selection,
                                        cfg.episode.strategy_temperature, cfg.episode.epsilon)
@@ -189,7 +188,7 @@ class EpisodeRunner:
                 g.finish_reason, tok_w.decode(wfmt.strip_eos(g.token_ids), skip_special_tokens=True),
                 strategy=a, strategy_name=self.strategies[a]["name"], behaviour_prob=float(chosen_p[i]),
                 behaviour_probs=[float(x) for x in probs[i]], q_values=None if q_np is None else [float(x) for x in q_np[i]],
-                state_len=state_lens[i]))
+                state_len=rendered[i][1][-1]))
         # ---- turn 3: the solver refines with the feedback appended to its own context
         answer_format = getattr(self.task, "answer_format", "")
         refine_prompts, fb_spans = [], []
