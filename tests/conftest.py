@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -44,6 +45,15 @@ def policies(tiny_cfg):
     from tosca_mlmt.models.policies import PolicyPair
 
     return PolicyPair(tiny_cfg.model, seed=0)
+
+
+# Marks of every module that starts a vLLM engine.
+VLLM_MARKS = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vllm is not installed (pip install 'tosca-mlmt[vllm]')"),
+]
 
 
 @contextlib.contextmanager

@@ -19,7 +19,6 @@ Skipped when vllm cannot be imported or the embedded model is unavailable. Takes
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 
@@ -27,19 +26,14 @@ import pytest
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vllm is not installed (pip install 'tosca-mlmt[vllm]')"),
-]
-
 import torch  # noqa: E402
 
-from conftest import vllm_session  # noqa: E402
+from conftest import VLLM_MARKS, vllm_session  # noqa: E402
 from tosca_mlmt.config import load_config  # noqa: E402
 from tosca_mlmt.engines.base import SamplingParams  # noqa: E402
 from tosca_mlmt.prompts import ChatFormat  # noqa: E402
+
+pytestmark = VLLM_MARKS
 
 # fp32 on both sides; the feasibility study measured max |dlogprob| ~2e-5 (vLLM vs HF).
 LOGPROB_TOL = 1e-3

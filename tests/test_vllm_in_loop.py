@@ -22,7 +22,6 @@ start-up for the module; about a minute on a 2-core CPU.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -30,18 +29,13 @@ import pytest
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vllm is not installed (pip install 'tosca-mlmt[vllm]')"),
-]
-
 import torch  # noqa: E402
 
-from conftest import vllm_session  # noqa: E402
+from conftest import VLLM_MARKS, vllm_session  # noqa: E402
 from tosca_mlmt.prompts import ChatFormat  # noqa: E402
 from tosca_mlmt.train.batching import build_batch, forward_logprobs  # noqa: E402
+
+pytestmark = VLLM_MARKS
 
 # fp32 on both sides; vLLM vs HF agree to ~2e-5 (see test_vllm_engine.py).
 LOGPROB_TOL = 1e-3
