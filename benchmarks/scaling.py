@@ -51,7 +51,6 @@ import math
 import os
 import platform
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -216,11 +215,6 @@ def train_overrides(args, conf: dict) -> dict:
     return over
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _children_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -286,8 +280,10 @@ def launch(args, name: str, rep: int, snap: tuple[str, str]) -> dict:
     threads = str(conf["threads"])
     env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, OMP_WAIT_POLICY="PASSIVE",
                TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled", PYTHONPATH=str(REPO))
+    from tosca_mlmt.train.distributed import free_port
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(conf["nproc"]),
-           "--master_port", str(_port()), str(WORKER), str(out / "spec.json")]
+           "--master_port", str(free_port()), str(WORKER), str(out / "spec.json")]
     busy0, load0, cpu0 = busy_cores(), loadavg(), _children_cpu()
     t_launch = time.time()
     with open(out / "worker.log", "w") as log:

@@ -13,13 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tosca_mlmt import __version__, runtime
 from tosca_mlmt.config import Config
@@ -67,11 +61,10 @@ def collect(cfg: Config, policies: PolicyPair | None = None, engine=None, log_di
     if console is not None and dist.is_main():
         console.print(f"collect: {len(problems)} problems x {n} samples on {cfg.engine.name}, "
                       f"{cfg.episode.rounds} feedback round(s)", highlight=False)
-    episodes = []
     with progress:
-        starts = list(range(0, len(problems), per_batch))
-        mine = dist.shard(len(starts))
-        n_mine = sum(len(problems[starts[b]:starts[b] + per_batch]) for b in mine)  # rank 0's bar: its share
+        batches = [problems[s:s + per_batch] for s in range(0, len(problems), per_batch)]
+        mine = dist.shard(len(batches))
+        n_mine = sum(len(batches[b]) for b in mine)  # rank 0's bar counts its own share
         bar = progress.add_task(cfg.task.name, total=n_mine * n * turns_per_episode)
         runner = EpisodeRunner(cfg, task, engine, policies,
                                on_turn=lambda kind, k: progress.update(bar, advance=k * (n if kind == "solve" else 1),
@@ -79,10 +72,8 @@ def collect(cfg: Config, policies: PolicyPair | None = None, engine=None, log_di
         with timer("episodes"), policies.full_weights():  # ZeRO-3: whole weights, no per-forward collectives
             # Under several processes each rank plays a contiguous share of the batches, so the
             # snapshot holds the same episodes, in the same order, as a one-process run.
-            local = []
-            for b in mine:
-                local.append(runner.run(problems[starts[b]:starts[b] + per_batch], batch_index=b))
-            episodes = [e for batch in dist.gather_sharded(local, len(starts)) for e in batch]
+            local = [runner.run(batches[b], batch_index=b) for b in mine]
+            episodes = [e for batch in dist.gather_sharded(local, len(batches)) for e in batch]
     summary = summarize(episodes)
     counts = dist.all_sum({"gen_tokens": runner.gen_tokens, "gen_seconds": runner.gen_seconds,
                            "truncated_prompts": runner.truncated_prompts,

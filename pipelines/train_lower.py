@@ -16,13 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tosca_mlmt import __version__, runtime
 from tosca_mlmt.config import Config

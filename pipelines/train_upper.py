@@ -23,13 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tosca_mlmt import __version__, runtime
 from tosca_mlmt.config import Config

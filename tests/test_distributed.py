@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tosca_mlmt.pipelines.collect import collect
 
 from tosca_mlmt.config import load_config
+from tosca_mlmt.pipelines.collect import collect
+from tosca_mlmt.train.distributed import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -60,11 +60,6 @@ def snapshot(policies, tmp_path_factory):
     return str(root), collect(cfg, policies=policies).snapshot_id
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def launch(out: Path, snapshot, nproc: int, stages=("lower", "upper"), **spec) -> None:
     root, sid = snapshot
@@ -73,7 +68,7 @@ def launch(out: Path, snapshot, nproc: int, stages=("lower", "upper"), **spec) -
     (out / "spec.json").write_text(json.dumps({"out": str(out), "snapshot_root": root, "snapshot": sid,
                                                "stages": list(stages), "overrides": overrides, **spec}))
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--master_port", str(_port())]
+                "--master_port", str(free_port())]
     # the 2 cores shared out: one process takes both, two take one each
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, 2 // nproc)), OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(REPO))
     p = subprocess.run([*launcher, str(WORKER), str(out / "spec.json")], capture_output=True, text=True,
@@ -187,7 +182,7 @@ def test_train_joint_with_two_processes_through_the_cli(tmp_path):
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        str(_port()), "-m", "tosca_mlmt.cli.main", "train-joint", "--out", str(run), "--no-wandb",
+                        str(free_port()), "-m", "tosca_mlmt.cli.main", "train-joint", "--out", str(run), "--no-wandb",
                         *args], capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
     assert p.returncode == 0, p.stderr[-4000:]
     man = json.loads((run / "manifest.json").read_text())

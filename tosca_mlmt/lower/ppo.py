@@ -20,29 +20,15 @@ import torch
 from torch import nn
 
 from tosca_mlmt.algos.advantages import ADVANTAGES, broadcast_turns, turn_returns
-from tosca_mlmt.algos.losses import (
-    POLICY_LOSSES,
-    explained_variance,
-    kl_estimate,
-    value_loss,
-)
+from tosca_mlmt.algos.losses import POLICY_LOSSES, explained_variance, kl_estimate, value_loss
 from tosca_mlmt.algos.qlearning import polyak_update
 from tosca_mlmt.config import Config
 from tosca_mlmt.lower import archer
-from tosca_mlmt.lower.trajectory import (
-    SolverTrajectory,
-    no_feedback_sequences,
-    shaped_turn_rewards,
-    to_tensors,
-)
+from tosca_mlmt.lower.trajectory import SolverTrajectory, no_feedback_sequences, shaped_turn_rewards, to_tensors
 from tosca_mlmt.metrics import StageTimer
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.train import distributed as dist
-from tosca_mlmt.train.batching import (
-    build_batch,
-    masked_mean,
-    token_logprobs_from_hidden,
-)
+from tosca_mlmt.train.batching import build_batch, masked_mean, token_logprobs_from_hidden
 from tosca_mlmt.train.distributed import TrainEngine
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -270,7 +256,10 @@ class PPOTrainer:
         B = tt.input_ids.shape[0]
         micro = lo.minibatch_size // lo.grad_accum
         mine = range(dist.rank() * eng.local_slots, (dist.rank() + 1) * eng.local_slots)
-        sums: dict[str, float] = {}
+        # Loss diagnostics summed over every rank's real micro-batches (a zero-weight slot adds
+        # its keys with 0, so all ranks reduce the same keys); the grad norm is already global.
+        sums: dict[str, float] = {"n": 0.0}
+        norms: list[float] = []
         self.model.train()
         for epoch in range(lo.epochs):
             order = np.random.default_rng([self.cfg.seed, step, epoch]).permutation(B)
@@ -287,20 +276,20 @@ class PPOTrainer:
                                      None if ref_lp is None else ref_lp[rows], adv[rows], returns[rows],
                                      klw_tok[rows], rows)
                     eng.backward(loss, weight)
-                    if weight:
-                        for k, v in info.items():
-                            sums[k] = sums.get(k, 0.0) + v
-                            sums["n/" + k] = sums.get("n/" + k, 0.0) + 1
-                grad_norm = eng.step()
+                    real = float(weight > 0)
+                    sums["n"] += real
+                    for k, v in info.items():
+                        sums[k] = sums.get(k, 0.0) + real * v
+                norms.append(eng.step())
                 self.optimizer_steps += 1
                 if self.critic_batch is not None:
                     with dist.full_parameters(self.critic):
                         polyak_update(self.critic_target.parameters(), self.critic.parameters(), lo.archer_tau)
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm / dist.world()
-                sums["n/grad_norm"] = sums.get("n/grad_norm", 0.0) + 1 / dist.world()
         self.model.eval()
         sums = dist.all_sum(sums)
-        out = {k: sums[k] / sums["n/" + k] for k in sums if not k.startswith("n/")}
+        n = sums.pop("n")
+        out = {k: v / n for k, v in sums.items()}
+        out["grad_norm"] = float(np.mean(norms))
         out["lr"] = self.scheduler.get_last_lr()[0]
         out["optimizer_steps"] = self.optimizer_steps
         return out

@@ -49,7 +49,8 @@ def init(backend: str = "auto", timeout_minutes: int = 30, force: bool = False) 
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (a launcher's --master_port)."""
     import socket
 
     with socket.socket() as s:
@@ -238,7 +239,7 @@ class TrainEngine:
             if not torch.distributed.is_initialized():
                 # DeepSpeed needs a process group even for one process started without a launcher.
                 for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
-                             ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port()))):
+                             ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
                     os.environ.setdefault(k, v)
                 init(dcfg.backend, dcfg.timeout_minutes, force=True)
             bf16 = any(p.dtype == torch.bfloat16 for p in self.params)

@@ -28,17 +28,8 @@ from tosca_mlmt.train import distributed as dist
 from tosca_mlmt.train.distributed import TrainEngine
 from tosca_mlmt.upper.critic import StrategyCritic, strategy_token_ids
 from tosca_mlmt.upper.dataset import Transition, batch_indices
-from tosca_mlmt.upper.objective import (
-    DecisionBatch,
-    PolicySpec,
-    advantage_stats,
-    advantages,
-    bc_threshold,
-    critic_loss,
-    text_loss,
-    text_weights,
-    weight_stats,
-)
+from tosca_mlmt.upper.objective import (DecisionBatch, PolicySpec, advantage_stats, advantages, bc_threshold,
+                                        critic_loss, text_loss, text_weights, weight_stats)
 from tosca_mlmt.upper.trunk import TargetAdapter, WriterTrunk
 
 
