@@ -17,9 +17,12 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 REPO = Path(__file__).resolve().parent.parent
 MLMT = [sys.executable, "-m", "tosca_mlmt.cli.main"]
-# Small, fast episodes for tests: short turns, fp32 so numbers are comparable across engines.
+# Small, fast episodes for tests. Precision is stated, never left to `auto` (which picks bf16 on
+# CPUs with avx512_bf16/amx_bf16 and fp32 elsewhere): fp32 weights and no autocast, so numbers
+# compare exactly across engines and machines. bf16 is covered by tests that force it.
+FP32 = {"model.dtype": "float32", "lower.autocast": "none"}
 TINY = ["--set", "solver_sampling.max_new_tokens=24", "--set", "writer_sampling.max_new_tokens=16",
-        "--set", "episode.max_feedback_tokens=16", "--set", "model.dtype=float32"]
+        "--set", "episode.max_feedback_tokens=16", *[a for k, v in FP32.items() for a in ("--set", f"{k}={v}")]]
 
 
 def run_mlmt(*args, check=False, timeout=600, env=None, **kw) -> subprocess.CompletedProcess:
@@ -35,7 +38,7 @@ def tiny_cfg():
     from tosca_mlmt.config import load_config
 
     return load_config(overrides={
-        "model.dtype": "float32", "solver_sampling.max_new_tokens": 24, "writer_sampling.max_new_tokens": 16,
+        **FP32, "solver_sampling.max_new_tokens": 24, "writer_sampling.max_new_tokens": 16,
         "episode.max_feedback_tokens": 16, "logging.wandb": False, "logging.progress": False,
     })
 

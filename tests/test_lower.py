@@ -1,6 +1,7 @@
 """train-lower: loss masks, the context-dependency bonus, parameter updates, resume."""
 
 import copy
+import math
 from dataclasses import replace
 
 import pytest
@@ -55,41 +56,73 @@ def test_score_shaping_stages():
 
 # ---------------------------------------------------------------- with the embedded model
 
-@pytest.fixture(scope="module")
-def lower_setup(tiny_cfg, policies):
+def _lower_setup(cfg, policies):
     from tosca_mlmt.engines.hf import HFEngine
     from tosca_mlmt.episode import EpisodeRunner
     from tosca_mlmt.tasks.arith import ArithTask
 
-    cfg = replace(tiny_cfg, lower=replace(tiny_cfg.lower, minibatch_size=4, lr=5e-3, kl_coef=0.05,
-                                          bonus=replace(tiny_cfg.lower.bonus, coef=0.5, clip=100.0)))
+    cfg = replace(cfg, lower=replace(cfg.lower, minibatch_size=4, lr=5e-3, kl_coef=0.05,
+                                     bonus=replace(cfg.lower.bonus, coef=0.5, clip=100.0)))
     task = ArithTask(1)
     eps = EpisodeRunner(cfg, task, HFEngine(policies, 8), policies).run(task.load("train", 2).problems)
     return cfg, [episode_to_trajectory(e) for e in eps]
 
 
+@pytest.fixture(scope="module")
+def lower_setup(tiny_cfg, policies):
+    """fp32 weights, no autocast (conftest.FP32): numbers compare exactly."""
+    return _lower_setup(tiny_cfg, policies)
+
+
+@pytest.fixture(scope="module")
+def bf16_setup(tiny_cfg):
+    """The path `model.dtype: auto` takes on CPUs with native bf16, forced on any CPU:
+    bf16 base weights and bf16 autocast (torch emulates bf16 where the CPU lacks it)."""
+    from tosca_mlmt.models.policies import PolicyPair
+
+    cfg = replace(tiny_cfg, model=replace(tiny_cfg.model, dtype="bfloat16"),
+                  lower=replace(tiny_cfg.lower, autocast="bf16"))
+    policies = PolicyPair(cfg.model, seed=0)
+    assert policies.dtype == torch.bfloat16
+    return (*_lower_setup(cfg, policies), policies)
+
+
+# bf16 keeps 8 significand bits: a logit in [16, 32) is rounded to a multiple of 2^-3, and the
+# bf16 residual stream of a batched forward and of an unbatched one round differently. So a
+# per-token log-prob may be off by up to ~2^-3 nats, and a bonus (coef 0.5 x a difference of
+# two log-probs) by 0.5 x 2 x 2^-3 = 0.125. A wrong span or a shifted token is off by O(1)
+# on average, hence the second check: the mean error stays a small share of the bonus itself.
+TOLERANCE = {"fp32": dict(atol=2e-4, rtol=1e-4), "bf16": dict(atol=0.125, rtol=0.0)}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("level", ["sequence", "token"])
-def test_bonus_equals_an_independent_two_forward_computation(lower_setup, policies, level):
+def test_bonus_equals_an_independent_two_forward_computation(lower_setup, bf16_setup, policies, level, precision):
+    from peft import set_peft_model_state_dict
+
     from tosca_mlmt.lower.ppo import PPOTrainer
 
-    cfg, trajs = lower_setup
+    cfg, trajs, policies = (*lower_setup, policies) if precision == "fp32" else bf16_setup
     cfg = replace(cfg, lower=replace(cfg.lower, bonus=replace(cfg.lower.bonus, level=level, clip=0.3)))
     state = copy.deepcopy(policies.adapter_state("solver"))
     trainer = PPOTrainer(cfg, policies)
+    assert trainer.use_bf16 == (precision == "bf16")
     tt = to_tensors(trajs, trainer.pad_id)
     with torch.no_grad():
         old_lp = trainer._forward(tt.input_ids, tt.attention_mask)[0]
     bonus, stats = trainer.context_bonus(trajs, old_lp, None)
     model = policies.model("solver")
+    errors, sizes = [], []
     for b, t in enumerate(trajs):
         s, e = t.turn_spans[1]
         g0, g1 = t.feedback_spans[1]
         y = t.ids[s:e]
 
-        def lp_of(context):  # plain, unbatched forward over context + y
+        def lp_of(context):  # plain, unbatched forward over context + y; HF's own logits, in fp32
             ids = torch.tensor([context + y])
-            with policies.use("solver"), torch.no_grad():
+            with policies.use("solver"), torch.no_grad(), torch.autocast("cpu", torch.bfloat16,
+                                                                          enabled=precision == "bf16"):
                 logits = model(input_ids=ids).logits[0, len(context) - 1: -1].float()
             return torch.log_softmax(logits, -1).gather(-1, torch.tensor(y)[:, None]).squeeze(-1)
 
@@ -99,11 +132,31 @@ def test_bonus_equals_an_independent_two_forward_computation(lower_setup, polici
             want[-1] = 0.5 * diff.sum().clamp(-0.3, 0.3)
         else:
             want = 0.5 * diff.clamp(-0.3, 0.3)
-        torch.testing.assert_close(bonus[b, s:e], want, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(bonus[b, s:e], want, **TOLERANCE[precision])
         assert bonus[b, : s].abs().sum() == 0
+        errors.append((bonus[b, s:e] - want).abs().sum())
+        sizes.append(want.abs().sum())
+    assert sum(errors) <= 0.25 * sum(sizes) if precision == "bf16" else True
     assert 0.0 <= stats["bonus/clip_rate"] <= 1.0
-    from peft import set_peft_model_state_dict
     set_peft_model_state_dict(model, state, adapter_name="solver")
+
+
+@pytest.mark.slow
+def test_bf16_update_keeps_fp32_master_adapters_and_finite_losses(bf16_setup):
+    """With bf16 base weights the LoRA adapter must stay fp32: an AdamW step of lr ~1e-5 on a
+    bf16 weight of size ~1e-2 is below its rounding step and would be lost."""
+    from tosca_mlmt.lower.ppo import PPOTrainer
+
+    cfg, trajs, policies = bf16_setup
+    trajs = [replace(t, turn_rewards=[float(i % 2), float((i + 1) % 2)]) for i, t in enumerate(trajs)]
+    trainer = PPOTrainer(cfg, policies)
+    assert trainer.params and all(p.dtype == torch.float32 for p in trainer.params)
+    assert all(p.dtype == torch.bfloat16 for n, p in policies.model("solver").named_parameters() if "lora_" not in n)
+    before = [p.detach().clone() for p in trainer.params]
+    metrics = trainer.update(trajs, step=0)
+    moved = sum(not torch.equal(a, p) for a, p in zip(before, trainer.params))
+    assert moved > 0 and metrics["grad_norm"] > 0
+    assert all(math.isfinite(v) for v in (metrics["policy_loss"], metrics["grad_norm"], metrics["kl"]))
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run_mlmt
+from conftest import FP32, run_mlmt
 from tosca_mlmt.config import load_config
 from tosca_mlmt.models.loading import weights_fingerprint
 from tosca_mlmt.models.policies import PolicyPair
@@ -18,7 +18,7 @@ from tosca_mlmt.upper.trunk import WriterTrunk
 
 pytestmark = pytest.mark.slow
 
-TINY = {"model.dtype": "float32", "solver_sampling.max_new_tokens": 8, "writer_sampling.max_new_tokens": 8,
+TINY = {**FP32, "solver_sampling.max_new_tokens": 8, "writer_sampling.max_new_tokens": 8,
         "episode.max_feedback_tokens": 8, "logging.wandb": False, "logging.progress": False}
 
 

@@ -28,7 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from conftest import VLLM_MARKS, vllm_session  # noqa: E402
+from conftest import FP32, VLLM_MARKS, vllm_session  # noqa: E402
 from tosca_mlmt.config import load_config  # noqa: E402
 from tosca_mlmt.engines.base import SamplingParams  # noqa: E402
 from tosca_mlmt.prompts import ChatFormat  # noqa: E402
@@ -50,7 +50,7 @@ PROMPTS = [
 
 
 def _overrides(**extra) -> dict:
-    return {"model.dtype": "float32", "engine.name": "vllm", "engine.vllm.kv_cache_gb": 1,
+    return {**FP32, "engine.name": "vllm", "engine.vllm.kv_cache_gb": 1,
             "engine.vllm.max_model_len": 1024, "logging.wandb": False, "logging.progress": False, **extra}
 
 

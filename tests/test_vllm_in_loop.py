@@ -31,7 +31,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from conftest import VLLM_MARKS, vllm_session  # noqa: E402
+from conftest import FP32, VLLM_MARKS, vllm_session  # noqa: E402
 from tosca_mlmt.prompts import ChatFormat  # noqa: E402
 from tosca_mlmt.train.batching import build_batch, forward_logprobs  # noqa: E402
 
@@ -47,7 +47,8 @@ ITERATIONS = 2
 
 def _overrides() -> dict:
     return {
-        "model.dtype": "float32", "engine.name": "vllm", "engine.vllm.kv_cache_gb": 1,
+        # FP32: fp32 training on every machine, so the run does not depend on the CPU's bf16 support.
+        **FP32, "engine.name": "vllm", "engine.vllm.kv_cache_gb": 1,
         "engine.vllm.max_model_len": 1024, "logging.wandb": False, "logging.progress": False,
         "task.name": "arith", "task.limit": 8,
         "solver_sampling.max_new_tokens": 24, "writer_sampling.max_new_tokens": 16,
@@ -55,8 +56,6 @@ def _overrides() -> dict:
         "lower.iterations": ITERATIONS, "lower.problems_per_iteration": 2, "lower.minibatch_size": 4,
         # Adam moves every LoRA B entry by ~lr per step: 2e-3 shifts log pi by >> LOGPROB_TOL.
         "lower.lr": 2e-3,
-        # fp32 training on every machine, so the run does not depend on the CPU's bf16 support.
-        "lower.autocast": "none",
     }
 
 

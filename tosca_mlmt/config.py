@@ -281,6 +281,7 @@ def validate(cfg: Config) -> None:
     need(lo.iterations >= 1 and lo.epochs >= 1, "lower.iterations", "iterations and epochs must be >= 1")
     need(lo.bonus.clip > 0, "lower.bonus.clip", "must be > 0")
     need(lo.logprob_chunk >= 1, "lower.logprob_chunk", "must be >= 1")
+    need(lo.score_batch >= 0, "lower.score_batch", "must be >= 0 (0 = a rank's whole share at once)")
     ds = cfg.distributed.deepspeed
     need(not ds or Path(ds).is_file(), "distributed.deepspeed", f"no such DeepSpeed config file: {ds}")
     need(cfg.distributed.timeout_minutes >= 1, "distributed.timeout_minutes", "must be >= 1")

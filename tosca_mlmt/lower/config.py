@@ -62,6 +62,10 @@ class LowerConfig:
                                           "engine's logged sampling logprobs (needed for off-policy snapshots).",
                              choices=("recompute", "behaviour"))
     logprob_chunk: int = knob(256, "Positions per LM-head chunk (memory ~ chunk x vocab, not length x vocab).")
+    score_batch: int = knob(0, "Rows per no-grad scoring forward (old/ref/bonus log-probs); 0 = a rank's whole "
+                                  "share at once. Bounds memory, and with a value that divides every rank's share "
+                                  "the forwards have the same shapes at any world size (bf16 results depend on "
+                                  "shapes; fp32 ones only at ~1e-7).")
     autocast: str = knob("auto", "bf16 autocast for forward/backward: auto = when the hardware has bf16.",
                          choices=("auto", "bf16", "none"))
     gradient_checkpointing: bool = knob(False, "Recompute activations in backward (less memory, ~30% slower).")

@@ -27,6 +27,7 @@ from tosca_mlmt.lower import archer
 from tosca_mlmt.lower.trajectory import SolverTrajectory, no_feedback_sequences, shaped_turn_rewards, to_tensors
 from tosca_mlmt.metrics import StageTimer
 from tosca_mlmt.models.policies import PolicyPair
+from tosca_mlmt.precision import use_bf16_autocast
 from tosca_mlmt.train import distributed as dist
 from tosca_mlmt.train.batching import build_batch, masked_mean, token_logprobs_from_hidden
 from tosca_mlmt.train.distributed import TrainEngine
@@ -34,14 +35,8 @@ from tosca_mlmt.train.distributed import TrainEngine
 VALUE_HEAD_FILE = "value_head.safetensors"
 
 
-def _bf16_ok() -> bool:
-    if torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported()
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+def _cat_parts(parts: list[tuple], i: int) -> torch.Tensor | None:
+    return None if parts[0][i] is None else torch.cat([q[i] for q in parts])
 
 
 class PPOTrainer:
@@ -76,7 +71,7 @@ class PPOTrainer:
                                                     "critic": self.critic}, optimizer, scheduler,
                                   slots=self.lo.grad_accum, micro_size=self.lo.minibatch_size // self.lo.grad_accum,
                                   max_grad_norm=self.lo.max_grad_norm, what="lower.grad_accum")
-        self.use_bf16 = self.lo.autocast == "bf16" or (self.lo.autocast == "auto" and _bf16_ok())
+        self.use_bf16 = use_bf16_autocast(self.lo.autocast)
         self.pad_id = policies.tokenizer("solver").pad_token_id or 0
         self.optimizer_steps = 0
 
@@ -113,25 +108,27 @@ class PPOTrainer:
             v = torch.cat([torch.zeros_like(v[:, :1]), v], dim=1)
         return lp, v, ent
 
+    def _score_chunks(self, rows: list[int]) -> list[list[int]]:
+        n = self.lo.score_batch or len(rows)
+        return [rows[i: i + n] for i in range(0, len(rows), n)]
+
     @torch.no_grad()
     def _sharded_forward(self, tt, trajs, values=False, reference=False, entropy=False, archer_feats=False):
         """``_forward`` over the whole batch with each rank scoring its shard of rows, gathered:
         (logprobs [B, T], values | None, entropy | None, (h_state, h_action) [B, K, H] | None)."""
         rows = dist.shard(tt.input_ids.shape[0])
-        part = None
-        if rows:
-            lp, v, ent = self._forward(tt.input_ids[rows], tt.attention_mask[rows], values=values,
+        chunks = []  # (lp, v, ent, h_state, h_action) per scoring chunk of this rank's rows
+        for c in self._score_chunks(rows):
+            lp, v, ent = self._forward(tt.input_ids[c], tt.attention_mask[c], values=values,
                                        reference=reference, entropy=entropy, keep_hidden=archer_feats)
-            feats = (archer.turn_features(self.last_hidden, [trajs[i].turn_spans for i in rows], tt.n_turns)
-                     if archer_feats else None)
+            hs, ha = (archer.turn_features(self.last_hidden, [trajs[i].turn_spans for i in c], tt.n_turns)
+                      if archer_feats else (None, None))
             self.last_hidden = None
-            part = (lp, v, ent, feats)
+            chunks.append((lp, v, ent, hs, ha))
+        part = tuple(_cat_parts(chunks, i) for i in range(5)) if chunks else None
         parts = [q for q in dist.gather(part) if q is not None]
-
-        def cat(i):
-            return None if parts[0][i] is None else torch.cat([q[i] for q in parts])
-        feats = None if not archer_feats else tuple(torch.cat([q[3][j] for q in parts]) for j in (0, 1))
-        return cat(0), cat(1), cat(2), feats
+        out = [_cat_parts(parts, i) for i in range(5)]
+        return out[0], out[1], out[2], (out[3], out[4]) if archer_feats else None
 
     @torch.no_grad()
     def context_bonus(self, trajs: list[SolverTrajectory], lp_with: torch.Tensor, ref_with: torch.Tensor | None):
@@ -147,10 +144,10 @@ class PPOTrainer:
         # log pi(y | x, z) of each refine, scored on this rank's share of the refines and gathered
         mine = dist.shard(len(where))
         local = []
-        if mine:
-            batch = build_batch([prompts[i] for i in mine], [responses[i] for i in mine], self.pad_id)
+        for c in self._score_chunks(mine):
+            batch = build_batch([prompts[i] for i in c], [responses[i] for i in c], self.pad_id)
             lp_local, _, _ = self._forward(batch.input_ids, batch.attention_mask, reference=bo.model == "reference")
-            local = [lp_local[j, p: p + len(responses[i])] for j, (i, p) in enumerate(zip(mine, batch.prompt_lens))]
+            local += [lp_local[j, p: p + len(responses[i])] for j, (i, p) in enumerate(zip(c, batch.prompt_lens))]
         lp_wo = dist.gather_sharded(local, len(where))
         with_src = ref_with if bo.model == "reference" else lp_with
         raw_terms, per_refine = [], []

@@ -90,20 +90,3 @@ def weights_fingerprint(state_dict) -> str:
         h.update(str(t.dtype).encode())
         h.update(t.view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
     return h.hexdigest()[:16]
-
-
-def pick_dtype(name: str):
-    import torch
-
-    if name == "float32":
-        return torch.float32
-    if name == "bfloat16":
-        return torch.bfloat16
-    if torch.cuda.is_available():
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    # bf16 pays off on CPUs with native bf16 (AMX / avx512_bf16); emulated bf16 is slower than fp32.
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        flags = ""
-    return torch.bfloat16 if ("amx_bf16" in flags or "avx512_bf16" in flags) else torch.float32

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from tosca_mlmt.config import ModelConfig
-from tosca_mlmt.models.loading import pick_dtype, resolve_model, weights_fingerprint
+from tosca_mlmt.models.loading import resolve_model, weights_fingerprint
+from tosca_mlmt.precision import model_dtype
 
 ROLES = ("solver", "writer")
 Q_HEAD_FILE = "q_head.safetensors"
@@ -45,7 +46,7 @@ class PolicyPair:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.cfg = cfg
-        self.dtype = dtype or pick_dtype(cfg.dtype)
+        self.dtype = dtype or model_dtype(cfg.dtype)
         self.base_paths = {"solver": resolve_model(cfg.solver)}
         self.base_paths["writer"] = resolve_model(cfg.writer) if cfg.writer else self.base_paths["solver"]
         self.shared_base = self.base_paths["writer"] == self.base_paths["solver"]

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tosca_mlmt.precision import fp32_logits
+
 
 @dataclass
 class TokenBatch:
@@ -59,7 +61,7 @@ def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, i
         if torch.is_grad_enabled() and h.requires_grad:
             lps.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, h, tgt, lm_head, use_reentrant=False))
         elif with_entropy:
-            logp = torch.log_softmax(lm_head(h).float(), dim=-1)
+            logp = torch.log_softmax(fp32_logits(h, lm_head), dim=-1)
             lps.append(logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1))
             ents.append(-(logp.exp() * logp).sum(-1))
         else:
@@ -71,7 +73,7 @@ def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, i
 
 
 def _chunk_logprobs(h: torch.Tensor, tgt: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:
-    logits = lm_head(h).float()  # [B, c, V]
+    logits = fp32_logits(h, lm_head)  # [B, c, V]
     return torch.log_softmax(logits, dim=-1).gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
 
 
