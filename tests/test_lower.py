@@ -104,14 +104,16 @@ def test_bonus_equals_an_independent_two_forward_computation(lower_setup, bf16_s
     from tosca_mlmt.lower.ppo import PPOTrainer
 
     cfg, trajs, policies = (*lower_setup, policies) if precision == "fp32" else bf16_setup
-    cfg = replace(cfg, lower=replace(cfg.lower, bonus=replace(cfg.lower.bonus, level=level, clip=0.3)))
+    # ungated and summed: the raw two-forward quantity, whatever the episodes' rewards
+    cfg = replace(cfg, lower=replace(cfg.lower, bonus=replace(cfg.lower.bonus, level=level, clip=0.3, gate="none",
+                                                              reduce="sum")))
     state = copy.deepcopy(policies.adapter_state("solver"))
     trainer = PPOTrainer(cfg, policies)
     assert trainer.use_bf16 == (precision == "bf16")
     tt = to_tensors(trajs, trainer.pad_id)
     with torch.no_grad():
         old_lp = trainer._forward(tt.input_ids, tt.attention_mask)[0]
-    bonus, stats = trainer.context_bonus(trajs, old_lp, None)
+    bonus, stats = trainer.context_bonus(trajs, old_lp, None, torch.zeros_like(old_lp))
     model = policies.model("solver")
     errors, sizes = [], []
     for b, t in enumerate(trajs):
@@ -127,9 +129,8 @@ def test_bonus_equals_an_independent_two_forward_computation(lower_setup, bf16_s
             return torch.log_softmax(logits, -1).gather(-1, torch.tensor(y)[:, None]).squeeze(-1)
 
         diff = lp_of(t.ids[:s]) - lp_of(t.ids[:g0] + t.ids[g1:s])
-        if level == "sequence":
-            want = torch.zeros(e - s)
-            want[-1] = 0.5 * diff.sum().clamp(-0.3, 0.3)
+        if level == "sequence":  # one term, on every token of the refine
+            want = torch.full((e - s,), float(0.5 * diff.sum().clamp(-0.3, 0.3)))
         else:
             want = 0.5 * diff.clamp(-0.3, 0.3)
         torch.testing.assert_close(bonus[b, s:e], want, **TOLERANCE[precision])
@@ -139,6 +140,36 @@ def test_bonus_equals_an_independent_two_forward_computation(lower_setup, bf16_s
     assert sum(errors) <= 0.25 * sum(sizes) if precision == "bf16" else True
     assert 0.0 <= stats["bonus/clip_rate"] <= 1.0
     set_peft_model_state_dict(model, state, adapter_name="solver")
+
+
+@pytest.mark.slow
+def test_bonus_shifts_only_refine_advantages_after_normalization(lower_setup, policies, monkeypatch):
+    """Turn 1's advantages are the same with and without the bonus, and the refine's advantage
+    moves by exactly the bonus (added after the group normalization, not inside it)."""
+    from tosca_mlmt.lower.ppo import PPOTrainer
+
+    cfg, trajs = lower_setup
+    # every refine broke a right answer (r1 = 1, r_final = 0): the improvement gate is -1 on all
+    trajs = [replace(t, turn_rewards=[1.0, 0.0]) for t in trajs]
+    seen = {}
+    monkeypatch.setattr(PPOTrainer, "_epochs", lambda self, tt, old_lp, old_v, ref_lp, adv, *a: seen.update(
+        adv=adv.clone(), tt=tt) or {"grad_norm": 0.0})
+    runs = {}
+    for coef in (0.0, 0.5):
+        c = replace(cfg, lower=replace(cfg.lower, bonus=replace(cfg.lower.bonus, coef=coef, clip=100.0)))
+        PPOTrainer(c, policies).update(trajs, step=0)
+        runs[coef] = seen["adv"]
+    tt = seen["tt"]
+    t1, t2 = tt.turn_ids == 0, tt.turn_ids == 1
+    torch.testing.assert_close(runs[0.5][t1], runs[0.0][t1], atol=0, rtol=0)
+    # all groups tie (same rewards): the estimator gives 0, so the refine advantage is the bonus alone,
+    # the same on every token of a refine (sequence level)
+    assert runs[0.0][t2].abs().max() == 0
+    shift = runs[0.5] - runs[0.0]
+    assert (shift[t2] != 0).any() and shift[~t2].abs().max() == 0
+    for b in range(len(trajs)):
+        vals = shift[b][t2[b]]
+        assert torch.allclose(vals, vals[0].expand_as(vals))
 
 
 @pytest.mark.slow

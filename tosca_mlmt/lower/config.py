@@ -19,8 +19,16 @@ class ScoreShaping:
 @dataclass
 class ContextBonus:
     coef: float = knob(0.1, "lambda: weight of the KL-maximization bonus (0 turns it off).")
-    clip: float = knob(1.0, "c: each bonus term is clipped to [-c, c] before weighting.")
-    level: str = knob("sequence", "Bonus per token or one summed term per refine.", choices=("token", "sequence"))
+    clip: float = knob(1.0, "c: each bonus term is clipped to [-c, c] before weighting (the clip rate is logged "
+                            "as bonus/clip_rate; a warning says when it exceeds 50%).")
+    level: str = knob("sequence", "One term per refine, spread over its tokens, or one per token.",
+                      choices=("token", "sequence"))
+    reduce: str = knob("mean", "sequence level: the per-token log-ratios of a refine are averaged (length-normalised) "
+                               "or summed.", choices=("mean", "sum"))
+    gate: str = knob("improvement", "Sign of the bonus: none = ungated (rewards any departure from z, kept for the "
+                                    "ablation); improvement = times r(refine) - r(previous turn); advantage_sign = "
+                                    "times the sign of the refine's advantage.",
+                     choices=("none", "improvement", "advantage_sign"))
     model: str = knob("policy", "Who scores log pi(y | x, z) without the feedback: the current policy (no grad) or "
                                 "the frozen reference (adapter off).", choices=("policy", "reference"))
 

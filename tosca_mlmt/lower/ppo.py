@@ -5,20 +5,23 @@ Objective per action token t of a solver turn (CleanRL-style names):
     L_pi  = -min(rho_t A_t, clip(rho_t, 1 - eps_lo, 1 + eps_hi) A_t)         (policy loss registry)
     L_V   = 0.5 max((V - R)^2, (V_old + clip(V - V_old) - R)^2)              (gae only)
     L     = L_pi + vf_coef L_V [+ beta KL(pi || pi_ref) when kl_mode = loss]
-Token rewards: turn rewards on each turn's last token (SCoRe shaping optional),
--beta KL(pi_old || pi_ref) per token when kl_mode = reward, and the context-dependency
-bonus  b = lambda clip(log pi(y | x, z, g) - log pi(y | x, z), -c, c)  on each refine.
+Token rewards: turn rewards on each turn's last token (SCoRe shaping optional) and
+-beta KL(pi_old || pi_ref) per token when kl_mode = reward. The context-dependency bonus
+b = lambda gate clip(log pi(y | x, z, g) - log pi(y | x, z), -c, c) (algos/bonus.py) is added
+to each refine's advantages after the estimator, so it never reaches turn 1.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from tosca_mlmt.algos import bonus as bonus_algo
 from tosca_mlmt.algos.advantages import ADVANTAGES, broadcast_turns, turn_returns
 from tosca_mlmt.algos.losses import POLICY_LOSSES, explained_variance, kl_estimate, value_loss
 from tosca_mlmt.algos.qlearning import polyak_update
@@ -74,6 +77,7 @@ class PPOTrainer:
         self.use_bf16 = use_bf16_autocast(self.lo.autocast)
         self.pad_id = policies.tokenizer("solver").pad_token_id or 0
         self.optimizer_steps = 0
+        self._warned_clip = False
 
     @property
     def scheduler(self):
@@ -131,48 +135,52 @@ class PPOTrainer:
         return out[0], out[1], out[2], (out[3], out[4]) if archer_feats else None
 
     @torch.no_grad()
-    def context_bonus(self, trajs: list[SolverTrajectory], lp_with: torch.Tensor, ref_with: torch.Tensor | None):
-        """Per-token bonus [B, T] on refine tokens plus stats. ``lp_with`` are log pi(y | x, z, g)
-        from the scorer chosen by ``lower.bonus.model`` (old policy or reference)."""
+    def context_bonus(self, trajs: list[SolverTrajectory], lp_with: torch.Tensor, ref_with: torch.Tensor | None,
+                      adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Per-token bonus [B, T] on refine tokens, to add to the advantages ``adv`` [B, T] (which
+        the ``advantage_sign`` gate reads), plus stats. ``lp_with`` are log pi(y | x, z, g) from the
+        scorer chosen by ``lower.bonus.model`` (old policy or reference): see algos/bonus.py."""
         bo = self.lo.bonus
-        B, T = lp_with.shape
-        bonus = torch.zeros(B, T)
+        out = torch.zeros_like(lp_with)
         prompts, responses, where = no_feedback_sequences(trajs)
         stats = {"bonus/mean": 0.0, "bonus/clip_rate": 0.0, "bonus/corr_correct": float("nan")}
         if bo.coef == 0 or not where:
-            return bonus, stats
+            return out, stats
         # log pi(y | x, z) of each refine, scored on this rank's share of the refines and gathered
-        mine = dist.shard(len(where))
         local = []
-        for c in self._score_chunks(mine):
+        for c in self._score_chunks(dist.shard(len(where))):
             batch = build_batch([prompts[i] for i in c], [responses[i] for i in c], self.pad_id)
             lp_local, _, _ = self._forward(batch.input_ids, batch.attention_mask, reference=bo.model == "reference")
             local += [lp_local[j, p: p + len(responses[i])] for j, (i, p) in enumerate(zip(c, batch.prompt_lens))]
         lp_wo = dist.gather_sharded(local, len(where))
         with_src = ref_with if bo.model == "reference" else lp_with
-        raw_terms, per_refine = [], []
+        N, L = len(where), max(len(r) for r in responses)
+        w, wo, m = torch.zeros(N, L), torch.zeros(N, L), torch.zeros(N, L)
+        r_prev, r_this, a_turn = torch.zeros(N), torch.zeros(N), torch.zeros(N)
         for i, (b, k) in enumerate(where):
             s, e = trajs[b].turn_spans[k]
-            diff = with_src[b, s:e] - lp_wo[i][: e - s]  # log pi(y|x,z,g) - log pi(y|x,z), per token
-            if bo.level == "token":
-                clipped = diff.clamp(-bo.clip, bo.clip)
-                bonus[b, s:e] += bo.coef * clipped
-                raw_terms.append(diff)
-                per_refine.append(float(bo.coef * clipped.sum()))
-            else:
-                total = diff.sum()
-                bonus[b, e - 1] += bo.coef * total.clamp(-bo.clip, bo.clip)
-                raw_terms.append(total.reshape(1))
-                per_refine.append(float(bo.coef * total.clamp(-bo.clip, bo.clip)))
-        raw = torch.cat(raw_terms)
-        correct = np.array([trajs[b].turn_rewards[k] for b, k in where], dtype=float)
-        pr = np.array(per_refine)
-        stats["bonus/mean"] = float(pr.mean())
-        stats["bonus/raw_logratio_mean"] = float(raw.mean())
-        stats["bonus/clip_rate"] = float((raw.abs() > bo.clip).float().mean())
-        if pr.std() > 0 and correct.std() > 0:
-            stats["bonus/corr_correct"] = float(np.corrcoef(pr, correct)[0, 1])
-        return bonus, stats
+            w[i, : e - s], wo[i, : e - s], m[i, : e - s] = with_src[b, s:e], lp_wo[i][: e - s], 1.0
+            r_prev[i], r_this[i] = trajs[b].turn_rewards[k - 1], trajs[b].turn_rewards[k]
+            a_turn[i] = adv[b, s:e].mean()
+        gate = bonus_algo.GATES[bo.gate](r_prev, r_this, a_turn)
+        bonus, st = bonus_algo.context_bonus(w, wo, m, gate, bo.coef, bo.clip, bo.level, bo.reduce)
+        for i, (b, k) in enumerate(where):
+            s, e = trajs[b].turn_spans[k]
+            out[b, s:e] = bonus[i, : e - s]
+        total = st["total"].numpy()
+        stats["bonus/mean"] = float(total.mean())
+        stats["bonus/raw_logratio_mean"] = float(st["raw"].mean())
+        stats["bonus/clip_rate"] = float(st["clipped"].mean())
+        stats["bonus/gate_mean"] = float(gate.mean())
+        names = bonus_algo.transition_names(r_prev, r_this)
+        for name in bonus_algo.TRANSITIONS.values():
+            sel = [i for i, n in enumerate(names) if n == name]
+            stats[f"bonus/{name}/count"] = float(len(sel))
+            stats[f"bonus/{name}/mean"] = float(total[sel].mean()) if sel else float("nan")
+            stats[f"bonus/{name}/raw_mean"] = float(st["raw"][sel].mean()) if sel else float("nan")
+        if total.std() > 0 and r_this.std() > 0:
+            stats["bonus/corr_correct"] = float(np.corrcoef(total, r_this.numpy())[0, 1])
+        return out, stats
 
     # ------------------------------------------------------------------ one PPO update
     def update(self, trajs: list[SolverTrajectory], step: int, timer: StageTimer | None = None) -> dict:
@@ -191,11 +199,9 @@ class PPOTrainer:
                     old_lp = torch.where(tt.mask > 0, tt.behaviour_logprobs, old_lp)
                 need_ref = lo.kl_coef > 0 or lo.score.enabled or lo.bonus.model == "reference"
                 ref_lp = self._sharded_forward(tt, trajs, reference=True)[0] if need_ref else None
-            with timer("bonus"):
-                bonus, bstats = self.context_bonus(trajs, old_lp, ref_lp)
             with timer("advantages"):
                 turn_r, kl_w, stage = shaped_turn_rewards(trajs, lo, step)
-                rewards = bonus.clone()
+                rewards = torch.zeros_like(old_lp)
                 kl_tok = kl_estimate(old_lp, ref_lp, lo.kl_estimator) * tt.mask if ref_lp is not None else torch.zeros_like(old_lp)
                 klw_tok = torch.zeros_like(old_lp)
                 for b, t in enumerate(trajs):
@@ -217,6 +223,15 @@ class PPOTrainer:
                         {"baseline": lo.reinforce_baseline} if lo.advantage == "reinforce" else {})
                     adv = broadcast_turns(ADVANTAGES[lo.advantage](R, tt.groups, valid, **kw), tt.turn_ids)
                     returns = adv
+            with timer("bonus"):
+                # after the estimator: the bonus shifts refine advantages only, never a group's
+                # normalization, turn 1, or the critic's return target
+                bonus, bstats = self.context_bonus(trajs, old_lp, ref_lp, adv)
+                adv = adv + bonus
+                if bstats["bonus/clip_rate"] > 0.5 and not self._warned_clip:
+                    self._warned_clip = True
+                    warnings.warn(f"lower.bonus.clip={lo.bonus.clip} clips {bstats['bonus/clip_rate']:.0%} of the "
+                                  "bonus terms: the bonus is mostly +-clip; raise the clip or use reduce=mean")
         with timer("update"):
             upd = self._epochs(tt, old_lp, old_v, ref_lp, adv, returns, klw_tok, step)
         m = tt.mask
