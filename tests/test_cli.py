@@ -9,6 +9,7 @@ import pytest
 
 from conftest import MLMT, TINY, run_mlmt
 from tosca_mlmt.snapshot import list_snapshots
+from tosca_mlmt.tasks.arith import ArithTask
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +30,7 @@ def test_collect_prints_id_last_and_writes_full_provenance(greedy_snapshot):
     for key in ("parents", "created_at", "tosca_mlmt_version", "git_sha", "config", "models", "task", "seeds",
                 "sampling", "packages", "rows", "files", "strategies", "summary"):
         assert key in m, key
-    assert m["task"]["verifier_version"] == "arith-v1" and len(m["task"]["problem_ids"]) == 2
+    assert m["task"]["verifier_version"] == ArithTask.verifier_version and len(m["task"]["problem_ids"]) == 2
     assert set(m["models"]) == {"solver", "writer"} and m["models"]["solver"]["base_sha"]
     assert m["rows"] == {"episodes": 2, "turns": 6}
     assert m["config"]["solver_sampling"]["temperature"] == 0.0

@@ -49,7 +49,8 @@ def _overrides() -> dict:
     return {
         # FP32: fp32 training on every machine, so the run does not depend on the CPU's bf16 support.
         **FP32, "engine.name": "vllm", "engine.vllm.kv_cache_gb": 1,
-        "engine.vllm.max_model_len": 1024, "logging.wandb": False, "logging.progress": False,
+        "engine.vllm.max_model_len": 1024, "episode.max_prompt_tokens": 768, "logging.wandb": False,
+        "logging.progress": False,
         "task.name": "arith", "task.limit": 8,
         "solver_sampling.max_new_tokens": 24, "writer_sampling.max_new_tokens": 16,
         "episode.max_feedback_tokens": 16, "episode.n_samples": 2,

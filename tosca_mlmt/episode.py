@@ -66,9 +66,11 @@ class Episode:
         return self.solver_turns[-1].reward
 
 
-def to_params(s: SamplingConfig, seed: int, n: int = 1, max_new_tokens: int | None = None) -> SamplingParams:
-    return SamplingParams(max_new_tokens=max_new_tokens or s.max_new_tokens, temperature=s.temperature,
-                          top_p=s.top_p, top_k=s.top_k, n=n, seed=seed)
+def to_params(s: SamplingConfig, seed: int, n: int = 1, max_new_tokens: int | None = None,
+              stop_regex: str | None = None) -> SamplingParams:
+    return SamplingParams(max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                          temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, n=n, seed=seed,
+                          stop_regex=stop_regex)
 
 
 class EpisodeRunner:
@@ -83,6 +85,8 @@ class EpisodeRunner:
         self.gen_tokens = 0
         self.gen_seconds = 0.0
         self.truncated_prompts = 0
+        # solver turns end at the task's first complete answer line (engines/stop.py)
+        self.stop_regex = getattr(task, "stop_regex", None) if cfg.episode.stop_at_answer else None
 
     # ------------------------------------------------------------------ helpers
     def _seed(self, round_: int, kind: str, batch_index: int) -> int:
@@ -123,7 +127,8 @@ class EpisodeRunner:
         n = cfg.episode.n_samples
         sfmt = self.fmt["solver"]
         p1 = [sfmt.first_prompt(self.task.instruction(p)) for p in problems]
-        gens = self._gen(p1, to_params(cfg.solver_sampling, self._seed(0, "solve", batch_index), n=n), "solver", "solve")
+        gens = self._gen(p1, to_params(cfg.solver_sampling, self._seed(0, "solve", batch_index), n=n,
+                                       stop_regex=self.stop_regex), "solver", "solve")
         episodes: list[Episode] = []
         contexts: list[list[int]] = []  # solver context so far (prompt + all turns), per episode
         for p, prompt, gs in zip(problems, p1, gens):
@@ -196,13 +201,13 @@ class EpisodeRunner:
             fb = ep.turns[-1]
             # Same tokenizer: the feedback's exact ids; otherwise its text, re-encoded once.
             fb_ids = wfmt.strip_eos(fb.response_ids) if self.policies.shared_base else sfmt.encode(fb.text)
-            cont, cut = sfmt.continue_with_user(ctx, [REFINE_USER_PREFIX, fb_ids,
-                                                      REFINE_USER_SUFFIX.format(answer_format=answer_format)])
+            suffix = REFINE_USER_SUFFIX.format(question=ep.problem.question, answer_format=answer_format)
+            cont, cut = sfmt.continue_with_user(ctx, [REFINE_USER_PREFIX, fb_ids, suffix])
             # Where g sits in the refine prompt: the context-dependency bonus removes exactly this span.
             fb_spans.append([len(ctx) + cut[0], len(ctx) + cut[1]])
             refine_prompts.append(ctx + cont)
-        ref_gens = self._gen(refine_prompts, to_params(cfg.solver_sampling, self._seed(rnd, "refine", batch_index)),
-                             "solver", "refine")
+        ref_gens = self._gen(refine_prompts, to_params(cfg.solver_sampling, self._seed(rnd, "refine", batch_index),
+                                                       stop_regex=self.stop_regex), "solver", "refine")
         for i, (ep, gs) in enumerate(zip(episodes, ref_gens)):
             g = gs[0]
             t = Turn(len(ep.turns), rnd, "solver", "refine", refine_prompts[i], list(g.token_ids), list(g.logprobs),

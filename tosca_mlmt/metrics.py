@@ -31,6 +31,15 @@ def summarize(episodes: list[Episode]) -> dict[str, float]:
         "wrong_to_right": float((~c1 & cf).mean()),
         "right_to_wrong": float((c1 & ~cf).mean()),
     }
+    # why a solver turn is wrong: no answer line the verifier could read (lost format) or a wrong number
+    for name, idx in (("t1", 0), ("final", -1)):
+        turns = [ep.solver_turns[idx] for ep in episodes]
+        out[f"format_lost_{name}"] = float(np.mean([t.extracted is None for t in turns]))
+        out[f"wrong_number_{name}"] = float(np.mean([t.extracted is not None and not t.correct for t in turns]))
+    finish = Counter((t.kind, t.finish_reason) for ep in episodes for t in ep.turns)
+    n_kind = Counter(t.kind for ep in episodes for t in ep.turns)
+    for (kind, reason), n in sorted(finish.items()):
+        out[f"finish_{reason}/{kind}"] = n / n_kind[kind]
     by_kind: dict[str, list[int]] = {}
     for ep in episodes:
         for t in ep.turns:

@@ -23,7 +23,11 @@ WRITER_STRATEGY = (
     "Write one to three sentences of feedback for the student following this strategy."
 )
 REFINE_USER_PREFIX = "A reviewer left this feedback on your answer:\n"
-REFINE_USER_SUFFIX = "\n\nUse the feedback to solve the problem again. {answer_format}"
+# The refine restates the question (a 135M solver loses it behind its own attempt and the feedback)
+# and says what to do with a right answer: without that, "solve again" reads as "change it".
+REFINE_USER_SUFFIX = ("\n\nThe problem again: {question}\n"
+                      "If your answer was right, give the same answer again; if it was wrong, solve the problem "
+                      "again. {answer_format}")
 
 
 @dataclass

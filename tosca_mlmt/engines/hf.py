@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from tosca_mlmt.engines.base import Generation, SamplingParams
+from tosca_mlmt.engines.stop import TAIL_TOKENS, apply_stop
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.train.distributed import full_parameters
 
@@ -46,6 +49,18 @@ class _RawLogprobRecorder(LogitsProcessor):
             drop = cum - torch.softmax(sorted_s, dim=-1) > p.top_p  # keep the token that crosses top_p
             scores = scores.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), float("-inf"))
         return scores
+
+
+class _AnswerLineStop(StoppingCriteria):
+    """Marks a row done once its recent tokens hold a complete answer line, so decoding stops
+    early; the exact cut is made afterwards by ``apply_stop``."""
+
+    def __init__(self, tok, prompt_width: int, pattern: str):
+        self.tok, self.width, self.rx = tok, prompt_width, re.compile(pattern)
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        tails = input_ids[:, max(self.width, input_ids.shape[1] - TAIL_TOKENS):].tolist()
+        return torch.tensor([bool(self.rx.search(self.tok.decode(t))) for t in tails], dtype=torch.bool)
 
 
 class HFEngine:
@@ -95,8 +110,9 @@ class HFEngine:
         torch.manual_seed(seed)
         # ZeRO-3 partitions the weights: generation needs them whole (a no-op otherwise)
         with self.policies.use(policy), full_parameters(model):
+            stops = StoppingCriteriaList([_AnswerLineStop(tok, width, params.stop_regex)] if params.stop_regex else [])
             seqs = model.generate(input_ids=ids, attention_mask=attn, generation_config=gc,
-                                  logits_processor=LogitsProcessorList([rec]))
+                                  logits_processor=LogitsProcessorList([rec]), stopping_criteria=stops)
         rec.gather_last(seqs[:, -1])
         resp = seqs[:, width:]
         lps = torch.stack(rec.taken, dim=1) if rec.taken else torch.zeros(len(prompts), 0)
@@ -108,5 +124,6 @@ class HFEngine:
                 if t in eos_ids:
                     n, reason = j + 1, "stop"
                     break
-            results.append(Generation(tuple(toks[:n]), tuple(float(x) for x in lps[i, :n]), reason))
+            gen = Generation(tuple(toks[:n]), tuple(float(x) for x in lps[i, :n]), reason)
+            results.append(apply_stop(gen, tok.decode, params.stop_regex))
         return results

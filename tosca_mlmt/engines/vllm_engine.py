@@ -23,6 +23,7 @@ import torch
 
 from tosca_mlmt.config import VLLMConfig
 from tosca_mlmt.engines.base import Generation, SamplingParams
+from tosca_mlmt.engines.stop import apply_stop
 from tosca_mlmt.models.loading import weights_fingerprint
 
 
@@ -155,6 +156,7 @@ class VLLMEngine:
         sp = self.sampling_params(params, policy)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         eos = set(self.policies.eos_ids(policy))
+        tok = self.policies.tokenizer(policy)
         result = []
         for o in outs:
             gens = []
@@ -165,6 +167,6 @@ class VLLMEngine:
                 # which is the Generation contract; "stop" therefore means "ends with an eos id",
                 # exactly as in the HF engine.
                 reason = "stop" if c.finish_reason == "stop" and ids and ids[-1] in eos else "length"
-                gens.append(Generation(tuple(ids), tuple(lps), reason))
+                gens.append(apply_stop(Generation(tuple(ids), tuple(lps), reason), tok.decode, params.stop_regex))
             result.append(gens)
         return result

@@ -11,9 +11,10 @@ from __future__ import annotations
 import random
 
 from tosca_mlmt.tasks.base import LoadResult, Problem, Verdict, check_split, stable_split
-from tosca_mlmt.tasks.mathverify import extract_answer, is_equivalent
+from tosca_mlmt.engines.stop import ANSWER_LINE
+from tosca_mlmt.tasks.mathverify import ANSWER_FORMAT, echoes_format, extract_answer, is_equivalent
 
-VERIFIER_VERSION = "arith-v1"
+VERIFIER_VERSION = "arith-v2"  # v2: an echo of the answer-format instruction scores wrong
 NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jo")
 ITEMS = ("apples", "books", "coins", "pencils", "stickers", "marbles", "cards", "shells")
 
@@ -66,7 +67,9 @@ def generate(level: int, index: int) -> Problem:
 class ArithTask:
     name = "arith"
     verifier_version = VERIFIER_VERSION
-    answer_format = "End with 'The answer is: <number>'."
+    # No placeholder a verifier could read as an answer, and a line the engines can stop on.
+    answer_format = ANSWER_FORMAT
+    stop_regex = ANSWER_LINE
 
     def __init__(self, level: int = 1):
         if level not in LEVELS:
@@ -93,6 +96,8 @@ class ArithTask:
         return f"{problem.question}\n{self.answer_format}"
 
     def verify(self, problem: Problem, response: str) -> Verdict:
+        if echoes_format(response):  # repeating the instruction is not an answer, whatever number follows
+            return Verdict(False, 0.0, None, {"echo": True})
         pred = extract_answer(response)
         ok = pred is not None and is_equivalent(pred, problem.answer)
         return Verdict(ok, 1.0 if ok else 0.0, pred)

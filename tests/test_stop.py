@@ -1,0 +1,72 @@
+"""Solver turns end at the first complete answer line, on both engines, token-exactly."""
+
+import pytest
+
+from tosca_mlmt.engines.base import Generation
+from tosca_mlmt.engines.stop import ANSWER_LINE, apply_stop, stop_index
+from tosca_mlmt.tasks.arith import ArithTask
+from tosca_mlmt.tasks.mathverify import ANSWER_FORMAT
+
+
+def _chars(text):  # a "tokenizer" with one token per character
+    return [ord(c) for c in text], lambda ids: "".join(map(chr, ids))
+
+
+@pytest.mark.parametrize("text, kept", [
+    ("3 + 4 = 7.\nThe answer is: 7\nThen more text", "3 + 4 = 7.\nThe answer is: 7\n"),
+    ("the answer is 3.5. And", "the answer is 3.5. "),  # a full stop counts once a non-digit follows
+    ("The answer is: 1,200 apples in all", "The answer is: 1,200 a"),
+    ("The answer is: 12 then The answer is: 13\n", "The answer is: 12 t"),
+])
+def test_cut_right_after_the_token_that_completes_the_answer_line(text, kept):
+    ids, decode = _chars(text)
+    n = stop_index(ids, decode, ANSWER_LINE)
+    assert decode(ids[:n]) == kept
+    g = apply_stop(Generation(tuple(ids), tuple(float(i) for i in range(len(ids))), "length"), decode, ANSWER_LINE)
+    assert g.finish_reason == "answer" and g.token_ids == tuple(ids[:n]) and g.logprobs == tuple(map(float, range(n)))
+
+
+@pytest.mark.parametrize("text", ["The answer is: 12", "The answer is: <number>", "I think 12.", ""])
+def test_no_complete_answer_line_keeps_the_generation(text):
+    ids, decode = _chars(text)
+    g = Generation(tuple(ids), tuple(0.0 for _ in ids), "length")
+    assert apply_stop(g, decode, ANSWER_LINE) is g
+
+
+def test_a_template_echo_scores_wrong_and_the_format_has_no_readable_answer():
+    t = ArithTask(1)
+    p = t.load("train", 1).problems[0]
+    assert t.verify(p, f"The answer is: {p.answer}\n").correct
+    echo = f"{ANSWER_FORMAT}\nThe answer is: {p.answer}"
+    v = t.verify(p, echo)
+    assert not v.correct and v.info["echo"]
+    assert t.verify(p, ANSWER_FORMAT).extracted is None
+
+
+@pytest.mark.slow
+def test_hf_engine_stops_at_the_answer_line_token_exactly(policies):
+    """Greedy decoding with and without the stop rule: each stopped turn is exactly the prefix of
+    the unstopped one that ends at its first answer line, logprobs included."""
+    from tosca_mlmt.engines.base import SamplingParams
+    from tosca_mlmt.engines.hf import HFEngine
+    from tosca_mlmt.prompts import ChatFormat
+
+    tok = policies.tokenizer("solver")
+    fmt = ChatFormat(tok, policies.eos_ids("solver"))
+    # the rule is pattern-agnostic; a pattern greedy decoding reaches mid-turn tests the mechanics
+    prompts = [fmt.first_prompt(f"Count from {a} to {a + 9}, separated by commas.") for a in (1, 2, 11, 21)]
+    pattern = r"\d+, \d+, \d+,"
+    eng = HFEngine(policies, 4)
+    full = [g[0] for g in eng.generate(prompts, SamplingParams(max_new_tokens=24, temperature=0.0), "solver")]
+    cut = [g[0] for g in eng.generate(prompts, SamplingParams(max_new_tokens=24, temperature=0.0,
+                                                               stop_regex=pattern), "solver")]
+    n_cut = 0
+    for f, c in zip(full, cut):
+        n = stop_index(list(f.token_ids), tok.decode, pattern)
+        if n is None or (n == len(f.token_ids) and f.finish_reason == "stop"):
+            assert c.token_ids == f.token_ids and c.finish_reason == f.finish_reason
+            continue
+        n_cut += 1
+        assert c.finish_reason == "answer" and c.token_ids == f.token_ids[:n]
+        assert c.logprobs == pytest.approx(f.logprobs[:n], abs=1e-5)
+    assert n_cut >= 1, [tok.decode(list(f.token_ids)) for f in full]

@@ -1,0 +1,50 @@
+"""Stop at the first complete answer line: one rule for every engine.
+
+A solver turn is over once it has written "The answer is: <a number>" and something after the
+number shows the number is complete (a newline, a full stop not followed by a digit, a space and
+a word). Text after that line is never trained on and never verified, so both engines cut the
+sampled ids right after the token that completed the line and report ``finish_reason="answer"``.
+The HF engine also stops decoding there (a stopping criterion); vLLM's stop strings are literal,
+so it decodes on and the cut is applied afterwards: same ids, same logprobs, more compute.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+from tosca_mlmt.engines.base import Generation
+
+# "The answer is: 42\n", "the answer is 3.5.", "The answer is: $1,200 dollars"
+ANSWER_LINE = r"[Tt]he (?:final )?answer is:?\**\s*\$?\s*-?\d[\d,]*(?:\.\d+)?(?:[ \t]*\n|\.(?=\D)|[ \t]+\S|\*)"
+# Decoding the last few tokens is enough to see a whole answer line appear.
+TAIL_TOKENS = 32
+
+
+def stop_index(token_ids: list[int], decode: Callable[[list[int]], str], pattern: str) -> int | None:
+    """Smallest n such that ``decode(token_ids[:n])`` contains a match of ``pattern``, or None.
+
+    Linear in the ids: decodes prefixes only until the first match (text is decoded from
+    the start so multi-token characters are whole)."""
+    rx = re.compile(pattern)
+    full = decode(token_ids)
+    if not rx.search(full):
+        return None
+    lo, hi = 1, len(token_ids)  # the match exists in the whole; find the shortest prefix holding it
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if rx.search(decode(token_ids[:mid])):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def apply_stop(gen: Generation, decode: Callable[[list[int]], str], pattern: str | None) -> Generation:
+    """Cut ``gen`` after its first complete answer line (finish_reason "answer")."""
+    if not pattern:
+        return gen
+    n = stop_index(list(gen.token_ids), decode, pattern)
+    if n is None or (n == len(gen.token_ids) and gen.finish_reason == "stop"):
+        return gen  # no answer line, or the eos itself ended it: keep eos semantics
+    return Generation(gen.token_ids[:n], gen.logprobs[:n], "answer")
