@@ -15,7 +15,7 @@ import pytest
 from tosca_mlmt.errors import ConfigError, DataError
 from tosca_mlmt.tasks.base import Problem
 from tosca_mlmt.tasks.mbpp import MBPPTask, default_data_path, extract_code
-from tosca_mlmt.tasks.sandbox import SANDBOX_VERSION
+from tosca_mlmt.tasks.sandbox import SANDBOX_VERSION, sandbox_mode
 
 DATA = default_data_path()
 needs_data = pytest.mark.skipif(
@@ -74,14 +74,15 @@ def test_extract_code(response, expected):
 def test_versions_and_name():
     task = MBPPTask()
     assert task.name == "mbpp"
-    assert task.verifier_version == f"mbpp-v1+{SANDBOX_VERSION}"
+    # The manifest records whether code ran under bubblewrap or the in-process fallback.
+    assert task.verifier_version == f"mbpp-v1+{SANDBOX_VERSION}+{sandbox_mode()}"
 
 
 def test_verify_correct_and_partial():
     task = MBPPTask()
     good = task.verify(ADD, _fenced(ADD.answer))
     assert (good.correct, good.reward) == (True, 1.0)
-    assert good.info == {"pass_rate": 1.0, "timed_out": False, "passed": 3, "total": 3}
+    assert good.info == {"pass_rate": 1.0, "timed_out": False, "passed": 3, "total": 3, "forged": False}
     assert good.extracted == ADD.answer + "\n" and good.feedback_context == ""
 
     bad = task.verify(ADD, _fenced("def add(a, b):\n    return a * b"))
@@ -93,7 +94,7 @@ def test_verify_correct_and_partial():
 def test_verify_without_code_gives_zero_and_says_why():
     verdict = MBPPTask().verify(ADD, "I think you should add the two numbers.")
     assert (verdict.correct, verdict.reward, verdict.extracted) == (False, 0.0, None)
-    assert verdict.info == {"pass_rate": 0.0, "timed_out": False, "passed": 0, "total": 3}
+    assert verdict.info == {"pass_rate": 0.0, "timed_out": False, "passed": 0, "total": 3, "forged": False}
     assert "no code block found" in verdict.feedback_context
 
 
@@ -103,6 +104,24 @@ def test_verify_timeout_is_reported():
     verdict = task.verify(ADD, _fenced("def add(a, b):\n    while True:\n        pass"))
     assert verdict.reward == 0.0 and verdict.info["timed_out"] is True
     assert verdict.feedback_context == "timeout"
+
+
+def test_reward_forgeries_score_zero_and_are_flagged():
+    # An object equal to everything meets the parent's comparison as an opaque value.
+    always_equal = "class Yes:\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return Yes()"
+    verdict = MBPPTask().verify(ADD, _fenced(always_equal))
+    assert (verdict.reward, verdict.info["passed"], verdict.info["forged"]) == (0.0, 0, False)
+    # Calling the runner's reporter directly is seen in the result channel: flagged, 0.
+    reporter = (
+        "import gc\n"
+        "for fn in [o for o in gc.get_objects() if getattr(o, '__name__', '') == 'report']:\n"
+        "    for i in range(3):\n"
+        "        fn({'kind': 'test', 'i': i, 'ok': True, 'err': '', 'values': []})\n"
+        "def add(a, b):\n    return 0"
+    )
+    verdict = MBPPTask().verify(ADD, _fenced(reporter))
+    assert (verdict.reward, verdict.correct, verdict.info["forged"]) == (0.0, False, True)
+    assert "forged result records" in verdict.feedback_context
 
 
 def test_verify_traceback_reaches_feedback():

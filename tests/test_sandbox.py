@@ -1,23 +1,25 @@
-"""Tests for the code sandbox: exact pass rates, timeouts, and the guards against network
-access, writes outside the work directory, memory bombs and fork bombs.
+"""Tests for the code sandbox: exact pass rates, how asserts are judged, resource limits,
+the isolation mode and its fallback.
 
-Escape attempts are written as tests that run *inside* the child and assert that the
-attempt raised, so a passing test means the guard held there; the parent then checks
-the outside world (the file is absent, no process is left) independently.
+Hostile programs (escapes and reward forgeries) live in test_sandbox_hostile.py; this
+file covers what an honest or careless program meets.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import socket
+import shutil
 import subprocess
+import sys
 import time
-from pathlib import Path
+import warnings
 
 import pytest
 
-from tosca_mlmt.tasks import sandbox
-from tosca_mlmt.tasks.sandbox import SANDBOX_VERSION, SandboxResult, run_python
+from tosca_mlmt.tasks import sandbox, sandbox_isolation
+from tosca_mlmt.tasks.sandbox import (MODE_BWRAP, MODE_FALLBACK, SANDBOX_VERSION, SandboxResult, SandboxWarning,
+                                      run_python, sandbox_fingerprint, sandbox_mode)
 
 ADD = "def add(a, b):\n    return a + b\n"
 ADD_TESTS = ["assert add(2, 2) == 4", "assert add(1, 2) == 3", "assert add(0, 0) == 0"]
@@ -33,91 +35,105 @@ def raises(fn, error=PermissionError):
 """
 
 
-def _live_members(pgid: int) -> list[int]:
-    """Pids of processes in process group ``pgid`` that are still running (from /proc).
+@pytest.fixture
+def fallback(monkeypatch):
+    """Run this test's sandboxes in the pure-Python fallback, as where bwrap is missing."""
+    monkeypatch.setattr(sandbox, "_chosen", sandbox_isolation.fallback_launcher())
 
-    Zombies are dead; whether they are reaped soon depends on this machine's init.
-    SIGKILL takes effect asynchronously, so allow a moment for the group to die.
-    """
+
+def _group_members(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid``; SIGKILL lands asynchronously, so wait a little."""
     deadline = time.monotonic() + 2.0
     while True:
-        members = [pid for pid, group, state in _processes() if group == pgid and state != "Z"]
+        members = []
+        for entry in os.scandir("/proc"):
+            try:
+                stat = open(f"/proc/{entry.name}/stat").read() if entry.name.isdigit() else ""
+            except OSError:
+                continue
+            if stat:
+                state, _ppid, pgrp = stat[stat.rindex(")") + 2:].split()[:3]
+                if int(pgrp) == pgid and state != "Z":
+                    members.append(int(entry.name))
         if not members or time.monotonic() > deadline:
             return members
         time.sleep(0.05)
 
 
-def _processes() -> list[tuple[int, int, str]]:
-    """(pid, process group, state) of every process."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue  # exited while we looked
-        # "pid (comm) state ppid pgrp ...": comm may contain spaces, so split after ")".
-        state, _ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
-        found.append((int(entry.name), int(pgrp), state))
-    return found
+# --- mode ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def started_pids(monkeypatch):
-    """Pids (= process group ids) of every child the sandbox starts during the test."""
-    pids: list[int] = []
+def test_version_mode_and_fingerprint():
+    assert SANDBOX_VERSION == "sandbox-v2"
+    assert sandbox_mode() in (MODE_BWRAP, MODE_FALLBACK)
+    assert sandbox_fingerprint() == f"{SANDBOX_VERSION}+{sandbox_mode()}"
+    assert run_python(ADD, ADD_TESTS).mode == sandbox_mode()
 
-    class RecordingPopen(subprocess.Popen):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            pids.append(self.pid)
 
-    monkeypatch.setattr(sandbox.subprocess, "Popen", RecordingPopen)
-    return pids
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (make install adds it)")
+def test_bwrap_is_used_where_installed():
+    # An installed bwrap that fails to start must not slide silently into the fallback.
+    assert sandbox_mode() == MODE_BWRAP
+
+
+def test_fallback_is_loud_and_recorded(monkeypatch, caplog):
+    monkeypatch.setattr(sandbox, "_chosen", None)
+    monkeypatch.setattr(sandbox, "bwrap_launchers", lambda: [])
+    with pytest.warns(SandboxWarning, match="no real isolation"), caplog.at_level(logging.WARNING):
+        assert sandbox_mode() == MODE_FALLBACK
+    assert "no real isolation" in caplog.text
+    assert sandbox_fingerprint() == f"{SANDBOX_VERSION}+python-fallback"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process, not per run
+        result = run_python(ADD, ADD_TESTS)
+    assert result.all_passed and result.mode == MODE_FALLBACK
+
+
+def test_a_broken_bwrap_falls_back(monkeypatch):
+    broken = sandbox_isolation.Launcher(MODE_BWRAP, sys.executable, bwrap="/bin/false")
+    monkeypatch.setattr(sandbox, "_chosen", None)
+    monkeypatch.setattr(sandbox, "bwrap_launchers", lambda: [broken])
+    with pytest.warns(SandboxWarning, match="/bin/false|exited"):
+        assert sandbox_mode() == MODE_FALLBACK
 
 
 # --- scoring ---------------------------------------------------------------------
 
 
-def test_version():
-    assert SANDBOX_VERSION == "sandbox-v1"
-
-
-def test_correct_code_passes_all_tests():
+@pytest.mark.parametrize("mode", ["default", "fallback"])
+def test_correct_and_partial_scores(mode, request):
+    if mode == "fallback":
+        request.getfixturevalue("fallback")
     result = run_python(ADD, ADD_TESTS)
     assert isinstance(result, SandboxResult)
     assert (result.passed, result.total, result.all_passed, result.timed_out) == (3, 3, True, False)
-    assert result.per_test == [True, True, True]
-    assert result.error == "" and result.pass_rate == 1.0
+    assert result.per_test == [True, True, True] and result.error == "" and result.pass_rate == 1.0
 
-
-def test_wrong_function_gives_exact_partial_pass_rate():
     result = run_python("def add(a, b):\n    return a * b\n", ADD_TESTS)
     assert result.per_test == [True, False, True]
-    assert result.passed == 2 and not result.all_passed
-    assert 0 < result.pass_rate < 1
+    assert result.passed == 2 and not result.all_passed and 0 < result.pass_rate < 1
     assert "test 1 failed: assert add(1, 2) == 3" in result.error
-    assert "AssertionError" in result.error
+    assert "AssertionError (got add(1, 2) -> 2)" in result.error
 
 
 def test_exceptions_and_exit_are_per_test():
     code = "import sys\ndef f(x):\n    if x == 1:\n        sys.exit(0)\n    return 10 // x\n"
     result = run_python(code, ["assert f(0) == 0", "assert f(1) == 1", "assert f(2) == 5"])
     assert result.per_test == [False, False, True]
-    assert "ZeroDivisionError" in result.error
+    assert "ZeroDivisionError" in result.error and 'File "<solution>", line 5' in result.error
 
 
-def test_syntax_error_fails_every_test_with_the_error():
+def test_syntax_errors():
     result = run_python("def add(a, b)\n    return a + b\n", ADD_TESTS)
     assert result.passed == 0 and result.total == 3
     assert "SyntaxError" in result.error and "<solution>" in result.error
+    result = run_python(ADD, ["assert add(1, 1) == 2", "assert add(1,, 1) == 2"])
+    assert result.per_test == [True, False] and "test 1 failed" in result.error and "SyntaxError" in result.error
 
 
 def test_setup_runs_after_code_before_tests():
     code = "class Box:\n    def __init__(self, v):\n        self.v = v\n"
-    result = run_python(code, ["assert b.v == 3"], setup="b = Box(3)")
-    assert result.all_passed
+    assert run_python(code, ["assert b.v == 3"], setup="b = Box(3)").all_passed
 
 
 def test_no_tests_is_not_success():
@@ -130,32 +146,12 @@ def test_main_block_and_input_do_not_run_or_hang():
     assert run_python(code, ADD_TESTS, timeout_s=3).all_passed
 
 
-def test_output_is_captured_truncated_and_cannot_forge_results():
-    # Forged records on stdout and on every inherited descriptor lack the run's nonce.
-    forged = '{"kind": "test", "i": 0, "ok": true}\\n{"kind": "done"}\\n'
-    code = (
-        "import os\n"
-        f"print('{forged}' * 3)\n"
-        "for fd in range(3, 64):\n"
-        "    try:\n"
-        f"        os.write(fd, b'{forged}')\n"
-        "    except OSError:\n"
-        "        pass\n"
-        "print('x' * 100_000)\n"
-        "def f():\n    return 1\n"
-    )
-    result = run_python(code, ["assert f() == 2"])
-    assert result.per_test == [False] and result.passed == 0
-    assert result.output.startswith('{"kind": "test"')
+def test_output_is_captured_and_truncated():
+    code = "print('hello')\nprint('x' * 100_000)\ndef f():\n    return 1\n"
+    result = run_python(code, ["assert f() == 1"])
+    assert result.all_passed
+    assert result.output.startswith("hello\n")
     assert len(result.output) < 10_000 and "output truncated" in result.output
-
-
-def test_work_directory_is_fresh_and_removed():
-    code = "import os\nprint(os.getcwd())\nprint(sorted(os.listdir('.')))\n"
-    result = run_python(code, ["assert True"])
-    cwd, listing = result.output.splitlines()[:2]
-    assert "tosca-sbx-" in cwd and listing == "[]"  # the job file is gone before user code runs
-    assert not os.path.exists(cwd)
 
 
 def test_environment_is_not_inherited(monkeypatch):
@@ -164,17 +160,153 @@ def test_environment_is_not_inherited(monkeypatch):
     assert result.all_passed
 
 
-# --- timeouts and resource bombs -------------------------------------------------
+def test_work_directory_is_fresh_writable_and_gone():
+    code = "import os\nprint(os.getcwd())\nprint(sorted(os.listdir('.')))\n"
+    tests = [
+        "open('scratch.txt', 'w').write('ok')\nassert open('scratch.txt').read() == 'ok'",
+        "os.makedirs('a/b', exist_ok=True)\nos.rename('scratch.txt', 'a/b/s.txt')\nassert os.path.exists('a/b/s.txt')",
+        "shutil.rmtree('a')\nassert not os.path.exists('a')",
+        "with tempfile.NamedTemporaryFile('w') as f:\n    f.write('tmp')",
+        "open('/dev/null', 'w').write('discarded')",
+    ]
+    result = run_python("import os, shutil, tempfile\n" + code, tests)
+    assert result.per_test == [True] * len(tests), result.error
+    cwd, listing = result.output.splitlines()[:2]
+    assert listing == "[]"  # the job never touches the work directory
+    if sandbox_mode() == MODE_FALLBACK:
+        assert "tosca-sbx-" in cwd and not os.path.exists(cwd)
+    else:
+        assert cwd == sandbox_isolation.WORK_DIR  # a tmpfs that ends with the sandbox
+
+
+# --- how asserts are judged ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("returned", "expected"),
+    [
+        ("collections.Counter('abca')", "{'a': 2, 'b': 1, 'c': 1}"),
+        ("collections.OrderedDict([(1, 2)])", "{1: 2}"),
+        ("collections.defaultdict(list, {1: [2]})", "{1: [2]}"),
+        ("collections.namedtuple('P', 'x y')(1, 2)", "(1, 2)"),
+        ("1", "1.0"),
+        ("True", "1"),
+        ("2 ** 20000", "2 ** 20000"),  # past the 4300-digit str() limit
+        ("[(1, 'a'), {2: {3}}, frozenset({4})]", "[(1, 'a'), {2: {3}}, frozenset({4})]"),
+        ("bytearray(b'ab')", "b'ab'"),
+        ("complex(1, -2)", "1-2j"),
+        ("decimal.Decimal('2.5')", "2.5"),
+        ("fractions.Fraction(1, 4)", "0.25"),
+        ("type('S', (str,), {})('abc')", "'abc'"),
+        ("None", "None"),
+    ],
+)
+def test_values_compare_like_python_for_builtin_types(returned, expected):
+    code = f"import collections, decimal, fractions\ndef f():\n    return {returned}\n"
+    assert run_python(code, [f"assert f() == {expected}"]).all_passed
+
+
+def test_objects_of_other_types_equal_nothing():
+    code = (
+        "class Yes:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n"
+        "class Liar(int):\n    def __eq__(self, other):\n        return True\n"
+        "class Spoof:\n    __class__ = property(lambda self: int)\n    def __eq__(self, other):\n        return True\n"
+        "def gen():\n    yield 1\n"
+    )
+    tests = ["assert Yes() == 3", "assert Liar(5) == 3", "assert Liar(5) == 5", "assert Spoof() == 0",
+             "assert gen() == [1]", "assert list(gen()) == [1]", "assert [Yes()] == [1]", "assert Yes() != 3"]
+    result = run_python(code, tests)
+    assert result.per_test == [False, False, True, False, False, True, False, True]
+    assert "<Yes object" in result.error
+
+
+def test_assert_forms():
+    code = (
+        "import math\n"
+        "def f(x):\n    if x is None:\n        raise ValueError('no x')\n    return x * 2\n"
+        "def g():\n    return [3, 1, 2]\n"
+        "def sum(a, b):\n    return a - b\n"  # shadows a built-in the tests then mean
+    )
+    tests = [
+        "assert 1 < f(1) < 3",
+        "assert 4 in [f(2), 0] and f(1) not in [1, 3]",
+        "assert not f(1) == 3",
+        "x = None\nassert x is None or f(x) == 0",  # the right side is never needed
+        "assert math.isclose(f(0.1), 0.2000001, rel_tol=1e-3)",
+        "assert sorted(g()) == [1, 2, 3] and set(g()) == {1, 2, 3} and len(g()) == 3",
+        "assert f(2) == 4, 'message ignored'",
+        "y = f(3)\nassert y == 6\nassert y + 1 == 7",
+        "assert sum(5, 2) == 3",
+        "z = f(1)",  # no assert: passes when it runs
+        "assert f(1) == 3",
+        "assert f(None) == 0",
+        "y = f(1)\nassert y == 2\nassert y == 3",
+    ]
+    result = run_python(code, tests)
+    assert result.per_test == [True] * 10 + [False] * 3, result.error
+    assert "test 10 failed: assert f(1) == 3\nAssertionError (got f(1) -> 2)" in result.error
+
+
+def test_failing_operand_reports_its_traceback():
+    result = run_python("def f(x):\n    return [][x]\n", ["assert f(1) == 3"])
+    assert "f(1) raised" in result.error and "IndexError" in result.error and '"<solution>", line 2' in result.error
+
+
+def test_expected_values_never_enter_the_sandbox():
+    # A solution that searches its whole process for the expected answers finds nothing:
+    # literals stay in the parent, and `len(...)` runs in a fork before the code loads.
+    code = (
+        "import gc, sys\n"
+        "def f():\n"
+        "    seen = [repr(o) for o in gc.get_objects()]\n"
+        "    frame = sys._getframe()\n"
+        "    while frame:\n"
+        "        seen += [repr(c) for c in frame.f_code.co_consts] + [repr(v) for v in frame.f_locals.values()]\n"
+        "        frame = frame.f_back\n"
+        "    blob = ' '.join(seen)\n"
+        "    wanted = [str(int('918273644') + 1), ''.join(['zqx', 'jkv'])]  # not constants of this code\n"
+        "    return [s for s in wanted if s in blob]\n"
+    )
+    result = run_python(code, ["assert f() == 918273645", "assert f() == len('zqxjkv')"])
+    assert result.per_test == [False, False]
+    assert "(got f() -> [])" in result.error
+
+
+def test_forged_records_fail_every_test_and_are_logged(caplog):
+    forged = '{"kind": "test", "i": 0, "ok": true}\\n{"kind": "done"}\\n'
+    code = (
+        "import os\n"
+        "for fd in range(3, 64):\n"
+        "    try:\n"
+        f"        os.write(fd, b'{forged}')\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "def f():\n    return 1\n"
+    )
+    with caplog.at_level(logging.WARNING, logger="tosca_mlmt.tasks.sandbox"):
+        result = run_python(code, ["assert f() == 1"])
+    assert result.per_test == [False] and result.passed == 0 and not result.all_passed
+    assert result.forgery and result.error.startswith("forged result records")
+    assert "forged result records" in caplog.text
+
+
+def test_a_forked_copy_of_the_runner_stays_silent():
+    # A fork without exec continues the runner in the child; its copy must not report.
+    code = "import os\ndef f():\n    os.fork()\n    return 1\n"
+    result = run_python(code, ["assert f() == 1", "assert True"])
+    assert result.all_passed and not result.forgery
+
+
+# --- timeouts and resources --------------------------------------------------------
 
 
 def test_infinite_loop_is_killed_at_the_timeout():
     code = "def spin():\n    while True:\n        pass\n"
     start = time.monotonic()
     result = run_python(code, ["assert True", "assert spin()", "assert True"], timeout_s=1.0)
-    elapsed = time.monotonic() - start
     assert result.timed_out and result.error == "timeout"
     assert result.per_test == [True, False, False]  # tests finished before the hang still count
-    assert elapsed < 3.0
+    assert time.monotonic() - start < 10.0
 
 
 @pytest.mark.parametrize(
@@ -186,13 +318,10 @@ def test_infinite_loop_is_killed_at_the_timeout():
     ],
     ids=["bytearray-4GiB", "list-of-MiB", "list-of-ints"],
 )
-def test_memory_bomb_is_stopped_without_harming_the_parent(bomb):
-    start = time.monotonic()
+def test_memory_bomb_is_stopped(bomb):
     result = run_python(bomb, ["assert True"], timeout_s=10.0, memory_mb=256)
     assert not result.all_passed
     assert "MemoryError" in result.error or result.timed_out or "killed" in result.error
-    assert time.monotonic() - start < 11.0
-    assert run_python(ADD, ADD_TESTS).all_passed  # the parent still works
 
 
 def test_memory_error_in_one_test_leaves_the_others():
@@ -202,138 +331,52 @@ def test_memory_error_in_one_test_leaves_the_others():
     assert "MemoryError" in result.error
 
 
-def test_fork_bomb_is_contained_and_leaves_no_process(started_pids):
-    code = "import os\ndef bomb():\n    while True:\n        os.fork()\n"
-    start = time.monotonic()
-    result = run_python(code, ["assert bomb()", "assert True"], timeout_s=5.0)
-    assert time.monotonic() - start < 6.0
-    assert result.per_test == [False, True]
-    assert "PermissionError" in result.error
-    assert started_pids
-    for pgid in started_pids:
-        assert _live_members(pgid) == [], f"processes left in group {pgid}"
-
-
-def test_process_group_kill_ends_processes_that_bypass_the_guard(started_pids):
-    # The guard is a monkeypatch and a fresh import of posix undoes it (documented); the
-    # group kill must still end what was started. One sleeper, not a bomb: as root,
-    # RLIMIT_NPROC would not stop a real one.
-    code = (
-        "import sys, time\n"
-        "del sys.modules['posix']\n"
-        "import posix\n"
-        "def spawn_sleeper():\n"
-        "    if posix.fork() == 0:\n"
-        "        time.sleep(60)\n"
-        "        posix._exit(0)\n"
-        "    return True\n"
-    )
-    result = run_python(code, ["assert spawn_sleeper()"])
-    assert result.all_passed
-    for pgid in started_pids:
-        assert _live_members(pgid) == [], f"processes left in group {pgid}"
-
-
-def test_every_way_to_start_a_process_fails(started_pids):
-    tests = [
-        "assert raises(lambda: os.fork())",
-        "assert raises(lambda: os.system('true'))",
-        "assert raises(lambda: subprocess.run(['true']))",
-        "assert raises(lambda: os.posix_spawn('/bin/true', ['true'], {}))",
-        "assert raises(lambda: os.execv('/bin/true', ['true']))",
-        "assert raises(lambda: multiprocessing.Process(target=print).start())",
-        "assert raises(lambda: os.kill(os.getppid(), 0))",
-        "assert raises(lambda: __import__('ctypes'), ImportError)",
-        "assert raises(lambda: __import__('resource').setrlimit(0, (-1, -1)))",
-    ]
-    result = run_python("import multiprocessing, os, subprocess\n" + RAISES, tests)
-    assert result.per_test == [True] * len(tests), result.error
-    for pgid in started_pids:
-        assert _live_members(pgid) == []
-
-
-# --- network ---------------------------------------------------------------------
-
-
-def test_network_connect_to_localhost_fails():
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        port = server.getsockname()[1]
-        tests = [
-            f"assert raises(lambda: socket.create_connection(('127.0.0.1', {port}), timeout=2), OSError)",
-            f"assert raises(lambda: socket.socket().connect(('127.0.0.1', {port})), OSError)",
-            f"assert raises(lambda: _socket.socket().connect(('127.0.0.1', {port})), OSError)",
-            "assert raises(lambda: socket.getaddrinfo('localhost', 80), OSError)",
-        ]
-        result = run_python("import socket, _socket\n" + RAISES, tests)
-        assert result.per_test == [True] * len(tests), result.error
-        server.setblocking(False)
-        with pytest.raises(BlockingIOError):
-            server.accept()  # nothing ever connected
-
-
-# --- filesystem ------------------------------------------------------------------
-
-
-def test_writes_outside_the_work_directory_fail(tmp_path):
-    target = tmp_path / "escaped.txt"
-    t = repr(str(target))
-    tests = [
-        f"assert raises(lambda: open({t}, 'w'))",
-        f"assert raises(lambda: open({t}, 'a'))",
-        f"assert raises(lambda: open({t}, 'x'))",
-        f"assert raises(lambda: io.open({t}, 'wb'))",
-        f"assert raises(lambda: io.FileIO({t}, 'w'))",
-        f"assert raises(lambda: os.open({t}, os.O_WRONLY | os.O_CREAT))",
-        f"assert raises(lambda: pathlib.Path({t}).write_text('x'))",
-        f"assert raises(lambda: pathlib.Path({t}).touch())",
-        f"assert raises(lambda: shutil.copy('/etc/hostname', {t}))",
-        f"assert raises(lambda: os.mkdir({t}))",
-        # A symlink from inside the work directory does not lead outside.
-        f"os.symlink({repr(str(tmp_path))}, 'link')\nassert raises(lambda: open('link/escaped.txt', 'w'))",
-    ]
-    result = run_python("import io, os, pathlib, shutil\n" + RAISES, tests)
-    assert result.per_test == [True] * len(tests), result.error
-    assert list(tmp_path.iterdir()) == []
-    assert not target.exists()
-
-
-def test_deleting_or_moving_outside_files_fails(tmp_path):
-    victim = tmp_path / "victim" / "keep.txt"
-    victim.parent.mkdir()
-    victim.write_text("precious")
-    v, d = repr(str(victim)), repr(str(victim.parent))
-    tests = [
-        f"assert raises(lambda: os.remove({v}))",
-        f"assert raises(lambda: os.unlink({v}))",
-        f"assert raises(lambda: os.rename({v}, 'stolen.txt'))",
-        f"assert raises(lambda: os.replace('mine.txt', {v}))",
-        f"assert raises(lambda: os.truncate({v}, 0))",
-        f"assert raises(lambda: os.chmod({v}, 0o777))",
-        f"assert raises(lambda: os.link({v}, 'hardlink'))",
-        f"assert raises(lambda: shutil.rmtree({d}))",
-        f"assert raises(lambda: os.rmdir({d}))",
-    ]
-    code = "import os, shutil\nopen('mine.txt', 'w').close()\n" + RAISES
-    result = run_python(code, tests)
-    assert result.per_test == [True] * len(tests), result.error
-    assert victim.read_text() == "precious"
-    assert oct(victim.stat().st_mode & 0o777) != oct(0o777)
-
-
-def test_files_inside_the_work_directory_are_usable():
-    tests = [
-        "open('scratch.txt', 'w').write('ok')\nassert open('scratch.txt').read() == 'ok'",
-        "os.makedirs('a/b', exist_ok=True)\nos.rename('scratch.txt', 'a/b/s.txt')\nassert os.path.exists('a/b/s.txt')",
-        "shutil.rmtree('a')\nassert not os.path.exists('a')",
-        "with tempfile.NamedTemporaryFile('w') as f:\n    f.write('tmp')",
-        "open('/dev/null', 'w').write('discarded')",
-    ]
-    result = run_python("import os, shutil, tempfile", tests)
-    assert result.per_test == [True] * len(tests), result.error
-
-
 def test_file_size_limit_raises_instead_of_killing():
     code = "def big():\n    with open('big.bin', 'wb') as f:\n        f.write(b'0' * (64 * 1024 * 1024))\n"
     result = run_python(code, ["assert big()", "assert True"])
     assert result.per_test == [False, True]
     assert "File too large" in result.error or "OSError" in result.error
+
+
+@pytest.mark.skipif(sandbox_mode() != MODE_BWRAP, reason="the process limit binds only under bubblewrap")
+def test_process_limit_binds_and_forks_work_below_it():
+    code = (
+        "import os, time, multiprocessing\n"
+        "def square(x):\n    return x * x\n"
+        "def pool():\n    with multiprocessing.get_context('fork').Pool(2) as p:\n        return p.map(square, [1, 2, 3])\n"
+        "def forks():\n    n = 0\n    try:\n        for _ in range(50):\n            if os.fork() == 0:\n"
+        "                time.sleep(30)\n                os._exit(0)\n            n += 1\n    except OSError:\n"
+        "        pass\n    return n\n"
+    )
+    result = run_python(code, ["assert pool() == [1, 4, 9]", "assert forks() <= 12"], max_procs=12)
+    assert result.all_passed, result.error
+
+
+# --- the pure-Python fallback -----------------------------------------------------
+
+
+def test_fallback_guards(fallback, tmp_path):
+    started = []
+    real_popen = subprocess.Popen
+
+    class RecordingPopen(real_popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self.pid)
+
+    target = repr(str(tmp_path / "escaped.txt"))
+    tests = [
+        "assert raises(lambda: os.fork())",
+        "assert raises(lambda: subprocess.run(['true']))",
+        "assert raises(lambda: __import__('ctypes'), ImportError)",
+        "assert raises(lambda: __import__('sqlite3'), ImportError)",
+        f"assert raises(lambda: open({target}, 'w'))",
+        f"assert raises(lambda: os.open({target}, os.O_WRONLY | os.O_CREAT))",
+        "assert raises(lambda: socket.create_connection(('127.0.0.1', 9), timeout=2), OSError)",
+    ]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sandbox_isolation.subprocess, "Popen", RecordingPopen)
+        result = run_python("import os, socket, subprocess\n" + RAISES, tests)
+    assert result.per_test == [True] * len(tests), result.error
+    assert list(tmp_path.iterdir()) == []
+    assert started and all(_group_members(pid) == [] for pid in started)

@@ -14,7 +14,7 @@ from typing import Any
 
 from tosca_mlmt.errors import ConfigError, DataError
 from tosca_mlmt.tasks.base import DATA_ENV_VAR, default_data_path, LoadResult, Problem, Verdict, check_split
-from tosca_mlmt.tasks.sandbox import SANDBOX_VERSION, run_python
+from tosca_mlmt.tasks.sandbox import run_python, sandbox_fingerprint
 
 DATA_FILE = Path("mbpp") / "mbpp.jsonl"
 SPLIT_IDS = {"train": range(601, 975), "test": range(11, 511)}
@@ -43,7 +43,6 @@ def extract_code(response: str) -> str | None:
 
 class MBPPTask:
     name = "mbpp"
-    verifier_version = f"mbpp-v1+{SANDBOX_VERSION}"
     # Per response, all tests together. Reference solutions take milliseconds except
     # mbpp-123 (about 4.5 s on one core, which times out when cores are shared).
     timeout_s = 5.0
@@ -52,6 +51,12 @@ class MBPPTask:
         """``data_path``: the data folder holding ``mbpp/mbpp.jsonl``."""
         self.data_path = Path(data_path) if data_path is not None else default_data_path()
         self.path = self.data_path / DATA_FILE
+
+    @property
+    def verifier_version(self) -> str:
+        # Includes the sandbox's mode, so a manifest says whether code ran under real
+        # isolation or the in-process fallback. Computed on use: it probes bubblewrap once.
+        return f"mbpp-v1+{sandbox_fingerprint()}"
 
     def load(self, split: str, limit: int | None = None, skip_bad_rows: bool = False) -> LoadResult:
         check_split(split)
@@ -98,7 +103,7 @@ class MBPPTask:
                 correct=False,
                 reward=0.0,
                 extracted=None,
-                info={"pass_rate": 0.0, "timed_out": False, "passed": 0, "total": len(tests)},
+                info={"pass_rate": 0.0, "timed_out": False, "passed": 0, "total": len(tests), "forged": False},
                 feedback_context=NO_CODE_FEEDBACK,
             )
         result = run_python(code, tests, setup=problem.meta.get("setup", ""), timeout_s=self.timeout_s)
@@ -111,6 +116,8 @@ class MBPPTask:
                 "timed_out": result.timed_out,
                 "passed": result.passed,
                 "total": result.total,
+                # The code tampered with the sandbox's result channel; it scored 0.
+                "forged": bool(result.forgery),
             },
             feedback_context=result.error,
         )
