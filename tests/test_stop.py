@@ -26,7 +26,8 @@ def test_cut_right_after_the_token_that_completes_the_answer_line(text, kept):
     assert g.finish_reason == "answer" and g.token_ids == tuple(ids[:n]) and g.logprobs == tuple(map(float, range(n)))
 
 
-@pytest.mark.parametrize("text", ["The answer is: 12", "The answer is: <number>", "I think 12.", ""])
+@pytest.mark.parametrize("text", ["The answer is: 12", "The answer is: <number>", "I think 12.", "",
+                                  "The answer is: 7 + 5"])
 def test_no_complete_answer_line_keeps_the_generation(text):
     ids, decode = _chars(text)
     g = Generation(tuple(ids), tuple(0.0 for _ in ids), "length")

@@ -15,8 +15,9 @@ from typing import Callable
 
 from tosca_mlmt.engines.base import Generation
 
-# "The answer is: 42\n", "the answer is 3.5.", "The answer is: $1,200 dollars"
-ANSWER_LINE = r"[Tt]he (?:final )?answer is:?\**\s*\$?\s*-?\d[\d,]*(?:\.\d+)?(?:[ \t]*\n|\.(?=\D)|[ \t]+\S|\*)"
+# "The answer is: 42\n", "the answer is 3.5.", "The answer is: $1,200 dollars"; not "The answer is: 7 + 5 = 12"
+# (a number followed by an operator is an expression in progress, not the answer)
+ANSWER_LINE = r"[Tt]he (?:final )?answer is:?\**\s*\$?\s*-?\d[\d,]*(?:\.\d+)?(?:[ \t]*\n|\.(?=\D)|[ \t]+[A-Za-z]|\*)"
 # Decoding the last few tokens is enough to see a whole answer line appear.
 TAIL_TOKENS = 32
 

@@ -1,67 +1,165 @@
-"""``arith``: procedurally generated integer word problems, the embedded default task.
+"""``arith``: procedurally generated integer problems, the embedded default task.
 
-Problems are a pure function of (level, index): the same id always means the same
-problem on every machine. A problem belongs to the test split when a hash of its
-*content* says so, so train and test never share a question even when two indices
-happen to generate the same numbers.
+A problem is a *fact* (an operator and its operands, e.g. 7 + 5) put in one of many phrasings
+(bare expressions, instructions, word problems with names and items). Facts, not questions,
+are split: a hash of the fact sends it to train or test, so no test problem asks a fact that
+training ever showed, in any phrasing. Training problems are unlimited: problem ``i`` of a
+level is a pure function of (level, i). The test set of each level is fixed: 500 problems
+shipped in ``data/arith/test-L{level}.jsonl`` (regenerated bit-identically by
+``python -m tosca_mlmt.tasks.arith data/arith``, which a test checks).
+
+Levels (difficulty rises with the operand range and the number of steps):
+    1  a + b, a, b in 1..9
+    2  a + b or a - b, a in 10..19, b in 1..9            (between 1 and 3)
+    3  a + b or a - b, a in 10..40, b in 1..9
+    4  add or take away, a, b in 2..20, as a story
+    5  three steps: a + b - c
+    6  boxes * per box + loose ones
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
+import sys
+from pathlib import Path
 
-from tosca_mlmt.tasks.base import LoadResult, Problem, Verdict, check_split, stable_split
 from tosca_mlmt.engines.stop import ANSWER_LINE
+from tosca_mlmt.tasks.base import LoadResult, Problem, Verdict, check_split
 from tosca_mlmt.tasks.mathverify import ANSWER_FORMAT, echoes_format, extract_answer, is_equivalent
 
 VERIFIER_VERSION = "arith-v2"  # v2: an echo of the answer-format instruction scores wrong
-NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jo")
-ITEMS = ("apples", "books", "coins", "pencils", "stickers", "marbles", "cards", "shells")
+GENERATOR_VERSION = "arith-gen-v2"
+TEST_SIZE = 500
+TEST_FRACTION = 0.2
+DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "arith"
+
+NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jo", "Kofi", "Lena", "Mo", "Nia",
+         "Omar", "Priya", "Quinn", "Rosa", "Sam", "Tariq")
+ITEMS = ("apples", "books", "coins", "pencils", "stickers", "marbles", "cards", "shells", "stamps", "beads",
+         "cookies", "toy cars")
+
+# Phrasings of a two-operand fact; {a} {b} operands, {o} the symbol, {w} the operator's word.
+BARE = ("What is {a} {o} {b}?", "Compute {a} {o} {b}.", "Calculate {a} {o} {b}.", "{a} {o} {b} = ?",
+        "What is the value of {a} {o} {b}?", "Work out {a} {o} {b}.", "Evaluate {a} {o} {b}.",
+        "What number is {a} {w} {b}?", "Tell me {a} {w} {b}.", "How much is {a} {w} {b}?")
+ADD_WORDS = ("Find the sum of {a} and {b}.", "Add {a} and {b}.", "What do you get when you add {b} to {a}?",
+             "What is {b} more than {a}?")
+SUB_WORDS = ("Find the difference when {b} is taken from {a}.", "Subtract {b} from {a}.",
+             "What is {a} take away {b}?", "What is {b} less than {a}?")
+ADD_STORY = ("{n} has {a} {i} and gets {b} more. How many {i} does {n} have now?",
+             "{n} had {a} {i}. A friend gave {n} {b} more. How many {i} does {n} have?",
+             "There are {a} {i} in a bag and {b} {i} on the table. How many {i} are there in all?",
+             "{n} collected {a} {i} on Monday and {b} {i} on Tuesday. How many {i} did {n} collect?")
+SUB_STORY = ("{n} has {a} {i} and gives away {b}. How many {i} does {n} have left?",
+             "{n} had {a} {i} and lost {b} of them. How many {i} are left?",
+             "There were {a} {i} in a box. {n} took out {b}. How many {i} are still in the box?",
+             "{n} bought {a} {i} and used {b}. How many {i} does {n} have now?")
+THREE_STEP = ("{n} has {a} {i}, buys {b} more, then loses {c}. How many {i} does {n} have?",
+              "What is {a} + {b} - {c}?", "Compute {a} plus {b} minus {c}.",
+              "A shelf holds {a} {i}. {n} adds {b} and then removes {c}. How many {i} are on the shelf?")
+BOXES = ("{n} has {a} boxes with {b} {i} in each box and {c} loose {i}. How many {i} does {n} have in total?",
+         "What is {a} * {b} + {c}?", "There are {a} bags of {b} {i} and {c} more {i}. How many {i} are there?",
+         "{n} packs {b} {i} into each of {a} boxes and keeps {c} aside. How many {i} does {n} have?")
+OPS = {"+": ("plus", lambda a, b: a + b), "-": ("minus", lambda a, b: a - b)}
 
 
-def _level1(r: random.Random) -> tuple[str, int]:
-    a, b = r.randint(1, 9), r.randint(1, 9)
-    return f"What is {a} + {b}?", a + b
+def _two_operand(level: int, r: random.Random) -> tuple[str, tuple]:
+    """A random fact of a one-step level: (op, operands)."""
+    if level == 1:
+        return "+", (r.randint(1, 9), r.randint(1, 9))
+    hi = 19 if level == 2 else 40
+    op = r.choice("+-")
+    if level == 4:
+        a, b = r.randint(2, 20), r.randint(2, 20)
+        return op, ((a, b) if op == "+" else (max(a, b) + r.randint(1, 9), min(a, b)))
+    return op, (r.randint(10, hi), r.randint(1, 9))
 
 
-def _level2(r: random.Random) -> tuple[str, int]:
-    a, b = r.randint(10, 40), r.randint(1, 9)
-    if r.random() < 0.5:
-        return f"What is {a} + {b}?", a + b
-    return f"What is {a} - {b}?", a - b
+def random_fact(level: int, r: random.Random) -> tuple[str, tuple]:
+    if level in (1, 2, 3, 4):
+        return _two_operand(level, r)
+    if level == 5:
+        return "+-", (r.randint(5, 30), r.randint(2, 15), r.randint(1, 5))
+    return "*+", (r.randint(2, 9), r.randint(2, 12), r.randint(1, 20))
 
 
-def _level3(r: random.Random) -> tuple[str, int]:
-    name, item = r.choice(NAMES), r.choice(ITEMS)
-    a, b = r.randint(2, 20), r.randint(2, 20)
-    if r.random() < 0.5:
-        return f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?", a + b
-    a, b = max(a, b) + r.randint(1, 9), min(a, b)
-    return f"{name} has {a} {item} and gives away {b}. How many {item} does {name} have left?", a - b
+def fact_answer(op: str, x: tuple) -> int:
+    if op in OPS:
+        return OPS[op][1](*x)
+    return x[0] + x[1] - x[2] if op == "+-" else x[0] * x[1] + x[2]
 
 
-def _level4(r: random.Random) -> tuple[str, int]:
-    name, item = r.choice(NAMES), r.choice(ITEMS)
-    a, b, c = r.randint(5, 30), r.randint(2, 15), r.randint(1, 5)
-    return (f"{name} has {a} {item}, buys {b} more, then loses {c}. How many {item} does {name} have?",
-            a + b - c)
+def fact_key(op: str, x: tuple) -> str:
+    """Addition is commutative: 3 + 5 and 5 + 3 are one fact, so neither order leaks into test."""
+    return f"{op}:{','.join(map(str, sorted(x) if op == '+' else x))}"
 
 
-def _level5(r: random.Random) -> tuple[str, int]:
-    name, item = r.choice(NAMES), r.choice(ITEMS)
-    boxes, per, extra = r.randint(2, 9), r.randint(2, 12), r.randint(1, 20)
-    return (f"{name} has {boxes} boxes with {per} {item} in each box and {extra} loose {item}. "
-            f"How many {item} does {name} have in total?", boxes * per + extra)
+def fact_split(level: int, op: str, x: tuple) -> str:
+    h = int.from_bytes(hashlib.sha256(f"{GENERATOR_VERSION}:{level}:{fact_key(op, x)}".encode()).digest()[:8], "big")
+    return "test" if (h % 10_000) < TEST_FRACTION * 10_000 else "train"
 
 
-LEVELS = {1: _level1, 2: _level2, 3: _level3, 4: _level4, 5: _level5}
+def phrase(level: int, op: str, x: tuple, r: random.Random) -> str:
+    n, i = r.choice(NAMES), r.choice(ITEMS)
+    if op in ("+-", "*+"):
+        return r.choice(THREE_STEP if op == "+-" else BOXES).format(a=x[0], b=x[1], c=x[2], n=n, i=i)
+    story = ADD_STORY if op == "+" else SUB_STORY
+    words = ADD_WORDS if op == "+" else SUB_WORDS
+    pool = story if level == 4 else BARE + words + story
+    return r.choice(pool).format(a=x[0], b=x[1], o=op, w=OPS[op][0], n=n, i=i)
+
+
+def _problem(level: int, op: str, x: tuple, question: str, pid: str, split: str) -> Problem:
+    return Problem("arith", pid, question, str(fact_answer(op, x)), split,
+                   {"level": level, "fact": fact_key(op, x)})
 
 
 def generate(level: int, index: int) -> Problem:
-    r = random.Random(f"arith-v1:{level}:{index}")
-    question, answer = LEVELS[level](r)
-    return Problem("arith", f"arith-L{level}-{index:06d}", question, str(answer), stable_split(question),
-                   {"level": level})
+    """Training problem ``index`` of ``level``: a train fact in a random phrasing."""
+    r = random.Random(f"{GENERATOR_VERSION}:train:{level}:{index}")
+    while True:
+        op, x = random_fact(level, r)
+        if fact_split(level, op, x) == "train":
+            return _problem(level, op, x, phrase(level, op, x, r), f"arith-L{level}-{index:07d}", "train")
+
+
+def fixed_test_set(level: int, n: int = TEST_SIZE) -> list[Problem]:
+    """The fixed test problems of ``level``: test facts only, distinct questions where the level has room."""
+    r = random.Random(f"{GENERATOR_VERSION}:test:{level}")
+    out, seen = [], set()
+    tries = 0
+    while len(out) < n:
+        tries += 1
+        op, x = random_fact(level, r)
+        if fact_split(level, op, x) != "test":
+            continue
+        q = phrase(level, op, x, r)
+        if q in seen and tries < 200 * n:  # small levels run out of distinct questions: then repeat
+            continue
+        seen.add(q)
+        out.append(_problem(level, op, x, q, f"arith-L{level}-test-{len(out):04d}", "test"))
+    return out
+
+
+def _read_test_file(level: int) -> list[Problem] | None:
+    path = DATA_DIR / f"test-L{level}.jsonl"
+    if not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [Problem("arith", r["id"], r["question"], r["answer"], "test", r["meta"]) for r in rows]
+
+
+def write_test_files(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for level in LEVELS:
+        lines = [json.dumps({"id": p.id, "question": p.question, "answer": p.answer, "meta": p.meta}, sort_keys=True)
+                 for p in fixed_test_set(level)]
+        (folder / f"test-L{level}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+LEVELS = (1, 2, 3, 4, 5, 6)
 
 
 class ArithTask:
@@ -75,22 +173,17 @@ class ArithTask:
         if level not in LEVELS:
             from tosca_mlmt.errors import ConfigError
 
-            raise ConfigError(f"invalid value {level!r} for field 'task.level'; allowed: 1..5")
+            raise ConfigError(f"invalid value {level!r} for field 'task.level'; allowed: 1..{LEVELS[-1]}")
         self.level = level
 
     def load(self, split: str, limit: int | None = None, skip_bad_rows: bool = False) -> LoadResult:
+        """train: the first ``limit`` generated problems (1000 when no limit: the generator has no end);
+        test: the level's fixed test set (the shipped file; generated when the package has no data/)."""
         check_split(split)
-        want = limit or 1000  # "the whole split" of an infinite generator: a fixed 1000 problems
-        out, seen, index = [], set(), 0
-        while len(out) < want:
-            p = generate(self.level, index)
-            index += 1
-            if p.split == split and p.question not in seen:  # small levels repeat; keep ids unique per question
-                seen.add(p.question)
-                out.append(Problem(p.task, p.id, p.question, p.answer, split, p.meta))
-            if index > 20 * want + 2_000:
-                break  # level 1 has only 81 distinct questions: stop once new ones stop appearing
-        return LoadResult(out)
+        if split == "test":
+            problems = _read_test_file(self.level) or fixed_test_set(self.level)
+            return LoadResult(problems[:limit] if limit else problems)
+        return LoadResult([generate(self.level, i) for i in range(limit or 1000)])
 
     def instruction(self, problem: Problem) -> str:
         return f"{problem.question}\n{self.answer_format}"
@@ -101,3 +194,7 @@ class ArithTask:
         pred = extract_answer(response)
         ok = pred is not None and is_equivalent(pred, problem.answer)
         return Verdict(ok, 1.0 if ok else 0.0, pred)
+
+
+if __name__ == "__main__":
+    write_test_files(Path(sys.argv[1]) if len(sys.argv) > 1 else DATA_DIR)
