@@ -29,7 +29,7 @@ REPR_LIMIT = 200
 # Exact references taken before any candidate code runs; the candidate may rebind the
 # builtins, and an honest answer must still encode faithfully.
 _int, _float, _complex, _str, _bytes, _bytearray = int, float, complex, str, bytes, bytearray
-_list, _tuple, _dict, _set, _frozenset, _type, _isinstance = list, tuple, dict, set, frozenset, type, isinstance
+_list, _tuple, _dict, _set, _frozenset, _type, _issubclass = list, tuple, dict, set, frozenset, type, issubclass
 _complex_real, _complex_imag = complex.real, complex.imag
 
 
@@ -69,9 +69,10 @@ def make_reporter(fd, nonce):
 def encode(value, depth=0):
     """A JSON-able, type-tagged copy of ``value`` that the parent can rebuild exactly.
 
-    Subclasses of built-in types are encoded through the base type's own slots, so a
-    subclass that overrides ``__eq__`` or ``__iter__`` is reported by its real contents;
-    anything else becomes an opaque object that equals nothing in the parent.
+    Types are read with ``type()``, which a ``__class__`` property cannot fake. Subclasses
+    of built-in types are encoded through the base type's own slots, so a subclass that
+    overrides ``__eq__`` or ``__iter__`` is reported by its real contents; anything else
+    becomes an opaque object that equals nothing in the parent.
     """
     if depth > MAX_DEPTH:
         raise ValueError("value is nested too deeply to report")
@@ -80,38 +81,38 @@ def encode(value, depth=0):
         return ["none"]
     if t is bool:
         return ["bool", value]
-    if _isinstance(value, _int):
+    if _issubclass(t, _int):
         return ["int", _int.__format__(value, "x")]  # hex: no digit limit, exact
-    if _isinstance(value, _float):
+    if _issubclass(t, _float):
         return ["float", _float.hex(value)]
-    if _isinstance(value, _complex):
+    if _issubclass(t, _complex):
         return ["complex", _float.hex(_complex_real.__get__(value)), _float.hex(_complex_imag.__get__(value))]
-    if _isinstance(value, _str):
+    if _issubclass(t, _str):
         return ["str", _str.__str__(value)]
-    if _isinstance(value, (_bytes, _bytearray)):
-        return ["bytes", _bytes.hex(value) if _isinstance(value, _bytes) else _bytearray.hex(value)]
+    if _issubclass(t, (_bytes, _bytearray)):
+        return ["bytes", _bytes.hex(value) if _issubclass(t, _bytes) else _bytearray.hex(value)]
     depth += 1
-    if _isinstance(value, _list):
+    if _issubclass(t, _list):
         return ["list", [encode(x, depth) for x in _list.__iter__(value)]]
-    if _isinstance(value, _tuple):
+    if _issubclass(t, _tuple):
         return ["tuple", [encode(x, depth) for x in _tuple.__iter__(value)]]
-    if _isinstance(value, _dict):
+    if _issubclass(t, _dict):
         return ["dict", [[encode(k, depth), encode(v, depth)] for k, v in _dict.items(value)]]
-    if _isinstance(value, _frozenset):
+    if _issubclass(t, _frozenset):
         return ["frozenset", [encode(x, depth) for x in _frozenset.__iter__(value)]]
-    if _isinstance(value, _set):
+    if _issubclass(t, _set):
         return ["set", [encode(x, depth) for x in _set.__iter__(value)]]
     # Other mappings and sets (os.environ, dict views) compare by contents in Python too.
-    if _isinstance(value, _collections_abc.Mapping):
+    if _issubclass(t, _collections_abc.Mapping):
         return ["dict", [[encode(k, depth), encode(v, depth)] for k, v in _list(value.items())]]
-    if _isinstance(value, _collections_abc.Set):
+    if _issubclass(t, _collections_abc.Set):
         try:
             return ["frozenset", [encode(x, depth) for x in _frozenset(value)]]
         except TypeError:
             pass  # unhashable members (a dict's items view): an opaque value
     for module, name in (("decimal", "Decimal"), ("fractions", "Fraction")):
         cls = getattr(sys.modules.get(module), name, None)
-        if cls is not None and _isinstance(value, cls):
+        if cls is not None and _issubclass(t, cls):
             if name == "Decimal":
                 return ["decimal", cls.__str__(value)]
             return ["fraction", _int.__format__(value.numerator, "x"), _int.__format__(value.denominator, "x")]

@@ -34,6 +34,9 @@ _SHM_BYTES = 4 * 1024 * 1024
 _HOST_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 _CHILD_PROGRAM = (Path(__file__).with_name("sandbox_child.py")).read_text(encoding="utf-8")
 _STOP_TIMEOUT_S = 5.0
+# glibc reserves 64 MiB of address space per thread arena, so a few threads would exhaust
+# RLIMIT_AS without using memory.
+_MALLOC_ENV = ("MALLOC_ARENA_MAX", "2")
 
 _uids_in_use: set[int] = set()
 _uids_lock = threading.Lock()
@@ -124,7 +127,7 @@ class Child:
             # The sandbox dies with the trainer, and gets no controlling terminal (TIOCSTI).
             "--die-with-parent", "--new-session",
             "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", WORK_DIR,
-            "--setenv", "TMPDIR", WORK_DIR, "--setenv", "LC_ALL", "C.UTF-8",
+            "--setenv", "TMPDIR", WORK_DIR, "--setenv", "LC_ALL", "C.UTF-8", "--setenv", *_MALLOC_ENV,
             "--ro-bind", "/usr", "/usr",
         ]
         for name in _HOST_DIRS:
@@ -166,7 +169,8 @@ class Child:
         return subprocess.Popen(
             [*_network_isolation_prefix(), sys.executable, "-I", "-S", "-X", "utf8", "-c", _CHILD_PROGRAM, *args],
             cwd=self._workdir,
-            env={"PATH": "/usr/bin:/bin", "HOME": self._workdir, "TMPDIR": self._workdir, "LC_ALL": "C.UTF-8"},
+            env={"PATH": "/usr/bin:/bin", "HOME": self._workdir, "TMPDIR": self._workdir, "LC_ALL": "C.UTF-8",
+                 _MALLOC_ENV[0]: _MALLOC_ENV[1]},
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             pass_fds=fds, start_new_session=True,
         )
