@@ -31,6 +31,7 @@ def test_collect_prints_id_last_and_writes_full_provenance(greedy_snapshot):
                 "sampling", "packages", "rows", "files", "strategies", "summary"):
         assert key in m, key
     assert m["task"]["verifier_version"] == ArithTask.verifier_version and len(m["task"]["problem_ids"]) == 2
+    assert m["summary"]["environment"] == "honest"
     assert set(m["models"]) == {"solver", "writer"} and m["models"]["solver"]["base_sha"]
     assert m["rows"] == {"episodes": 2, "turns": 6}
     assert m["config"]["solver_sampling"]["temperature"] == 0.0

@@ -95,3 +95,49 @@ def test_engine_logprobs_equal_a_teacher_forced_forward(run, policies):
 def _contains(seq, sub):
     n = len(sub)
     return any(seq[i : i + n] == sub for i in range(len(seq) - n + 1))
+
+
+@pytest.mark.parametrize("sees", ["verdict", "confidence"])
+def test_writer_sees_its_signal_and_the_strategy_prefix_opens_g(tiny_cfg, policies, sees):
+    """writer_sees puts one line per attempt into the writer's state (the verdict is the
+    verifier's, the confidence the bucketed mean logprob); strategy_prefix puts the strategy's
+    sentence at the start of the span the context bonus removes; summaries label the verdict."""
+    from dataclasses import replace
+
+    from tosca_mlmt.metrics import summarize
+
+    cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=1, n_samples=2, writer_sees=sees,
+                                            strategy_prefix=True))
+    task = ArithTask(1)
+    runner = EpisodeRunner(cfg, task, HFEngine(policies, batch_size=8), policies)
+    episodes = runner.run(task.load("train", 2).problems)
+    wtok, stok = policies.tokenizer("writer"), policies.tokenizer("solver")
+    for ep in episodes:
+        z, fb, ref = ep.turns
+        state = wtok.decode(fb.prompt_ids[: fb.state_len])
+        if sees == "verdict":
+            assert f"verdict on this attempt: {'correct' if z.correct else 'incorrect'}." in state
+        else:
+            lp = float(np.mean(z.logprobs))
+            lo, hi = cfg.episode.confidence_edges
+            assert f"confidence in this attempt: {'low' if lp < lo else 'medium' if lp < hi else 'high'}." in state
+        a, b = ref.info["feedback_span"]
+        g = stok.decode(ref.prompt_ids[a:b])
+        prefix = cfg.episode.strategies[fb.strategy]["prefix"]
+        assert g.startswith(prefix) and g.endswith(fb.text.strip()[-10:])
+    want = "privileged:writer_sees_verdict" if sees == "verdict" else "honest"
+    assert summarize(episodes)["environment"] == want
+
+
+def test_verdict_feedback_is_the_verifiers_word_and_is_labelled(tiny_cfg, policies):
+    from dataclasses import replace
+
+    from tosca_mlmt.metrics import summarize
+
+    cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=1, n_samples=2, feedback="verdict"))
+    task = ArithTask(1)
+    episodes = EpisodeRunner(cfg, task, HFEngine(policies, batch_size=8), policies).run(task.load("train", 2).problems)
+    for ep in episodes:
+        z, fb, _ = ep.turns
+        assert fb.text == ("Your answer is right." if z.correct else "Your answer is wrong.")
+    assert summarize(episodes)["environment"] == "privileged:verdict_feedback"

@@ -13,8 +13,9 @@ def test_eval_uses_only_held_out_problems_and_runs_every_round(tmp_path):
     from tosca_mlmt.snapshot import load_snapshot
     from tosca_mlmt.tasks.arith import ArithTask
 
+    # the writer sees the verifier's verdict here: a privileged environment, labelled in eval.json and manifest
     p = run_mlmt("eval", "--out", tmp_path, "--task", "arith", "--limit", "3", "--no-wandb", "--set", "task.level=1",
-                 *TINY, check=True)
+                 "--set", "episode.writer_sees=verdict", *TINY, check=True)
     rep = json.loads((tmp_path / "eval.json").read_text())
     assert json.loads(p.stdout.strip().splitlines()[-1])["snapshot_id"] == rep["snapshot_id"]
     snap = load_snapshot(tmp_path / "snapshots", rep["snapshot_id"])
@@ -28,6 +29,7 @@ def test_eval_uses_only_held_out_problems_and_runs_every_round(tmp_path):
         assert [t.kind for t in ep.turns] == ["solve", "feedback", "refine"]
     for k in ("acc_t1", "acc_final", "delta", "wrong_to_right", "right_to_wrong"):
         assert k in rep
+    assert rep["environment"] == snap.manifest["summary"]["environment"] == "privileged:writer_sees_verdict"
 
 
 def test_eval_refuses_the_training_split(tmp_path):

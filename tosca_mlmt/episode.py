@@ -3,6 +3,13 @@
 Turn order per episode: solve (solver) -> [feedback (writer) -> refine (solver)] x K.
 All episodes of a batch advance together, one engine call per turn, and every turn of
 an episode is scored against that episode's own problem.
+
+What the writer sees (``episode.writer_sees``) besides the problem and the attempts:
+``none``; ``confidence``, the solver's mean token log-prob on each attempt bucketed into
+low/medium/high (honest: available at test time); ``verdict``, the verifier's right/wrong on
+each attempt. ``verdict`` (and ``episode.feedback: verdict``) is a privileged sanity
+environment, like a critic that sees test results: summaries carry ``environment`` so its
+numbers are never mixed with honest ones.
 """
 
 from __future__ import annotations
@@ -115,6 +122,34 @@ class EpisodeRunner:
         turn.reward, turn.correct, turn.extracted = v.reward, v.correct, v.extracted
         turn.info = dict(v.info, feedback_context=v.feedback_context) if v.feedback_context else dict(v.info)
 
+    def _writer_signal(self, turn: Turn) -> str:
+        """What ``episode.writer_sees`` adds to the writer's state about one attempt (module doc)."""
+        sees = self.cfg.episode.writer_sees
+        if sees == "confidence":
+            lp = float(np.mean(turn.logprobs)) if turn.logprobs else float("-inf")
+            lo, hi = self.cfg.episode.confidence_edges
+            level = "low" if lp < lo else ("medium" if lp < hi else "high")
+            return f"The student's confidence in this attempt: {level}."
+        if sees == "verdict":
+            return f"Checker's verdict on this attempt: {'correct' if turn.correct else 'incorrect'}."
+        return ""
+
+    def _feedback_info(self) -> dict:
+        """Labels on each feedback turn that say what the writer saw and who wrote g (metrics.environment)."""
+        e = self.cfg.episode
+        return {k: v for k, v in (("writer_sees", e.writer_sees), ("feedback", e.feedback)) if v not in ("none", "generate")}
+
+    def _feedback_text(self, ep: Episode, action: int) -> str | None:
+        """Fixed feedback that replaces the writer model: the strategy's instruction (static) or the
+        verifier's verdict on the last attempt (verdict: a privileged control); None = generate."""
+        mode = self.cfg.episode.feedback
+        if mode == "static":
+            return self.strategies[action]["instruction"]
+        if mode == "verdict":
+            right = ep.solver_turns[-1].correct
+            return "Your answer is right." if right else "Your answer is wrong."
+        return None
+
     def _attempt_ids_for_writer(self, ids: list[int]) -> list[int]:
         if self.policies.shared_base:
             return self.fmt["solver"].strip_eos(ids)
@@ -155,6 +190,9 @@ class EpisodeRunner:
             solver_turns = ep.solver_turns
             for i, st in enumerate(solver_turns):
                 pieces += [f"Student's attempt {i + 1}:\n", self._attempt_ids_for_writer(st.response_ids), "\n\n"]
+                seen = self._writer_signal(st)
+                if seen:
+                    pieces.append(f"{seen}\n\n")
                 fc = st.info.get("feedback_context")
                 if fc:
                     pieces.append(f"Result of checking attempt {i + 1}:\n{fc}\n\n")
@@ -175,10 +213,10 @@ class EpisodeRunner:
             text = WRITER_STRATEGY.format(instruction=self.strategies[a]["instruction"])
             ids, _ = wfmt.user_prompt_with_ids(WRITER_SYSTEM, pieces + [text])
             writer_prompts.append(ids)
-        if cfg.episode.feedback == "static":
-            # SCoRe-style baseline: the chosen strategy's instruction itself is the feedback; no writer model
-            fb_gens = [[Generation(tuple(wfmt.encode(self.strategies[a]["instruction"]) + [wfmt.eos_ids[0]]),
-                                   (), "stop")] for a in actions]
+        if cfg.episode.feedback != "generate":
+            # fixed feedback, no writer model: SCoRe's static instruction, or the verdict control
+            fb_gens = [[Generation(tuple(wfmt.encode(self._feedback_text(ep, a)) + [wfmt.eos_ids[0]]), (), "stop")]
+                       for ep, a in zip(episodes, actions)]
             self.on_turn("feedback", len(writer_prompts))
         else:
             fb_gens = self._gen(writer_prompts, to_params(cfg.writer_sampling, self._seed(rnd, "feedback", batch_index),
@@ -193,7 +231,7 @@ class EpisodeRunner:
                 g.finish_reason, tok_w.decode(wfmt.strip_eos(g.token_ids), skip_special_tokens=True),
                 strategy=a, strategy_name=self.strategies[a]["name"], behaviour_prob=float(chosen_p[i]),
                 behaviour_probs=[float(x) for x in probs[i]], q_values=None if q_np is None else [float(x) for x in q_np[i]],
-                state_len=rendered[i][1][-1]))
+                state_len=rendered[i][1][-1], info=self._feedback_info()))
         # ---- turn 3: the solver refines with the feedback appended to its own context
         answer_format = getattr(self.task, "answer_format", "")
         refine_prompts, fb_spans = [], []
@@ -202,9 +240,13 @@ class EpisodeRunner:
             # Same tokenizer: the feedback's exact ids; otherwise its text, re-encoded once.
             fb_ids = wfmt.strip_eos(fb.response_ids) if self.policies.shared_base else sfmt.encode(fb.text)
             suffix = REFINE_USER_SUFFIX.format(question=ep.problem.question, answer_format=answer_format)
-            cont, cut = sfmt.continue_with_user(ctx, [REFINE_USER_PREFIX, fb_ids, suffix])
-            # Where g sits in the refine prompt: the context-dependency bonus removes exactly this span.
-            fb_spans.append([len(ctx) + cut[0], len(ctx) + cut[1]])
+            # episode.strategy_prefix: the strategy's fixed sentence opens g, so the decision reaches the
+            # solver even when the writer's own text is poor
+            prefix = self.strategies[fb.strategy].get("prefix", "") if cfg.episode.strategy_prefix else ""
+            cont, cut = sfmt.continue_with_user(ctx, [REFINE_USER_PREFIX, prefix + " " if prefix else "", fb_ids,
+                                                      suffix])
+            # Where g (prefix + feedback) sits in the refine prompt: the bonus removes exactly this span.
+            fb_spans.append([len(ctx) + cut[0], len(ctx) + cut[2]])
             refine_prompts.append(ctx + cont)
         ref_gens = self._gen(refine_prompts, to_params(cfg.solver_sampling, self._seed(rnd, "refine", batch_index),
                                                        stop_regex=self.stop_regex), "solver", "refine")

@@ -13,6 +13,17 @@ import numpy as np
 from tosca_mlmt.episode import Episode
 
 
+def environment(episodes: list[Episode]) -> str:
+    """"honest", or "privileged:<what>" when the writer saw the verifier's verdict or the feedback was
+    the verdict itself: such numbers answer a sanity question and must never sit beside honest ones."""
+    seen = {t.info.get("writer_sees") for ep in episodes for t in ep.turns if t.kind == "feedback"}
+    if "verdict" in seen:
+        return "privileged:writer_sees_verdict"
+    if any(t.info.get("feedback") == "verdict" for ep in episodes for t in ep.turns if t.kind == "feedback"):
+        return "privileged:verdict_feedback"
+    return "honest"
+
+
 def summarize(episodes: list[Episode]) -> dict[str, float]:
     """Acc@t1, Acc@final, their difference and the 2x2 correction rates.
 
@@ -24,6 +35,7 @@ def summarize(episodes: list[Episode]) -> dict[str, float]:
     c1 = np.array([ep.solver_turns[0].correct for ep in episodes], dtype=bool)
     cf = np.array([ep.solver_turns[-1].correct for ep in episodes], dtype=bool)
     out = {
+        "environment": environment(episodes),
         "episodes": len(episodes),
         "acc_t1": float(c1.mean()),
         "acc_final": float(cf.mean()),
