@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tosca_mlmt import runtime  # noqa: F401  (sets thread/offline env before torch loads)
@@ -35,24 +37,19 @@ def user_errors(fn):
         try:
             return fn(*a, **kw)
         except MlmtError as e:
-            err.print(f"[bold red]error:[/] {e}", highlight=False)
+            # One line, and the message is text, not markup: a field name or path with
+            # "[/]" in it must not make rich raise instead of reporting.
+            msg = re.sub(r"\s*[\r\n]+\s*", " ", str(e)).strip()
+            err.print(f"[bold red]error:[/] {escape(msg)}", highlight=False)
             raise typer.Exit(2) from None
 
     return wrapper
 
 
 def _parse_sets(sets: list[str]) -> dict:
-    from tosca_mlmt.errors import ConfigError
+    from tosca_mlmt.config import parse_override
 
-    out = {}
-    for s in sets or []:
-        if "=" not in s:
-            raise ConfigError(f"--set expects FIELD=VALUE, got {s!r}")
-        k, v = s.split("=", 1)
-        import yaml
-
-        out[k.strip()] = yaml.safe_load(v) if v.strip() else ""
-    return out
+    return dict(parse_override(s) for s in sets or [])
 
 
 def _flag_overrides(no_wandb: bool = False, no_progress: bool = False) -> dict:

@@ -9,13 +9,17 @@ from tosca_mlmt.knobs import knob
 
 @dataclass
 class JointConfig:
-    rounds: int = knob(3, "Rounds of collect -> train-upper -> train-lower.")
-    collect_problems: int = knob(8, "Problems collected per round for the writer (x episode.n_samples episodes).")
-    lower_iterations: int = knob(3, "tL: solver PPO iterations per round (each collects its own on-policy batch).")
-    upper_steps: int = knob(20, "tH: writer gradient steps per writer update.")
-    upper_every: int = knob(1, "Update the writer every N rounds (tL:tH = lower_iterations * N : 1 writer update).")
-    replay_window: int = knob(2, "The writer learns from this round's snapshot and the previous window - 1 ones.")
+    rounds: int = knob(3, "Rounds of collect -> train-upper -> train-lower.", min=1)
+    collect_problems: int = knob(8, "Problems collected per round for the writer (x episode.n_samples episodes).",
+                                 min=1)
+    lower_iterations: int = knob(3, "tL: solver PPO iterations per round (each collects its own on-policy batch).",
+                                 min=1)
+    upper_steps: int = knob(20, "tH: writer gradient steps per writer update.", min=1)
+    upper_every: int = knob(1, "Update the writer every N rounds (tL:tH = lower_iterations * N : 1 writer update).",
+                            min=1)
+    replay_window: int = knob(2, "The writer learns from this round's snapshot and the previous window - 1 ones.",
+                              min=1)
     freeze_solver: bool = knob(False, "Never update the solver (e.g. writer-only ablations).")
     freeze_writer: bool = knob(False, "Never update the writer (e.g. SCoRe-style self-correction baselines).")
     max_seconds: float = knob(0.0, "Wall-clock budget: no new round starts after this many seconds (0 = none). "
-                                   "Lets baselines be compared at equal compute.")
+                                   "Lets baselines be compared at equal compute.", min=0.0)

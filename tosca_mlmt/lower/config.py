@@ -10,17 +10,17 @@ from tosca_mlmt.knobs import knob
 @dataclass
 class ScoreShaping:
     enabled: bool = knob(False, "SCoRe-style two-stage shaping (stage I anchors turn 1, stage II adds a progress bonus).")
-    stage1_steps: int = knob(10, "Iterations in stage I before stage II starts.")
-    alpha: float = knob(10.0, "Stage II progress bonus alpha * (r_final - r1) on the final turn.")
-    beta1: float = knob(0.01, "Stage II KL weight on every solver turn.")
-    beta2: float = knob(0.1, "Stage I KL weight on turn 1 (keeps the first attempt near the base).")
+    stage1_steps: int = knob(10, "Iterations in stage I before stage II starts.", min=0)
+    alpha: float = knob(10.0, "Stage II progress bonus alpha * (r_final - r1) on the final turn.", min=0.0)
+    beta1: float = knob(0.01, "Stage II KL weight on every solver turn.", min=0.0)
+    beta2: float = knob(0.1, "Stage I KL weight on turn 1 (keeps the first attempt near the base).", min=0.0)
 
 
 @dataclass
 class ContextBonus:
-    coef: float = knob(0.1, "lambda: weight of the KL-maximization bonus (0 turns it off).")
+    coef: float = knob(0.1, "lambda: weight of the KL-maximization bonus (0 turns it off).", min=0.0)
     clip: float = knob(1.0, "c: each bonus term is clipped to [-c, c] before weighting (the clip rate is logged "
-                            "as bonus/clip_rate; a warning says when it exceeds 50%).")
+                            "as bonus/clip_rate; a warning says when it exceeds 50%).", min=0.0, min_exclusive=True)
     level: str = knob("sequence", "One term per refine, spread over its tokens, or one per token.",
                       choices=("token", "sequence"))
     reduce: str = knob("mean", "sequence level: the per-token log-ratios of a refine are averaged (length-normalised) "
@@ -35,31 +35,33 @@ class ContextBonus:
 
 @dataclass
 class LowerConfig:
-    iterations: int = knob(4, "PPO iterations (each: collect a batch, score, update).")
-    problems_per_iteration: int = knob(4, "Problems per iteration (x episode.n_samples episodes).")
+    iterations: int = knob(4, "PPO iterations (each: collect a batch, score, update).", min=1)
+    problems_per_iteration: int = knob(4, "Problems per iteration (x episode.n_samples episodes).", min=1)
     advantage: str = knob("grpo", "Advantage estimator; archer = ArCHer's utterance-level double Q/V critic with "
                                   "target networks.", choices=("gae", "grpo", "rloo", "reinforce", "archer"))
-    archer_tau: float = knob(0.1, "archer: Polyak rate of the target critic (ArCHer's 0.1).")
-    critic_lr: float = knob(1e-3, "archer: learning rate of the utterance-level Q/V heads.")
+    archer_tau: float = knob(0.1, "archer: Polyak rate of the target critic (ArCHer's 0.1).",
+                             min=0.0, max=1.0, min_exclusive=True)
+    critic_lr: float = knob(1e-3, "archer: learning rate of the utterance-level Q/V heads.",
+                            min=0.0, min_exclusive=True)
     policy_loss: str = knob("ppo_clip", "Policy loss.", choices=("ppo_clip", "reinforce"))
     loss_agg: str = knob("token-mean", "How token losses are averaged.", choices=("token-mean", "seq-mean-token-mean"))
     grpo_norm_std: bool = knob(True, "grpo: divide by the group std (off = Dr. GRPO style).")
     reinforce_baseline: bool = knob(True, "reinforce: subtract the batch-mean return per turn.")
-    gamma: float = knob(1.0, "Discount for gae (tokens) ; group estimators use gamma = 1.")
-    lam: float = knob(0.95, "GAE lambda.")
-    clip_low: float = knob(0.2, "PPO clip epsilon below 1.")
-    clip_high: float = knob(0.2, "PPO clip epsilon above 1 (raise for 'clip-higher').")
-    value_clip: float = knob(0.2, "Value-loss clip range.")
-    vf_coef: float = knob(0.5, "Value-loss weight (gae only; other estimators train no critic).")
-    lr: float = knob(1e-4, "Learning rate of the solver adapter (LoRA).")
-    value_lr: float = knob(1e-3, "Learning rate of the value head.")
-    weight_decay: float = knob(0.0, "AdamW weight decay.")
-    warmup_steps: int = knob(0, "Linear learning-rate warm-up, in optimizer steps.")
-    epochs: int = knob(1, "PPO epochs over each batch.")
-    minibatch_size: int = knob(4, "Trajectories per optimizer step (after accumulation).")
-    grad_accum: int = knob(1, "Micro-batches per mini-batch (minibatch_size must divide by it).")
-    max_grad_norm: float = knob(1.0, "Gradient clipping by global norm.")
-    kl_coef: float = knob(0.0, "beta: KL(pi || pi_ref) weight (reference = base with the adapter off).")
+    gamma: float = knob(1.0, "Discount for gae (tokens) ; group estimators use gamma = 1.", min=0.0, max=1.0)
+    lam: float = knob(0.95, "GAE lambda.", min=0.0, max=1.0)
+    clip_low: float = knob(0.2, "PPO clip epsilon below 1.", min=0.0, max=1.0, min_exclusive=True, max_exclusive=True)
+    clip_high: float = knob(0.2, "PPO clip epsilon above 1 (raise for 'clip-higher').", min=0.0, min_exclusive=True)
+    value_clip: float = knob(0.2, "Value-loss clip range.", min=0.0, min_exclusive=True)
+    vf_coef: float = knob(0.5, "Value-loss weight (gae only; other estimators train no critic).", min=0.0)
+    lr: float = knob(1e-4, "Learning rate of the solver adapter (LoRA).", min=0.0, min_exclusive=True)
+    value_lr: float = knob(1e-3, "Learning rate of the value head.", min=0.0, min_exclusive=True)
+    weight_decay: float = knob(0.0, "AdamW weight decay.", min=0.0)
+    warmup_steps: int = knob(0, "Linear learning-rate warm-up, in optimizer steps.", min=0)
+    epochs: int = knob(1, "PPO epochs over each batch.", min=1)
+    minibatch_size: int = knob(4, "Trajectories per optimizer step (after accumulation).", min=1)
+    grad_accum: int = knob(1, "Micro-batches per mini-batch (minibatch_size must divide by it).", min=1)
+    max_grad_norm: float = knob(1.0, "Gradient clipping by global norm.", min=0.0, min_exclusive=True)
+    kl_coef: float = knob(0.0, "beta: KL(pi || pi_ref) weight (reference = base with the adapter off).", min=0.0)
     kl_estimator: str = knob("k3", "Per-token KL estimator.", choices=("k1", "k3"))
     kl_mode: str = knob("reward", "KL as a per-token reward penalty or as a loss term.", choices=("reward", "loss"))
     turn_rewards: str = knob("each", "Reward every solver turn by its own correctness, or only the final one.",
@@ -69,14 +71,14 @@ class LowerConfig:
     old_logprobs: str = knob("recompute", "PPO's pi_old: recompute with the weights that sampled (on-policy), or the "
                                           "engine's logged sampling logprobs (needed for off-policy snapshots).",
                              choices=("recompute", "behaviour"))
-    logprob_chunk: int = knob(256, "Positions per LM-head chunk (memory ~ chunk x vocab, not length x vocab).")
+    logprob_chunk: int = knob(256, "Positions per LM-head chunk (memory ~ chunk x vocab, not length x vocab).", min=1)
     score_batch: int = knob(0, "Rows per no-grad scoring forward (old/ref/bonus log-probs); 0 = a rank's whole "
                                   "share at once. Bounds memory, and with a value that divides every rank's share "
                                   "the forwards have the same shapes at any world size (bf16 results depend on "
-                                  "shapes; fp32 ones only at ~1e-7).")
+                                  "shapes; fp32 ones only at ~1e-7).", min=0)
     autocast: str = knob("auto", "bf16 autocast for forward/backward: auto = when the hardware has bf16.",
                          choices=("auto", "bf16", "none"))
     gradient_checkpointing: bool = knob(False, "Recompute activations in backward (less memory, ~30% slower).")
-    save_every: int = knob(2, "Checkpoint every N iterations (and always at the end).")
-    keep_checkpoints: int = knob(2, "How many checkpoints to keep.")
+    save_every: int = knob(2, "Checkpoint every N iterations (and always at the end).", min=1)
+    keep_checkpoints: int = knob(2, "How many checkpoints to keep.", min=1)
     keep_snapshots: bool = knob(True, "Write each online iteration's batch as a snapshot under <run>/snapshots.")

@@ -1,7 +1,7 @@
 """``upper:`` config section: offline strategic Q-learning and AWR for the feedback writer.
 
-Values are checked when the config is loaded (``__post_init__`` runs inside
-``load_config``), so a bad value fails with the dotted field name before anything runs.
+Every knob states its valid range (checked by ``load_config`` before anything runs; see
+:mod:`tosca_mlmt.knobs`).
 """
 
 from __future__ import annotations
@@ -9,30 +9,33 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tosca_mlmt.errors import ConfigError
-from tosca_mlmt.knobs import knob
+from tosca_mlmt.knobs import ID_LIST, knob
 
 
 @dataclass
 class UpperConfig:
     snapshots: list = knob(dataclasses.MISSING, "Snapshot ids to learn from (train-upper --snapshot, repeatable).",
-                           default_factory=list)
+                           default_factory=list, rule=ID_LIST)
     snapshot_root: str = knob("", "Folder holding the snapshots (empty = collect.out).")
     # ---- optimisation
-    steps: int = knob(200, "Gradient steps (each on one batch of strategy decisions).")
-    batch_size: int = knob(16, "Strategy decisions (writer turns) per gradient step.")
-    micro_batch_size: int = knob(0, "Decisions per forward pass (gradient accumulation); 0 = the whole batch.")
-    lr: float = knob(1e-5, "AdamW learning rate of the writer's LoRA adapter (ArCHer's lm_lr).")
+    steps: int = knob(200, "Gradient steps (each on one batch of strategy decisions).", min=1)
+    batch_size: int = knob(16, "Strategy decisions (writer turns) per gradient step.", min=1)
+    micro_batch_size: int = knob(0, "Decisions per forward pass (gradient accumulation); 0 = the whole batch.", min=0)
+    lr: float = knob(1e-5, "AdamW learning rate of the writer's LoRA adapter (ArCHer's lm_lr).",
+                     min=0.0, min_exclusive=True)
     head_lr: float = knob(1e-4, "AdamW learning rate of the Q and V heads. Adam moves each weight ~lr per step, so "
-                                "Q moves ~lr * sum|h_i| (about 0.06 for smollm2's 576 features of size ~1).")
-    weight_decay: float = knob(0.0, "AdamW weight decay.")
-    max_grad_norm: float = knob(1.0, "Gradient clipping by global norm (adapter and heads together).")
+                                "Q moves ~lr * sum|h_i| (about 0.06 for smollm2's 576 features of size ~1).",
+                          min=0.0, min_exclusive=True)
+    weight_decay: float = knob(0.0, "AdamW weight decay.", min=0.0)
+    max_grad_norm: float = knob(1.0, "Gradient clipping by global norm (adapter and heads together).",
+                                min=0.0, min_exclusive=True)
     # ---- the strategy-level MDP
     reward: str = knob("final", "Reward of a decision: 'final' = correctness of the last attempt (at the last "
                                 "round); 'improvement' = each round's r_k - r_{k-1} (sums to r_final - r1).",
                        choices=("final", "improvement"))
-    break_penalty: float = knob(0.0, "Subtracted from a round's reward when it turns a correct attempt wrong.")
-    gamma: float = knob(0.95, "Discount between feedback rounds (K > 1); ArCHer's 0.95. Unused when K = 1.")
+    break_penalty: float = knob(0.0, "Subtracted from a round's reward when it turns a correct attempt wrong.", min=0.0)
+    gamma: float = knob(0.95, "Discount between feedback rounds (K > 1); ArCHer's 0.95. Unused when K = 1.",
+                        min=0.0, max=1.0)
     # ---- the Q model
     q_source: str = knob("head", "Where Q(s, .) is read: 'head' = a linear Q head on the writer's last hidden "
                                  "state of s; 'logits' = ToSCA's LM logits of the strategy-index tokens '1'..'K' "
@@ -45,13 +48,14 @@ class UpperConfig:
                                     "held down exactly where it is read; iql backs up through an expectile V(s') and "
                                     "never queries unseen actions, but leaves their Q unconstrained at decision time.",
                              choices=("cql", "iql", "none"))
-    cql_alpha: float = knob(0.5, "CQL weight alpha on logsumexp_a Q(s, a) - Q(s, a_data).")
-    iql_tau: float = knob(0.7, "IQL expectile tau for V (0.5 = mean of Q over logged actions, -> 1 = max); ILQL's 0.7.")
+    cql_alpha: float = knob(0.5, "CQL weight alpha on logsumexp_a Q(s, a) - Q(s, a_data).", min=0.0)
+    iql_tau: float = knob(0.7, "IQL expectile tau for V (0.5 = mean of Q over logged actions, -> 1 = max); ILQL's 0.7.",
+                          min=0.0, max=1.0, min_exclusive=True, max_exclusive=True)
     target_update: str = knob("polyak", "Target network update: Polyak averaging every step, or a hard copy.",
                               choices=("polyak", "hard"))
     target_tau: float = knob(0.05, "Polyak rate: theta_bar <- (1 - tau) theta_bar + tau theta (a ~20-step memory, "
-                                   "sized for runs of hundreds of steps).")
-    target_sync_every: int = knob(10, "Hard sync period in steps (ToSCA's target_update_steps).")
+                                   "sized for runs of hundreds of steps).", min=0.0, max=1.0, min_exclusive=True)
+    target_sync_every: int = knob(10, "Hard sync period in steps (ToSCA's target_update_steps).", min=1)
     # ---- the feedback text
     text_loss: str = knob("awr", "Fit the logged feedback tokens: awr = weights clip(exp(A / beta)); "
                                  "filtered_bc = weight 1 on the top-returning decisions only; none = Q only.",
@@ -59,37 +63,20 @@ class UpperConfig:
     awr_advantage: str = knob("q_minus_v", "A for AWR: q_minus_v = Q(s, a) - V(s) (how good the strategy was); "
                                            "return_minus_q = G - Q(s, a) (how good this text was for its strategy).",
                               choices=("q_minus_v", "return_minus_q"))
-    awr_beta: float = knob(0.5, "AWR temperature beta; rewards are in [0, 1], so A/beta spans about +-2.")
-    awr_max_weight: float = knob(20.0, "Clip of exp(A / beta) (AWR's 20): bounds one decision's pull on the text.")
+    awr_beta: float = knob(0.5, "AWR temperature beta; rewards are in [0, 1], so A/beta spans about +-2.",
+                           min=0.0, min_exclusive=True)
+    awr_max_weight: float = knob(20.0, "Clip of exp(A / beta) (AWR's 20): bounds one decision's pull on the text.",
+                                 min=1.0)
     bc_top_frac: float = knob(0.5, "filtered_bc: keep decisions whose return is in the top fraction (ties kept; "
-                                   "never the lowest return when anything beats it).")
-    text_coef: float = knob(1.0, "Weight of the feedback-text loss next to the Q losses.")
+                                   "never the lowest return when anything beats it).",
+                              min=0.0, max=1.0, min_exclusive=True)
+    text_coef: float = knob(1.0, "Weight of the feedback-text loss next to the Q losses.", min=0.0)
     warmup_steps: int = knob(50, "Q-only steps before the text loss starts (ArCHer's critic warm-up): "
-                                 "advantages from an untrained Q are noise.")
+                                 "advantages from an untrained Q are noise.", min=0)
     # ---- bookkeeping
-    save_every: int = knob(50, "Checkpoint period in steps (the last step is always saved).")
-    keep_checkpoints: int = knob(2, "Checkpoints kept on disk (oldest pruned).")
-    log_every: int = knob(10, "Metrics period in steps.")
-    eval_every: int = knob(50, "Full-dataset Q evaluation period (Q by strategy, importance-weighted policy value).")
-    eval_batch_size: int = knob(16, "States per forward pass in evaluation and the report.")
-
-    def __post_init__(self):
-        def need(cond: bool, name: str, msg: str):
-            if not cond:
-                raise ConfigError(f"invalid value for field 'upper.{name}': {msg}")
-
-        for name in ("steps", "batch_size", "target_sync_every", "save_every", "log_every", "eval_every",
-                     "eval_batch_size", "keep_checkpoints"):
-            need(getattr(self, name) >= 1, name, "must be >= 1")
-        need(self.micro_batch_size >= 0, "micro_batch_size", "must be >= 0")
-        need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
-        need(0.0 <= self.gamma <= 1.0, "gamma", "must be in [0, 1]")
-        need(0.0 < self.target_tau <= 1.0, "target_tau", "must be in (0, 1]")
-        need(0.0 < self.iql_tau < 1.0, "iql_tau", "must be in (0, 1)")
-        need(self.cql_alpha >= 0.0, "cql_alpha", "must be >= 0")
-        need(self.awr_beta > 0.0, "awr_beta", "must be > 0")
-        need(self.awr_max_weight >= 1.0, "awr_max_weight", "must be >= 1")
-        need(0.0 < self.bc_top_frac <= 1.0, "bc_top_frac", "must be in (0, 1]")
-        need(self.lr > 0 and self.head_lr > 0, "lr", "learning rates must be > 0")
-        need(self.break_penalty >= 0.0, "break_penalty", "must be >= 0 (it is subtracted)")
-        need(all(isinstance(s, str) and s for s in self.snapshots), "snapshots", "must be a list of snapshot ids")
+    save_every: int = knob(50, "Checkpoint period in steps (the last step is always saved).", min=1)
+    keep_checkpoints: int = knob(2, "Checkpoints kept on disk (oldest pruned).", min=1)
+    log_every: int = knob(10, "Metrics period in steps.", min=1)
+    eval_every: int = knob(50, "Full-dataset Q evaluation period (Q by strategy, importance-weighted policy value).",
+                           min=1)
+    eval_batch_size: int = knob(16, "States per forward pass in evaluation and the report.", min=1)
