@@ -12,11 +12,14 @@ class ConfigError(MlmtError):
 
 
 class DataError(MlmtError):
-    """A data row is malformed. The message names ``file:line`` and the field."""
+    """A data row or file is unusable. The message names ``file:line`` and the field when
+    there is one (``file:line: reason`` for a line that is not even text, ``file: reason``
+    for the whole file, e.g. one that holds no problems)."""
 
-    def __init__(self, path: str, line: int, field: str, reason: str):
+    def __init__(self, path: str, line: int | None, field: str | None, reason: str):
         self.path, self.line, self.field, self.reason = path, line, field, reason
-        super().__init__(f"{path}:{line}: field '{field}': {reason}")
+        where = f"{path}:{line}" if line else str(path)
+        super().__init__(f"{where}: field '{field}': {reason}" if field else f"{where}: {reason}")
 
 
 class SnapshotError(MlmtError):
@@ -25,3 +28,9 @@ class SnapshotError(MlmtError):
 
 class ModelError(MlmtError):
     """A model cannot be located or loaded (e.g. the embedded package is not installed)."""
+
+
+class TrainingDiverged(MlmtError):
+    """The loss or the gradient norm of an optimizer step is NaN or infinite. The step is not
+    applied and no checkpoint is written after it, so the last good checkpoint stays the
+    latest one (resume from it with a lower learning rate or tighter clipping)."""

@@ -10,9 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from tosca_mlmt.errors import DataError
 
 SPLITS = ("train", "test")
 
@@ -82,3 +85,64 @@ def check_split(split: str) -> None:
         from tosca_mlmt.errors import ConfigError
 
         raise ConfigError(f"invalid split '{split}'; allowed: {', '.join(SPLITS)}")
+
+
+# ---------------------------------------------------------------- reading JSONL data files
+# Every failure below is a DataError naming file:line, so a bad byte, a bad row or a row
+# nested 100k levels deep is reported (or skipped under --skip-bad-rows) like any other
+# malformed row, instead of surfacing later as a traceback in the tokenizer or verifier.
+
+
+def read_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, raw bytes) of every line of ``path``; decoding is per line
+    (:func:`decode_line`) so one bad byte costs one row, not the file."""
+    try:
+        with path.open("rb") as f:
+            yield from enumerate(f, start=1)
+    except OSError as e:
+        raise DataError(str(path), None, None, f"cannot read: {e.strerror or e}") from None
+
+
+def decode_line(path: Path, line_no: int, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8-sig" if line_no == 1 else "utf-8")  # a BOM may open the file
+    except UnicodeDecodeError as e:
+        raise DataError(str(path), line_no, None,
+                        f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
+
+
+def parse_json_line(path: Path, line_no: int, line: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(str(path), line_no, "<row>", f"invalid JSON: {e.msg}") from None
+    except RecursionError:
+        raise DataError(str(path), line_no, "<row>", "invalid JSON: nested too deeply") from None
+    except ValueError as e:  # an integer past Python's 4300-digit conversion limit
+        raise DataError(str(path), line_no, "<row>", f"invalid JSON: {e}") from None
+
+
+def check_text(path: Path, line_no: int, field_: str, value: str) -> str:
+    """``value`` unchanged, or a DataError when it holds a lone surrogate: JSON's ``\\ud800``
+    escapes decode to one, and it only fails later, when the tokenizer encodes it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(str(path), line_no, field_,
+                        f"contains a lone surrogate ({value[e.start]!r}), which is not valid Unicode") from None
+    return value
+
+
+def short_repr(value: Any) -> str:
+    """A value for an error message: containers by size only (the repr of a deeply nested
+    row recurses as deep as the JSON parser did, and can hit the recursion limit)."""
+    if isinstance(value, (list, dict)):
+        return f"a {type(value).__name__} of {len(value)} item(s)"
+    r = repr(value)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def no_problems(path: Path, skipped: int, detail: str = "") -> DataError:
+    """The error for a data source that yields nothing to train or evaluate on."""
+    why = detail or (f"all {skipped} row(s) are malformed (skipped)" if skipped else "the file holds no rows")
+    return DataError(str(path), None, None, f"no problems: {why}")

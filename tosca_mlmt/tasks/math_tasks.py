@@ -7,28 +7,27 @@ across runs and machines as long as the file is unchanged.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tosca_mlmt.errors import ConfigError, DataError
-from tosca_mlmt.tasks.base import DATA_ENV_VAR, default_data_path, LoadResult, Problem, Verdict, check_split, stable_split
+from tosca_mlmt.tasks.base import (DATA_ENV_VAR, LoadResult, Problem, Verdict, check_split, check_text, decode_line,
+                                    default_data_path, no_problems, parse_json_line, read_lines, short_repr,
+                                    stable_split)
 from tosca_mlmt.tasks.mathverify import VERIFIER_VERSION, extract_answer, extract_gold, match_method
 
 
 
 def _parse_row(path: Path, line_no: int, line: str) -> tuple[str, str, str]:
     """(question, full solution, gold answer) of one JSONL line; DataError if malformed."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(str(path), line_no, "<row>", f"invalid JSON: {e.msg}") from None
+    row = parse_json_line(path, line_no, line)
     if not isinstance(row, dict):
         raise DataError(str(path), line_no, "<row>", "expected a JSON object")
     for field in ("question", "answer"):
         value = row.get(field)
         if not isinstance(value, str) or not value.strip():
-            reason = "missing" if value is None else f"expected a non-empty string, got {value!r:.40}"
+            reason = "missing" if value is None else f"expected a non-empty string, got {short_repr(value)}"
             raise DataError(str(path), line_no, field, reason)
+        check_text(path, line_no, field, value)
     try:
         gold = extract_gold(row["answer"])
     except ValueError as e:
@@ -45,16 +44,18 @@ def _read_rows(path: Path, skip_bad_rows: bool) -> tuple[list[tuple[int, str, st
     if not path.is_file():
         raise ConfigError(f"data file not found: {path} (set {DATA_ENV_VAR} to the data folder)")
     rows, skipped = [], 0
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    for line_no, raw in read_lines(path):
+        try:
+            line = decode_line(path, line_no, raw)
             if not line.strip():
                 continue
-            try:
-                rows.append((line_no, *_parse_row(path, line_no, line)))
-            except DataError:
-                if not skip_bad_rows:
-                    raise
-                skipped += 1
+            rows.append((line_no, *_parse_row(path, line_no, line)))
+        except DataError:
+            if not skip_bad_rows:
+                raise
+            skipped += 1
+    if not rows:
+        raise no_problems(path, skipped)
     return rows, skipped
 
 
@@ -119,6 +120,9 @@ class Math500Task(_MathTask):
             for line_no, question, solution, gold in rows
             if stable_split(question) == split
         ]
+        if not problems:
+            raise no_problems(self.data_path / "math500" / "test.jsonl", skipped,
+                              f"none of its {len(rows)} valid row(s) falls in the {split} split")
         return LoadResult(problems[:limit], skipped)
 
     def instruction(self, problem: Problem) -> str:

@@ -26,6 +26,7 @@ _THOUSANDS_COMMA_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _NUMBER_RE = re.compile(
     r"(?:(?<![\w)])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|(?:(?<![\w)])-)?\.\d+"
 )
+_MAX_TEXT_NESTING = 32
 _TEXT_WRAPPER_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
 # Trailing unit words ("18 dollars", "5 cm"). They must be space-separated words of 2+
 # letters so that "5x" or "2i" are never read as the number 5 or 2.
@@ -37,26 +38,27 @@ def _strip_thousands_commas(text: str) -> str:
     return _THOUSANDS_COMMA_RE.sub("", text)
 
 
-def _braced_at(text: str, start: int) -> str | None:
-    """The contents of the ``{...}`` group opening at ``text[start]``, or None if unbalanced.
+def _brace_pairs(text: str) -> dict[int, int]:
+    """Position of every ``{`` that is closed -> position of its ``}``, in one pass.
 
     ``\\{`` and ``\\}`` are literal braces in LaTeX, so they do not open or close groups.
+    (Scanning from each box to its end instead is quadratic: 28 KB of unclosed boxes took
+    6 s.)
     """
-    depth = 0
-    i = start
+    pairs: dict[int, int] = {}
+    stack: list[int] = []
+    i = 0
     while i < len(text):
         ch = text[i]
         if ch == "\\":
             i += 2  # skip the escaped character
             continue
         if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1 : i]
+            stack.append(i)
+        elif ch == "}" and stack:
+            pairs[stack.pop()] = i
         i += 1
-    return None
+    return pairs
 
 
 def last_boxed(text: str) -> str | None:
@@ -64,27 +66,31 @@ def last_boxed(text: str) -> str | None:
 
     A truncated last box (unbalanced) falls back to the one before it.
     """
-    for m in reversed(list(_BOX_RE.finditer(text))):
-        rest = text[m.end() :]
-        stripped = rest.lstrip()
-        if stripped.startswith("{"):
-            inner = _braced_at(text, m.end() + len(rest) - len(stripped))
-            if inner is not None:
-                return inner.strip()
-        elif rest[:1] == " " and stripped:
+    boxes = list(_BOX_RE.finditer(text))
+    pairs = _brace_pairs(text) if boxes else {}
+    for m in reversed(boxes):
+        start = m.end()  # indices, not slices: a copy of the rest per box is quadratic too
+        while start < len(text) and text[start].isspace():
+            start += 1
+        if start < len(text) and text[start] == "{":
+            if start in pairs:
+                return text[start + 1 : pairs[start]].strip()
+        elif text[m.end() : m.end() + 1] == " " and start < len(text):
             # "\boxed 5" (no braces) boxes the next token.
-            return re.split(r"[\s$]", stripped, maxsplit=1)[0]
+            return re.split(r"[\s$]", text[start:], maxsplit=1)[0]
     return None
 
 
 def _clean_tail(text: str) -> str:
-    """Trim a free-text final answer: whitespace, math ``$`` delimiters, trailing period."""
-    out = text.strip()
-    prev = None
-    while out != prev:
-        prev = out
-        out = out.strip().rstrip(".").strip("$").strip()
-    return out
+    """Trim a free-text final answer: whitespace, math ``$`` delimiters, trailing periods.
+
+    One pass from each end (stripping one layer per loop turn was quadratic on ".$.$.$")."""
+    i, j = 0, len(text)
+    while i < j and (text[i].isspace() or text[i] == "$"):
+        i += 1
+    while j > i and (text[j - 1].isspace() or text[j - 1] in "$."):
+        j -= 1
+    return text[i:j]
 
 
 def extract_gold(answer_field: str) -> str:
@@ -129,11 +135,14 @@ def extract_answer(response: str) -> str | None:
 
 
 def _unwrap_text(text: str) -> str:
-    """``\\text{abc}`` -> ``abc`` (also nested and the bold/roman variants)."""
-    prev = None
-    while text != prev:
-        prev = text
-        text = _TEXT_WRAPPER_RE.sub(r"\1", text)
+    """``\\text{abc}`` -> ``abc`` (also nested and the bold/roman variants).
+
+    Each pass unwraps one level; the cap keeps a pathological nesting (thousands deep)
+    linear instead of quadratic, far beyond any real answer's depth."""
+    for _ in range(_MAX_TEXT_NESTING):
+        prev, text = text, _TEXT_WRAPPER_RE.sub(r"\1", text)
+        if text == prev:
+            break
     return text
 
 

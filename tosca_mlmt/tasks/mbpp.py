@@ -7,13 +7,13 @@ running the code it contains against the row's tests in :mod:`tosca_mlmt.tasks.s
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 from tosca_mlmt.errors import ConfigError, DataError
-from tosca_mlmt.tasks.base import DATA_ENV_VAR, default_data_path, LoadResult, Problem, Verdict, check_split
+from tosca_mlmt.tasks.base import (DATA_ENV_VAR, LoadResult, Problem, Verdict, check_split, check_text, decode_line,
+                                    default_data_path, no_problems, parse_json_line, read_lines, short_repr)
 from tosca_mlmt.tasks.sandbox import run_python, sandbox_fingerprint
 
 DATA_FILE = Path("mbpp") / "mbpp.jsonl"
@@ -67,22 +67,26 @@ class MBPPTask:
         rows: list[dict[str, Any]] = []
         seen: set[int] = set()
         skipped = 0
-        with self.path.open(encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
+        for line_no, raw in read_lines(self.path):
+            try:
+                line = decode_line(self.path, line_no, raw)
                 if not line.strip():
                     continue
-                try:
-                    row = _parse_row(str(self.path), line_no, line)
-                    if row["task_id"] in seen:
-                        raise DataError(str(self.path), line_no, "task_id", f"duplicate task_id {row['task_id']}")
-                except DataError:
-                    if not skip_bad_rows:
-                        raise
-                    skipped += 1
-                    continue
-                seen.add(row["task_id"])
-                if row["task_id"] in SPLIT_IDS[split]:
-                    rows.append(row)
+                row = _parse_row(str(self.path), line_no, line)
+                if row["task_id"] in seen:
+                    raise DataError(str(self.path), line_no, "task_id", f"duplicate task_id {row['task_id']}")
+            except DataError:
+                if not skip_bad_rows:
+                    raise
+                skipped += 1
+                continue
+            seen.add(row["task_id"])
+            if row["task_id"] in SPLIT_IDS[split]:
+                rows.append(row)
+        if not rows:
+            ids = SPLIT_IDS[split]
+            raise no_problems(self.path, skipped, f"none of its {len(seen)} valid row(s) has a {split} task_id "
+                                                  f"({ids.start}-{ids.stop - 1})" if seen else "")
         rows.sort(key=lambda r: r["task_id"])
         problems = [_to_problem(r, split) for r in rows[:limit]]
         return LoadResult(problems=problems, skipped_rows=skipped)
@@ -125,10 +129,7 @@ class MBPPTask:
 
 def _parse_row(path: str, line_no: int, line: str) -> dict[str, Any]:
     """Parse and validate one jsonl line; errors name ``path:line_no`` and the field."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(path, line_no, "<row>", f"invalid JSON: {e.msg}") from None
+    row = parse_json_line(Path(path), line_no, line)
     if not isinstance(row, dict):
         raise DataError(path, line_no, "<row>", "expected a JSON object")
     task_id = row.get("task_id")
@@ -144,11 +145,14 @@ def _parse_row(path: str, line_no: int, line: str) -> dict[str, Any]:
         raise DataError(path, line_no, "test_list", _reason(tests, "a non-empty list of non-empty strings"))
     if not isinstance(row.get("test_setup_code", ""), str):
         raise DataError(path, line_no, "test_setup_code", _reason(row["test_setup_code"], "a string"))
+    for field in ("text", "code", "test_list", "test_setup_code"):
+        for value in row.get(field, []) if field == "test_list" else [row.get(field, "")]:
+            check_text(Path(path), line_no, field, value)
     return row
 
 
 def _reason(value: Any, expected: str) -> str:
-    return "missing" if value is None else f"expected {expected}, got {value!r:.40}"
+    return "missing" if value is None else f"expected {expected}, got {short_repr(value)}"
 
 
 def _to_problem(row: dict[str, Any], split: str) -> Problem:
