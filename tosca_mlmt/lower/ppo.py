@@ -292,7 +292,7 @@ class PPOTrainer:
                     sums["n"] += real
                     for k, v in info.items():
                         sums[k] = sums.get(k, 0.0) + real * v
-                norms.append(eng.step())
+                norms.append(eng.step(at=f"iteration {step + 1}, optimizer step {self.optimizer_steps + 1}"))
                 self.optimizer_steps += 1
                 if self.critic_batch is not None:
                     with dist.full_parameters(self.critic):

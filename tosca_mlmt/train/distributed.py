@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tosca_mlmt.errors import ConfigError
+from tosca_mlmt.errors import ConfigError, TrainingDiverged
 
 # DeepSpeed JIT-builds its CPU comm op on first start (~30 s); keep the build beside the model cache.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ.get(
@@ -221,7 +222,9 @@ class TrainEngine:
     def __init__(self, dcfg, modules: dict[str, nn.Module], optimizer: torch.optim.Optimizer,
                  scheduler, *, slots: int, micro_size: int, max_grad_norm: float, what: str,
                  find_unused: bool = False):
-        self.world, self.max_grad_norm = world(), max_grad_norm
+        self.world, self.max_grad_norm, self.what = world(), max_grad_norm, what
+        self.steps = 0  # optimizer steps taken by this engine (named when training diverges)
+        self._loss_sum: torch.Tensor | None = None
         if slots % self.world:
             raise ConfigError(f"invalid value for field '{what}': it gives {slots} micro-batch(es) per optimizer "
                               f"step, which {self.world} processes cannot share; make that a multiple of the "
@@ -271,6 +274,11 @@ class TrainEngine:
             self.optimizer.zero_grad(set_to_none=True)
 
     def backward(self, loss: torch.Tensor, weight: float) -> None:
+        # The step's losses are summed (no host sync here) so that step() can refuse a
+        # non-finite one; zero-weight padding slots repeat a row some real slot holds.
+        if weight > 0:
+            value = loss.detach().double().sum()
+            self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         # DDP and DeepSpeed average gradients over ranks (x world undoes it); DeepSpeed also
         # divides by its accumulation steps (x local_slots undoes it).
         if self.kind == "deepspeed":
@@ -279,10 +287,19 @@ class TrainEngine:
         else:
             (loss * (weight * self.world)).backward()
 
-    def step(self) -> float:
-        """Clip, apply and advance the LR schedule; returns the pre-clip global grad norm."""
+    def step(self, at: str = "") -> float:
+        """Clip, apply and advance the LR schedule; returns the pre-clip global grad norm.
+
+        A NaN/inf loss (of any rank's micro-batch) or global grad norm raises
+        :class:`TrainingDiverged` naming ``at`` (e.g. "iteration 3") instead: the optimizer
+        does not step, so NaN never reaches the weights or a checkpoint, and the last good
+        checkpoint stays the latest. Under DeepSpeed the engine has stepped inside
+        ``backward`` already; the error still comes before anything is saved."""
+        loss = self._step_loss()
         if self.kind == "deepspeed":
             norm = self.engine.get_global_grad_norm()
+            self._check_finite(loss, None if norm is None else float(norm), at)
+            self.steps += 1
             return float(norm) if norm is not None else float("nan")
         # A parameter without a gradient this step (the writer adapter while only the Q head
         # learns) still takes an AdamW step with a zero gradient, as it must under ZeRO, whose
@@ -290,11 +307,38 @@ class TrainEngine:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+        self._check_finite(loss, norm, at)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
-        return float(norm)
+        self.steps += 1
+        return norm
+
+    def _step_loss(self) -> float:
+        """Sum of this step's real micro-batch losses over all ranks (NaN/inf if any is).
+
+        Reduced across ranks so that all of them raise together: a rank that raised alone
+        would leave the others waiting in their next collective."""
+        total, self._loss_sum = self._loss_sum, None
+        if self.world == 1:
+            return 0.0 if total is None else float(total)
+        dev = (torch.device("cuda", torch.cuda.current_device())
+               if torch.distributed.get_backend() == "nccl" else torch.device("cpu"))
+        t = torch.zeros((), dtype=torch.float64, device=dev) if total is None else total.to(dev)
+        torch.distributed.all_reduce(t)
+        return float(t)
+
+    def _check_finite(self, loss: float, norm: float | None, at: str) -> None:
+        bad = [f"the loss is {loss}"] if not math.isfinite(loss) else []
+        if norm is not None and not math.isfinite(norm):
+            bad.append(f"the gradient norm is {norm}")
+        if bad:
+            stage = self.what.split(".")[0]
+            done = "training stopped" if self.kind == "deepspeed" else "the step was not applied"
+            raise TrainingDiverged(f"{stage} training diverged at {at or f'optimizer step {self.steps + 1}'}: "
+                                   f"{' and '.join(bad)}; {done} and no checkpoint was written after the last "
+                                   f"good one (try a smaller {stage}.lr)")
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, folder: Path, extra: dict | None = None) -> None:

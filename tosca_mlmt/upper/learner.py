@@ -128,7 +128,7 @@ class UpperLearner:
                 for k in ("q_sa", "v", "target", "adv", "w"):
                     if k in out:
                         vecs[k].append(out[k].detach())
-        grad_norm = self.engine.step()
+        grad_norm = self.engine.step(at=f"step {self.step}")
         with dist.full_parameters(self.critic, modify=True):  # the target head is partitioned too
             self.critic.update_target(self.step)
         if self.target_adapter is not None:
