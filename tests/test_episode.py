@@ -129,15 +129,19 @@ def test_writer_sees_its_signal_and_the_strategy_prefix_opens_g(tiny_cfg, polici
     assert summarize(episodes)["environment"] == want
 
 
-def test_verdict_feedback_is_the_verifiers_word_and_is_labelled(tiny_cfg, policies):
+def test_verdict_feedback_is_labelled_and_counterfactual_refines_are_scored(tiny_cfg, policies):
     from dataclasses import replace
 
     from tosca_mlmt.metrics import summarize
 
-    cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=1, n_samples=2, feedback="verdict"))
+    cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=1, n_samples=2, feedback="verdict",
+                                            counterfactual=True))
     task = ArithTask(1)
     episodes = EpisodeRunner(cfg, task, HFEngine(policies, batch_size=8), policies).run(task.load("train", 2).problems)
     for ep in episodes:
-        z, fb, _ = ep.turns
+        z, fb, ref = ep.turns
         assert fb.text == ("Your answer is right." if z.correct else "Your answer is wrong.")
+        # episode.counterfactual: the refine was also sampled without g and scored by the same verifier
+        cf = ref.info["counterfactual_reward"]
+        assert cf in (0.0, 1.0) and (cf == 1.0) == (ref.info["counterfactual_extracted"] == ep.problem.answer)
     assert summarize(episodes)["environment"] == "privileged:verdict_feedback"

@@ -53,6 +53,20 @@ def test_improvement_reward_and_break_penalty():
     assert sum(round_rewards([0.0, 1.0, 1.0, 0.0], [False, True, True, False], "improvement", 0.0)) == 0.0 - 0.0
 
 
+def test_counterfactual_reward_credits_only_what_the_feedback_caused():
+    # round 1: right -> right, but the solver was right without g too: the feedback earned 0;
+    # round 2: wrong -> right where the solver without g stayed wrong: +1
+    ep = _episode("e", [1.0, 1.0, 1.0], actions=[0, 1])
+    ep.solver_turns[1].info["counterfactual_reward"] = 1.0
+    ep.solver_turns[2].info["counterfactual_reward"] = 0.0
+    tr = build_transitions([("snap-a", [ep])], reward_mode="counterfactual", gamma=1.0)
+    assert [t.reward for t in tr] == [0.0, 1.0]
+    # a refine that broke the answer the solver alone would have kept: -1 and the break penalty
+    assert round_rewards([1.0, 0.0], [True, False], "counterfactual", 0.5, [1.0]) == [-1.5]
+    with pytest.raises(SnapshotError, match="episode.counterfactual=true"):
+        build_transitions([("snap-b", [_episode("f", [0.0, 1.0], [2])])], reward_mode="counterfactual")
+
+
 def test_snapshots_must_share_the_strategy_set():
     s = [{"name": "a", "instruction": "x"}, {"name": "b", "instruction": "y"}]
     assert check_strategies([{"id": "1", "strategies": s}, {"id": "2", "strategies": s}]) == s

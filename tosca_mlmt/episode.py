@@ -97,7 +97,7 @@ class EpisodeRunner:
 
     # ------------------------------------------------------------------ helpers
     def _seed(self, round_: int, kind: str, batch_index: int) -> int:
-        return (self.cfg.seed * 7919 + batch_index * 104729 + round_ * 31 + {"solve": 1, "feedback": 2, "refine": 3}[kind]) % (2**31)
+        return (self.cfg.seed * 7919 + batch_index * 104729 + round_ * 31 + {"solve": 1, "feedback": 2, "refine": 3, "counterfactual": 4}[kind]) % (2**31)
 
     def _gen(self, prompts: list[list[int]], params: SamplingParams, role: str, kind: str) -> list[list[Generation]]:
         limit = self.cfg.episode.max_prompt_tokens
@@ -258,6 +258,20 @@ class EpisodeRunner:
             t.info["feedback_span"] = fb_spans[i]
             ep.turns.append(t)
             contexts[i] = refine_prompts[i] + list(g.token_ids)
+        if cfg.episode.counterfactual:
+            self._counterfactual_refines(episodes, refine_prompts, fb_spans, rnd, batch_index)
+
+    def _counterfactual_refines(self, episodes: list[Episode], prompts: list[list[int]], spans: list[list[int]],
+                                rnd: int, batch_index: int) -> None:
+        """The same solver refines once more with g cut out of its prompt (the bonus's context);
+        the score goes to the refine's info as ``counterfactual_reward``: what the solver would
+        have got without the feedback (upper.reward=counterfactual)."""
+        cut = [p[:a] + p[b:] for p, (a, b) in zip(prompts, spans)]
+        params = to_params(self.cfg.solver_sampling, self._seed(rnd, "counterfactual", batch_index),
+                           stop_regex=self.stop_regex)
+        for ep, gs in zip(episodes, self._gen(cut, params, "solver", "counterfactual")):
+            v = self.task.verify(ep.problem, self._solver_text(gs[0].token_ids))
+            ep.turns[-1].info.update(counterfactual_reward=float(v.reward), counterfactual_extracted=v.extracted)
 
 
 def turn_info_json(t: Turn) -> str:

@@ -4,8 +4,9 @@ One transition per writer turn (feedback round k = 1..K of an episode):
 
 * state s_k   = the writer's prompt up to ``state_len``: problem, attempts, earlier feedback;
 * action a_k  = the logged strategy index, with mu(a_k | s_k) and mu(. | s_k) from collection;
-* reward r_k  = ``final``: r_final at the last round, 0 before it; or ``improvement``:
-  r(attempt k) - r(attempt k-1), which sums to r_final - r1 over the rounds; minus
+* reward r_k  = ``final``: r_final at the last round, 0 before it; ``improvement``:
+  r(attempt k) - r(attempt k-1), which sums to r_final - r1 over the rounds; or
+  ``counterfactual``: r(attempt k) - r(attempt k written without g_k); minus
   ``break_penalty`` when round k turns a correct attempt wrong;
 * next state  = the writer state of round k + 1 (an index into the same list), terminal
   after the last round; G_k = r_k + gamma * G_{k+1} is the logged return-to-go.
@@ -59,8 +60,12 @@ def task_type(ep: Episode) -> str:
 
 
 def round_rewards(solver_rewards: list[float], solver_correct: list[bool], mode: str,
-                  break_penalty: float) -> list[float]:
-    """Per-round rewards r_1..r_K from the K + 1 solver attempts' rewards (pure)."""
+                  break_penalty: float, counterfactual: list[float | None] | None = None) -> list[float]:
+    """Per-round rewards r_1..r_K from the K + 1 solver attempts' rewards (pure).
+
+    ``counterfactual[k - 1]`` is the reward of the refine the same solver wrote at round k with
+    the feedback cut out of its context (mode ``counterfactual``): r_k = r(y_k) - r(y_k without g_k),
+    the part of the outcome the feedback itself caused."""
     K = len(solver_rewards) - 1
     out = []
     for k in range(1, K + 1):
@@ -68,6 +73,11 @@ def round_rewards(solver_rewards: list[float], solver_correct: list[bool], mode:
             r = solver_rewards[-1] if k == K else 0.0
         elif mode == "improvement":
             r = solver_rewards[k] - solver_rewards[k - 1]
+        elif mode == "counterfactual":
+            if counterfactual is None or counterfactual[k - 1] is None:
+                raise ValueError("upper.reward=counterfactual needs refines scored without their feedback: "
+                                 "collect with episode.counterfactual=true")
+            r = solver_rewards[k] - counterfactual[k - 1]
         else:
             raise ValueError(f"unknown reward mode {mode!r}")
         if solver_correct[k - 1] and not solver_correct[k]:
@@ -99,8 +109,12 @@ def episode_transitions(ep: Episode, snapshot_id: str, reward_mode: str, break_p
         if t.strategy is None or t.state_len is None or t.behaviour_probs is None:
             raise SnapshotError(f"{snapshot_id}: episode {ep.episode_id} round {t.round} lacks the logged strategy "
                                 "decision (strategy, state_len, behaviour_probs); re-collect with this version")
-    rewards = round_rewards([float(s.reward or 0.0) for s in solver], [bool(s.correct) for s in solver],
-                            reward_mode, break_penalty)
+    cf = [t.info.get("counterfactual_reward") for t in solver[1:]]
+    try:
+        rewards = round_rewards([float(s.reward or 0.0) for s in solver], [bool(s.correct) for s in solver],
+                                reward_mode, break_penalty, cf)
+    except ValueError as e:
+        raise SnapshotError(f"{snapshot_id}: episode {ep.episode_id}: {e}") from None
     returns = discounted_returns(rewards, gamma)
     K = len(writer)
     out = []
