@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -48,7 +49,7 @@ def _group_members(pgid: int) -> list[int]:
         members = []
         for entry in os.scandir("/proc"):
             try:
-                stat = open(f"/proc/{entry.name}/stat").read() if entry.name.isdigit() else ""
+                stat = Path(f"/proc/{entry.name}/stat").read_text() if entry.name.isdigit() else ""
             except OSError:
                 continue
             if stat:
@@ -78,7 +79,7 @@ def test_bwrap_is_used_where_installed():
 
 def test_fallback_is_loud_and_recorded(monkeypatch, caplog):
     monkeypatch.setattr(sandbox, "_chosen", None)
-    monkeypatch.setattr(sandbox, "bwrap_launchers", lambda: [])
+    monkeypatch.setattr(sandbox, "bwrap_launchers", list)
     with pytest.warns(SandboxWarning, match="no real isolation"), caplog.at_level(logging.WARNING):
         assert sandbox_mode() == MODE_FALLBACK
     assert "no real isolation" in caplog.text
@@ -349,6 +350,36 @@ def test_process_limit_binds_and_forks_work_below_it():
         "        pass\n    return n\n"
     )
     result = run_python(code, ["assert pool() == [1, 4, 9]", "assert forks() <= 12"], max_procs=12)
+    assert result.all_passed, result.error
+
+
+@pytest.mark.skipif(not getattr(sandbox._launcher(), "cgroups", ()), reason="no memory cgroup can be made here")
+def test_memory_of_the_whole_run_is_bounded():
+    # Six forked processes of 200 MB each fit their rlimit (256 MB) but not the run's
+    # cgroup (2 x 256 MB plus the work tmpfs): the kernel kills some inside the sandbox.
+    # Each child reports once its memory is touched; count when all reported or died.
+    code = (
+        "import os, select, time\n"
+        "def survivors():\n"
+        "    r, w = os.pipe()\n"
+        "    pids = []\n"
+        "    for _ in range(6):\n"
+        "        pid = os.fork()\n"
+        "        if pid == 0:\n"
+        "            hoard = bytearray(200 * 1024 * 1024)\n"
+        "            os.write(w, b'%d ' % os.getpid())\n"
+        "            time.sleep(60)\n"
+        "            os._exit(0)\n"
+        "        pids.append(pid)\n"
+        "    reported, dead = set(), set()\n"
+        "    deadline = time.monotonic() + 20\n"
+        "    while not set(pids) <= reported | dead and time.monotonic() < deadline:\n"
+        "        if select.select([r], [], [], 0.1)[0]:\n"
+        "            reported.update(int(p) for p in os.read(r, 4096).split())\n"
+        "        dead.update(p for p in pids if p not in dead and os.waitpid(p, os.WNOHANG)[0])\n"
+        "    return len(set(pids) - dead)\n"
+    )
+    result = run_python(code, ["assert survivors() <= 3"], memory_mb=256, timeout_s=30)
     assert result.all_passed, result.error
 
 

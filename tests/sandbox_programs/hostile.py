@@ -16,8 +16,8 @@ outliving the run, 40 forks under a limit of 32, ``setns`` to the host's network
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 TESTS = ("assert solve(2) == 7923", "assert solve(3) == 7928")  # x * x + 7919
 MAX_PROCS = 16

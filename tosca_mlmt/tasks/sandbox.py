@@ -24,9 +24,10 @@ Fallback
     then says ``"python-fallback"``, a warning is issued once, and the mode is part of
     :func:`sandbox_fingerprint`, which the MBPP verifier records in run manifests.
 
-Not covered: kernel exploits (there is no seccomp filter), CPU and memory taken from
-other work during the run (bounded by the timeout and by ``max_procs`` x ``memory_mb``),
-and asserts on expressions the checker cannot split (see ``sandbox_checks.py``).
+Not covered: kernel exploits (there is no seccomp filter); CPU taken from other work
+during the run (bounded by the timeout); memory beyond ``max_procs`` x ``memory_mb`` where
+no cgroup can be made (with one, a run gets 2 x ``memory_mb`` plus its tmpfs); asserts on
+expressions the checker cannot split (see ``sandbox_checks.py``).
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ import signal
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from tosca_mlmt.tasks.sandbox_checks import Planner, read_records, Reported, run_checks, TestPlan
+from tosca_mlmt.tasks.sandbox_checks import decode, Forgery, Planner, run_checks, TestPlan
 from tosca_mlmt.tasks.sandbox_isolation import (bwrap_launchers, Child, fallback_launcher, Launcher, MODE_BWRAP,
                                                 MODE_FALLBACK)
 
@@ -169,7 +171,9 @@ def _run(launcher: Launcher, code: str, tests: list[str], setup: str, timeout_s:
         "guard_source": _GUARDS if launcher.mode == MODE_FALLBACK else "",
     }
     judge = json.dumps(planner.judge_items).encode() if planner.judge_items else None
-    child = Child(launcher, json.dumps(job).encode(), judge, _WORK_BYTES)
+    # The run as a whole (where a cgroup can be made): twice one process's budget, e.g. a
+    # solution and a worker it forked, plus its tmpfs; never max_procs times memory_mb.
+    child = Child(launcher, json.dumps(job).encode(), judge, _WORK_BYTES, 2 * memory_mb * 1024 * 1024, max_procs + 1)
     try:
         result_buf, out_buf, out_seen, hit_deadline = _collect(child.output_fd, child.result_fd, timeout_s)
     finally:
@@ -216,6 +220,70 @@ def _collect(out_fd: int, result_fd: int, timeout_s: float) -> tuple[bytes, byte
 def _decode_output(kept: bytes, seen: int) -> str:
     text = kept.decode("utf-8", errors="replace")
     return text + f"\n[output truncated: {seen} bytes total]" if seen > len(kept) else text
+
+
+# --- the result channel ------------------------------------------------------------------
+
+
+@dataclass
+class Reported:
+    expected: list[Any] | None = None
+    load_ok: bool | None = None
+    load_error: str = ""
+    tests: dict[int, tuple[bool, str, list[Any]]] = field(default_factory=dict)
+    done: bool = False
+    forgery: str = ""
+
+
+def read_records(buf: bytes, nonce: str, plans: list[TestPlan], n_judge: int) -> Reported:
+    """Parse the result channel against the only sequence the honest runner writes:
+    [expected] load test0 .. testN done, each line tagged with this run's nonce."""
+    out = Reported()
+    lines = bytes(buf).split(b"\n")[:-1]  # a trailing partial line was cut by a kill or the limit
+    for line in lines:
+        try:
+            _accept(out, json.loads(line), nonce, plans, n_judge)
+        except (Forgery, ValueError, TypeError, KeyError) as e:
+            out.forgery = f"{e}" if isinstance(e, Forgery) else "an unreadable record"
+            break
+    return out
+
+
+def _accept(out: Reported, record: Any, nonce: str, plans: list[TestPlan], n_judge: int) -> None:
+    if not isinstance(record, dict) or record.get("nonce") != nonce:
+        raise Forgery("a record without this run's nonce")
+    kind = record.get("kind")
+    if out.done:
+        raise Forgery("a record after the end of the run")
+    if kind == "expected":
+        if not n_judge or out.expected is not None or out.load_ok is not None:
+            raise Forgery("an unexpected record of expected values")
+        values = record["values"]
+        if not isinstance(values, list) or len(values) != n_judge:
+            raise Forgery("a wrong number of expected values")
+        out.expected = [decode(v) for v in values]
+    elif kind == "load":
+        if out.load_ok is not None or (n_judge and out.expected is None):
+            raise Forgery("a load record out of order")
+        if not isinstance(record["ok"], bool) or not isinstance(record["err"], str):
+            raise Forgery("a malformed load record")
+        out.load_ok, out.load_error = record["ok"], record["err"]
+    elif kind == "test":
+        i = record["i"]
+        if not out.load_ok or type(i) is not int or i != len(out.tests) or i >= len(plans):
+            raise Forgery(f"a test record out of order (test {i!r})")
+        ok, err, values = record["ok"], record["err"], record["values"]
+        if not isinstance(ok, bool) or not isinstance(err, str) or not isinstance(values, list):
+            raise Forgery("a malformed test record")
+        if len(values) > plans[i].n_values or (ok and len(values) != plans[i].n_values):
+            raise Forgery(f"a wrong number of values for test {i}")
+        out.tests[i] = (ok, err, [decode(v) for v in values])
+    elif kind == "done":
+        if out.load_ok is None or (out.load_ok and len(out.tests) != len(plans)):
+            raise Forgery("an early end record")
+        out.done = True
+    else:
+        raise Forgery(f"a record of unknown kind {kind!r:.40}")
 
 
 def _summarize(plans: list[TestPlan], reported: Reported, output: str, timed_out: bool, returncode: int,

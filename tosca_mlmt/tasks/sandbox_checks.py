@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import json
 import math
 import operator
 import sys
@@ -373,67 +372,3 @@ def _leaves(node):
     else:
         for child in node.children:
             yield from _leaves(child)
-
-
-# --- the result channel ------------------------------------------------------------------
-
-
-@dataclass
-class Reported:
-    expected: list[Any] | None = None
-    load_ok: bool | None = None
-    load_error: str = ""
-    tests: dict[int, tuple[bool, str, list[Any]]] = field(default_factory=dict)
-    done: bool = False
-    forgery: str = ""
-
-
-def read_records(buf: bytes, nonce: str, plans: list[TestPlan], n_judge: int) -> Reported:
-    """Parse the result channel against the only sequence the honest runner writes:
-    [expected] load test0 .. testN done, each line tagged with this run's nonce."""
-    out = Reported()
-    lines = bytes(buf).split(b"\n")[:-1]  # a trailing partial line was cut by a kill or the limit
-    for line in lines:
-        try:
-            _accept(out, json.loads(line), nonce, plans, n_judge)
-        except (Forgery, ValueError, TypeError, KeyError) as e:
-            out.forgery = f"{e}" if isinstance(e, Forgery) else "an unreadable record"
-            break
-    return out
-
-
-def _accept(out: Reported, record: Any, nonce: str, plans: list[TestPlan], n_judge: int) -> None:
-    if not isinstance(record, dict) or record.get("nonce") != nonce:
-        raise Forgery("a record without this run's nonce")
-    kind = record.get("kind")
-    if out.done:
-        raise Forgery("a record after the end of the run")
-    if kind == "expected":
-        if not n_judge or out.expected is not None or out.load_ok is not None:
-            raise Forgery("an unexpected record of expected values")
-        values = record["values"]
-        if not isinstance(values, list) or len(values) != n_judge:
-            raise Forgery("a wrong number of expected values")
-        out.expected = [decode(v) for v in values]
-    elif kind == "load":
-        if out.load_ok is not None or (n_judge and out.expected is None):
-            raise Forgery("a load record out of order")
-        if not isinstance(record["ok"], bool) or not isinstance(record["err"], str):
-            raise Forgery("a malformed load record")
-        out.load_ok, out.load_error = record["ok"], record["err"]
-    elif kind == "test":
-        i = record["i"]
-        if not out.load_ok or type(i) is not int or i != len(out.tests) or i >= len(plans):
-            raise Forgery(f"a test record out of order (test {i!r})")
-        ok, err, values = record["ok"], record["err"], record["values"]
-        if not isinstance(ok, bool) or not isinstance(err, str) or not isinstance(values, list):
-            raise Forgery("a malformed test record")
-        if len(values) > plans[i].n_values or (ok and len(values) != plans[i].n_values):
-            raise Forgery(f"a wrong number of values for test {i}")
-        out.tests[i] = (ok, err, [decode(v) for v in values])
-    elif kind == "done":
-        if out.load_ok is None or (out.load_ok and len(out.tests) != len(plans)):
-            raise Forgery("an early end record")
-        out.done = True
-    else:
-        raise Forgery(f"a record of unknown kind {kind!r:.40}")

@@ -5,7 +5,8 @@ and cgroup namespaces, as an unprivileged uid, on a read-only root that holds on
 ``/usr`` (plus the interpreter's prefix) and a size-limited tmpfs work directory, with
 an empty environment. When the caller is root the sandbox's uid outside is a fresh
 unprivileged one, because the kernel exempts uid 0 from RLIMIT_NPROC: mapped to root, a
-fork bomb would be unbounded. Without bubblewrap the child is a plain process guarded
+fork bomb would be unbounded; where it can, the run also gets its own memory and pids
+cgroups (``sandbox_cgroups.py``). Without bubblewrap the child is a plain process guarded
 in-process (``sandbox_guards.py``), which :mod:`.sandbox` announces loudly.
 """
 
@@ -25,6 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tosca_mlmt.tasks.sandbox_cgroups import find_hierarchies, Hierarchy, RunCgroups
+
 MODE_BWRAP = "bwrap"
 MODE_FALLBACK = "python-fallback"
 WORK_DIR = "/work"
@@ -37,6 +40,8 @@ _STOP_TIMEOUT_S = 5.0
 # glibc reserves 64 MiB of address space per thread arena, so a few threads would exhaust
 # RLIMIT_AS without using memory.
 _MALLOC_ENV = ("MALLOC_ARENA_MAX", "2")
+# sh -c: write 0 ("this process") to each cgroup.procs given before "--", then exec the rest.
+_JOIN_CGROUPS = 'while [ "$1" != -- ]; do echo 0 > "$1" || exit 125; shift; done; shift; exec "$@"'
 
 _uids_in_use: set[int] = set()
 _uids_lock = threading.Lock()
@@ -48,7 +53,9 @@ class Launcher:
     python: str  # the interpreter the child runs, as seen inside the sandbox
     bwrap: str = ""
     prefix_bind: str = ""  # the interpreter's install directory, when not under /usr
-    optional_flags: tuple[str, ...] = ()
+    features: frozenset[str] = frozenset()  # the optional bwrap options this bwrap knows
+    cgroups: tuple[Hierarchy, ...] = ()  # where each run gets its own memory/pids cgroup
+    setpriv: str = ""  # drops root after the run's process joined its cgroups
 
 
 def bwrap_launchers() -> list[Launcher]:
@@ -61,15 +68,19 @@ def bwrap_launchers() -> list[Launcher]:
     exe = shutil.which("bwrap", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/bin", "/bin"]))
     if exe is None:
         return []
-    flags = _optional_flags(exe)
+    common = {"bwrap": exe, "features": _features(exe)}
+    setpriv = shutil.which("setpriv", path="/usr/bin:/bin")
+    if os.geteuid() == 0 and setpriv:
+        # Joining a cgroup needs root; setpriv then drops to the run's uid before bwrap.
+        common.update(cgroups=tuple(find_hierarchies()), setpriv=setpriv)
     found = []
     own = os.path.realpath(sys.executable)
     prefix = os.path.realpath(sys.base_prefix)
     if own.startswith(prefix + os.sep):
-        found.append(Launcher(MODE_BWRAP, own, exe, "" if prefix.startswith("/usr/") else prefix, flags))
+        found.append(Launcher(MODE_BWRAP, own, prefix_bind="" if prefix.startswith("/usr/") else prefix, **common))
     system = os.path.realpath("/usr/bin/python3")
     if os.path.exists(system) and system != own:
-        found.append(Launcher(MODE_BWRAP, system, exe, "", flags))
+        found.append(Launcher(MODE_BWRAP, system, **common))
     return found
 
 
@@ -77,21 +88,23 @@ def fallback_launcher() -> Launcher:
     return Launcher(MODE_FALLBACK, sys.executable)
 
 
-def _optional_flags(exe: str) -> tuple[str, ...]:
-    """Newer hardening flags, where this bwrap knows them."""
+def _features(exe: str) -> frozenset[str]:
+    """The newer options this bwrap knows; older ones run without them."""
     try:
-        text = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=10).stdout
+        text = subprocess.run([exe, "--help"], check=False, capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
-        return ()
-    # --disable-userns: no nested user namespaces, so no mounts or new network stacks inside.
-    return tuple(f for f in ("--disable-userns", "--unshare-cgroup-try") if f in text)
+        return frozenset()
+    return frozenset(f for f in ("--disable-userns", "--unshare-cgroup-try", "--size") if f in text.split())
 
 
 class Child:
     """A started sandbox: its output and result pipes, and how to end all of it."""
 
-    def __init__(self, launcher: Launcher, job: bytes, judge: bytes | None, work_bytes: int):
+    def __init__(self, launcher: Launcher, job: bytes, judge: bytes | None, work_bytes: int, run_memory_bytes: int,
+                 run_procs: int):
         self.launcher = launcher
+        self._run_limits = {"memory": run_memory_bytes + work_bytes + _SHM_BYTES, "pids": run_procs}
+        self._cgroups: RunCgroups | None = None
         self._uid: int | None = None
         self._init_pidfd: int | None = None
         self._workdir = ""
@@ -106,7 +119,7 @@ class Child:
                 self.proc = self._start_fallback(args, [fd for fd in fds if fd >= 0])
         except BaseException:
             os.close(result_r)
-            self._release_uid()
+            self._release()
             raise
         finally:
             for fd in fds:
@@ -122,7 +135,9 @@ class Child:
         info_r, info_w = os.pipe()
         argv = [
             la.bwrap, "--unshare-user", "--uid", str(INNER_UID), "--gid", str(INNER_UID),
-            "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", *la.optional_flags,
+            "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+            # No nested user namespaces, hence no mounts or network stacks of the code's own.
+            *(f for f in ("--disable-userns", "--unshare-cgroup-try") if f in la.features),
             "--hostname", "sandbox",
             # The sandbox dies with the trainer, and gets no controlling terminal (TIOCSTI).
             "--die-with-parent", "--new-session",
@@ -138,11 +153,14 @@ class Child:
                 argv += ["--ro-bind", host, host]
         if la.prefix_bind:
             argv += ["--ro-bind", la.prefix_bind, la.prefix_bind]
+        def size(n):  # without --size (bwrap < 0.7) a tmpfs is bounded by the run's cgroup only
+            return ["--size", str(n)] if "--size" in la.features else []
+
         argv += [
             "--ro-bind-data", str(passwd), "/etc/passwd", "--ro-bind-data", str(group), "/etc/group",
             "--proc", "/proc",
-            "--dev", "/dev", "--size", str(_SHM_BYTES), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-            "--size", str(work_bytes), "--tmpfs", WORK_DIR, "--chdir", WORK_DIR,
+            "--dev", "/dev", *size(_SHM_BYTES), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+            *size(work_bytes), "--tmpfs", WORK_DIR, "--chdir", WORK_DIR,
             "--remount-ro", "/",
             "--info-fd", str(info_w),
             "--", la.python, "-I", "-S", "-X", "utf8", "-c", _CHILD_PROGRAM, *args,
@@ -151,6 +169,16 @@ class Child:
         if os.geteuid() == 0:
             self._uid = _claim_uid()
             ids = {"user": self._uid, "group": self._uid, "extra_groups": []}
+            if la.cgroups:
+                try:
+                    self._cgroups = RunCgroups(list(la.cgroups), self._run_limits, str(self._uid))
+                except OSError:
+                    pass  # this run goes without; its rlimits still bind
+            if self._cgroups is not None:
+                # The shell joins the cgroups before bwrap exists, so every process it starts is inside.
+                argv = ["/bin/sh", "-c", _JOIN_CGROUPS, "sh", *self._cgroups.procs, "--", la.setpriv,
+                        f"--reuid={self._uid}", f"--regid={self._uid}", "--clear-groups", "--", *argv]
+                ids = {}
         try:
             proc = subprocess.Popen(argv, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, pass_fds=(*fds, passwd, group, info_w),
@@ -201,13 +229,15 @@ class Child:
             os.close(self.result_fd)
             if self._init_pidfd is not None:
                 os.close(self._init_pidfd)
-            self._release_uid()
-            if self._workdir:
-                _remove_tree(self._workdir)
+            self._release()
 
-    def _release_uid(self) -> None:
+    def _release(self) -> None:
+        if self._cgroups is not None:
+            self._cgroups.remove()
         with _uids_lock:
             _uids_in_use.discard(self._uid)
+        if self._workdir:
+            _remove_tree(self._workdir)
 
 
 def _memfd(name: str, data: bytes) -> int:
@@ -357,7 +387,7 @@ def _network_isolation_prefix() -> tuple[str, ...]:
         exe = shutil.which("unshare")
         for prefix in ((exe, "-n"), (exe, "-r", "-n")) if exe else ():
             try:
-                probe = subprocess.run([*prefix, "true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                probe = subprocess.run([*prefix, "true"], check=False, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                        stderr=subprocess.DEVNULL, timeout=10)
             except (OSError, subprocess.SubprocessError):
                 continue

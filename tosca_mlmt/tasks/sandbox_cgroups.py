@@ -1,0 +1,122 @@
+"""Per-run memory and pids cgroups for the sandbox, where the caller may create them.
+
+Rlimits bound each process; a cgroup bounds the run as a whole, so ``max_procs``
+processes of ``memory_mb`` each cannot add up to more than the machine can spare, and
+tmpfs pages the code writes are charged too. Both cgroup v1 (separate ``memory`` and
+``pids`` hierarchies) and v2 are handled; a controller is used only if a child cgroup
+can actually be created under the caller's own and limited. Otherwise runs go without
+one: the rlimits still hold.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# controller -> (v1 limit file, v2 limit file)
+_LIMIT_FILES = {"memory": ("memory.limit_in_bytes", "memory.max"), "pids": ("pids.max", "pids.max")}
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    parent: str  # the caller's cgroup directory in this hierarchy
+    controllers: tuple[str, ...]
+    v2: bool
+
+    def limit_file(self, controller: str) -> str:
+        return _LIMIT_FILES[controller][1 if self.v2 else 0]
+
+
+def find_hierarchies() -> list[Hierarchy]:
+    """The hierarchies where a limited child of the caller's cgroup can be made."""
+    usable = []
+    for hierarchy in _candidate_hierarchies():
+        try:
+            probe = RunCgroups([hierarchy], {"memory": 64 << 20, "pids": 8}, "probe")
+        except OSError:
+            continue
+        probe.remove()
+        usable.append(hierarchy)
+    return usable
+
+
+def _candidate_hierarchies() -> list[Hierarchy]:
+    try:
+        membership = Path("/proc/self/cgroup").read_text().splitlines()
+        mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in membership:
+        _, names, path = line.split(":", 2)
+        v2 = names == ""
+        for fields, fstype, options in _cgroup_mounts(mounts):
+            root, mountpoint = fields[3], fields[4]
+            if (fstype == "cgroup2") != v2 or not (v2 or set(names.split(",")) <= set(options)):
+                continue  # not the mount of this hierarchy
+            if not (path == root or path.startswith(root.rstrip("/") + "/")):
+                continue
+            parent = os.path.normpath(mountpoint + path[len(root.rstrip("/")):])
+            if v2:  # a child gets the controllers its parent enables for its subtree
+                enabled = _read(Path(parent) / "cgroup.subtree_control").split()
+                controllers = tuple(c for c in _LIMIT_FILES if c in enabled)
+            else:
+                controllers = tuple(c for c in _LIMIT_FILES if c in names.split(",") and c in options)
+            if controllers:
+                found.append(Hierarchy(parent, controllers, v2))
+            break
+    return found
+
+
+def _cgroup_mounts(mounts: list[str]):
+    for line in mounts:
+        head, _, tail = line.partition(" - ")
+        fstype, _, options = (tail.split() + ["", "", ""])[:3]
+        if fstype in ("cgroup", "cgroup2"):
+            yield head.split(), fstype, options.split(",")
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+class RunCgroups:
+    """Fresh child cgroups of one run; ``procs`` are the files a process writes to join."""
+
+    def __init__(self, hierarchies: list[Hierarchy], limits: dict[str, int], tag: str):
+        self.dirs: list[Path] = []
+        try:
+            for h in hierarchies:
+                path = Path(h.parent) / f"tosca-sbx-{tag}-{secrets.token_hex(4)}"
+                path.mkdir()
+                self.dirs.append(path)
+                if h.v2 and "memory" in h.controllers and (path / "memory.swap.max").exists():
+                    (path / "memory.swap.max").write_text("0")
+                for controller in h.controllers:
+                    (path / h.limit_file(controller)).write_text(str(limits[controller]))
+        except OSError:
+            self.remove()
+            raise
+        self.procs = [str(d / "cgroup.procs") for d in self.dirs]
+
+    def remove(self, timeout_s: float = 2.0) -> None:
+        # A cgroup can be removed once its last process is reaped, which may lag a kill.
+        deadline = time.monotonic() + timeout_s
+        for path in self.dirs:
+            while True:
+                try:
+                    os.rmdir(path)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        break  # left behind empty-ish; harmless, and named after the run
+                    time.sleep(0.01)
+        self.dirs = []
