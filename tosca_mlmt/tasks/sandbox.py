@@ -243,7 +243,7 @@ def read_records(buf: bytes, nonce: str, plans: list[TestPlan], n_judge: int) ->
     for line in lines:
         try:
             _accept(out, json.loads(line), nonce, plans, n_judge)
-        except (Forgery, ValueError, TypeError, KeyError) as e:
+        except (Forgery, ValueError, TypeError, KeyError, RecursionError) as e:  # JSON nested 100k deep, say
             out.forgery = f"{e}" if isinstance(e, Forgery) else "an unreadable record"
             break
     return out

@@ -243,7 +243,8 @@ def limit_resources(limits):
     # A write past RLIMIT_FSIZE should fail with an OSError, not kill the runner.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
-        # Under memory pressure the kernel should kill the sandbox, not the trainer.
+        # Under memory pressure the kernel should pick the sandbox, not the trainer. Code
+        # can lower this back to 0 (not below); the run's memory cgroup is the real bound.
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")
     except OSError:
