@@ -25,13 +25,21 @@ from tosca_mlmt.knobs import (EXISTING_DIR_OR_EMPTY, EXISTING_FILE_OR_EMPTY, ID_
 from tosca_mlmt.lower.config import LowerConfig
 from tosca_mlmt.upper.config import UpperConfig
 
+# instruction: what the writer is told to do; prefix: the fixed sentence that opens the feedback
+# the solver reads when episode.strategy_prefix is on.
 DEFAULT_STRATEGIES: tuple[dict[str, str], ...] = (
-    {"name": "check_arithmetic", "instruction": "Point to the calculation that is most likely wrong and ask the solver to redo it carefully."},
-    {"name": "reread_question", "instruction": "Remind the solver what the question actually asks and which numbers it gives."},
-    {"name": "verify_substitution", "instruction": "Ask the solver to check its answer by plugging it back into the problem."},
-    {"name": "start_over", "instruction": "Tell the solver to discard its attempt and solve the problem again step by step."},
-    {"name": "confirm", "instruction": "Say the attempt looks right and ask the solver to state the final answer clearly."},
-    {"name": "simplify", "instruction": "Suggest a simpler way to set up the computation, one step at a time."},
+    {"name": "check_arithmetic", "instruction": "Point to the calculation that is most likely wrong and ask the solver to redo it carefully.",
+     "prefix": "Check your calculation carefully."},
+    {"name": "reread_question", "instruction": "Remind the solver what the question actually asks and which numbers it gives.",
+     "prefix": "Read the question again and use its numbers."},
+    {"name": "verify_substitution", "instruction": "Ask the solver to check its answer by plugging it back into the problem.",
+     "prefix": "Check your answer against the problem."},
+    {"name": "start_over", "instruction": "Tell the solver to discard its attempt and solve the problem again step by step.",
+     "prefix": "Your answer is probably wrong: solve the problem again step by step."},
+    {"name": "confirm", "instruction": "Say the attempt looks right and ask the solver to state the final answer clearly.",
+     "prefix": "Your answer looks right: give it again."},
+    {"name": "simplify", "instruction": "Suggest a simpler way to set up the computation, one step at a time.",
+     "prefix": "Solve it one simple step at a time."},
 )
 
 # Below ~1e-3 sampling is greedy in all but name, and far below it logits / T overflow to inf
@@ -41,6 +49,8 @@ TARGET_MODULES = Rule("a non-empty string or a non-empty list of non-empty strin
                       lambda v: bool(v.strip()) if isinstance(v, str)
                       else bool(v) and all(isinstance(s, str) and s.strip() for s in v))
 MAX_CONFIG_BYTES = 1 << 20
+CONFIDENCE_EDGES = Rule("two ascending finite numbers", lambda v: isinstance(v, list) and len(v) == 2 and all(
+    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v) and v[0] < v[1])
 
 
 @dataclass
@@ -121,9 +131,23 @@ class EpisodeConfig:
     max_feedback_tokens: int = knob(64, "Longest feedback text, in tokens (for no feedback use episode.rounds=0; "
                                         "for a fixed text, episode.feedback=static).", min=1)
     feedback: str = knob("generate", "generate = the writer model writes feedback; static = the chosen strategy's "
-                                     "instruction is the feedback verbatim (SCoRe's fixed self-correction prompt).",
-                         choices=("generate", "static"))
+                                     "instruction is the feedback verbatim (SCoRe's fixed self-correction prompt); "
+                                     "verdict = 'Your answer is right/wrong.' from the verifier (a privileged control).",
+                         choices=("generate", "static", "verdict"))
+    writer_sees: str = knob("none", "Extra signal in the writer's state per attempt: none; confidence = the solver's "
+                                    "mean token log-prob bucketed low/medium/high (honest); verdict = the verifier's "
+                                    "right/wrong (privileged: labelled in every summary).",
+                            choices=("none", "confidence", "verdict"))
+    confidence_edges: list = knob(dataclasses.MISSING, "writer_sees=confidence: mean log-prob edges [low|medium, "
+                                                       "medium|high], ascending.",
+                                  default_factory=lambda: [-0.6, -0.25], rule=CONFIDENCE_EDGES)
+    strategy_prefix: bool = knob(False, "Open the feedback the solver reads with the chosen strategy's fixed "
+                                        "sentence (its 'prefix'), so the decision reaches the solver.")
     max_prompt_tokens: int = knob(1536, "Prompts longer than this are left-truncated (counted in metrics).", min=1)
+    counterfactual: bool = knob(False, "Also sample each refine with the feedback cut out of its context and score it "
+                                       "(one more solver turn per round), for upper.reward=counterfactual.")
+    stop_at_answer: bool = knob(True, "End each solver turn at its first complete 'The answer is: N' line (tasks with "
+                                      "an answer line: arith, gsm8k); finish_reason 'answer'.")
 
 
 @dataclass
@@ -453,15 +477,18 @@ def validate(cfg: Config) -> None:
         need(cfg.episode.max_prompt_tokens < cfg.engine.vllm.max_model_len, "episode.max_prompt_tokens",
              f"must be below engine.vllm.max_model_len ({cfg.engine.vllm.max_model_len}) with engine.name=vllm: "
              "vLLM refuses longer prompts and needs room for the response")
+    need(up.reward != "counterfactual" or cfg.episode.counterfactual, "upper.reward",
+         "counterfactual needs episode.counterfactual=true (refines scored without their feedback)")
     strategies = cfg.episode.strategies
     need(len(strategies) >= 1, "episode.strategies", "needs at least one strategy")
     names = set()
     for i, s in enumerate(strategies):
-        need(isinstance(s, dict) and set(s) == {"name", "instruction"}, f"episode.strategies[{i}]",
-             "each strategy needs exactly the keys 'name' and 'instruction'")
-        for key in ("name", "instruction"):
-            need(isinstance(s[key], str) and bool(s[key].strip()), f"episode.strategies[{i}].{key}",
-                 "must be a non-empty string")
+        need(isinstance(s, dict) and {"name", "instruction"} <= set(s) <= {"name", "instruction", "prefix"},
+             f"episode.strategies[{i}]", "each strategy needs the keys 'name' and 'instruction' (and may have "
+                                         "'prefix', the sentence that opens its feedback)")
+        for key in ("name", "instruction", "prefix"):
+            need(key not in s or (isinstance(s[key], str) and bool(s[key].strip())),
+                 f"episode.strategies[{i}].{key}", "must be a non-empty string")
         need(s["name"] not in names, f"episode.strategies[{i}].name", f"duplicate name {_show(s['name'])}")
         names.add(s["name"])
 

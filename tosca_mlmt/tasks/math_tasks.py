@@ -13,7 +13,8 @@ from tosca_mlmt.errors import ConfigError, DataError
 from tosca_mlmt.tasks.base import (DATA_ENV_VAR, LoadResult, Problem, Verdict, check_split, check_text, decode_line,
                                     default_data_path, no_problems, parse_json_line, read_lines, short_repr,
                                     stable_split)
-from tosca_mlmt.tasks.mathverify import VERIFIER_VERSION, extract_answer, extract_gold, match_method
+from tosca_mlmt.engines.stop import ANSWER_LINE
+from tosca_mlmt.tasks.mathverify import ANSWER_FORMAT, VERIFIER_VERSION, echoes_format, extract_answer, extract_gold, match_method
 
 
 
@@ -74,6 +75,8 @@ class _MathTask:
         self.data_path = Path(data_path) if data_path is not None else default_data_path()
 
     def verify(self, problem: Problem, response: str) -> Verdict:
+        if getattr(self, "answer_format", None) and echoes_format(response):
+            return Verdict(False, 0.0, None, info={"method": None, "echo": True})
         extracted = extract_answer(response)
         method = match_method(extracted, problem.answer) if extracted is not None else None
         correct = method is not None
@@ -84,6 +87,8 @@ class GSM8KTask(_MathTask):
     """GSM8K with its official train/test files; ids ``gsm8k-{split}-{line:05d}``."""
 
     name = "gsm8k"
+    answer_format = ANSWER_FORMAT
+    stop_regex = ANSWER_LINE
 
     def load(self, split: str, limit: int | None = None, skip_bad_rows: bool = False) -> LoadResult:
         check_split(split)
@@ -100,8 +105,7 @@ class GSM8KTask(_MathTask):
     def instruction(self, problem: Problem) -> str:
         return (
             f"{problem.question}\n\n"
-            "Reason step by step, then finish with a final line of the form "
-            "'The answer is: <number>'."
+            f"Reason step by step. {ANSWER_FORMAT}"
         )
 
 

@@ -12,11 +12,22 @@ import re
 import threading
 from functools import lru_cache
 
-VERIFIER_VERSION = "math-v1"
+VERIFIER_VERSION = "math-v2"  # v2: gsm8k scores an echo of its answer-format instruction wrong
 
 # math_verify bounds sympy with SIGALRM, which only works on the main thread; elsewhere
 # the alarm would raise, so off the main thread we run it without a timeout.
 _MV_TIMEOUT_S = 5
+
+# The answer-line instruction of the word-problem tasks (arith, gsm8k): it names the line's
+# prefix but holds no number or placeholder, so an echo of it gives the verifier nothing to read.
+ANSWER_FORMAT = "End with a final line that starts with 'The answer is:' followed by your number."
+_ECHO_RE = re.compile(r"starts? with\W+the answer is\W+followed by (?:your|the) number", re.IGNORECASE)
+
+
+def echoes_format(response: str) -> bool:
+    """True when a response repeats the answer-format instruction (a template echo, not an answer)."""
+    return bool(_ECHO_RE.search(response))
+
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)")
 _ANSWER_IS_RE = re.compile(r"the answer is\s*:?", re.IGNORECASE)

@@ -30,10 +30,12 @@ class UpperConfig:
     max_grad_norm: float = knob(1.0, "Gradient clipping by global norm (adapter and heads together).",
                                 min=0.0, min_exclusive=True)
     # ---- the strategy-level MDP
-    reward: str = knob("final", "Reward of a decision: 'final' = correctness of the last attempt (at the last "
-                                "round); 'improvement' = each round's r_k - r_{k-1} (sums to r_final - r1).",
-                       choices=("final", "improvement"))
-    break_penalty: float = knob(0.0, "Subtracted from a round's reward when it turns a correct attempt wrong.", min=0.0)
+    reward: str = knob("improvement", "Reward of a decision: 'improvement' = each round's r_k - r_{k-1} (sums to "
+                                      "r_final - r1); 'counterfactual' = r_k - r(the refine the same solver wrote "
+                                      "without g_k) (needs episode.counterfactual); 'final' = correctness of the "
+                                      "last attempt, mostly decided by whether z was right.",
+                       choices=("improvement", "counterfactual", "final"))
+    break_penalty: float = knob(0.5, "Subtracted from a round's reward when it turns a correct attempt wrong.", min=0.0)
     gamma: float = knob(0.95, "Discount between feedback rounds (K > 1); ArCHer's 0.95. Unused when K = 1.",
                         min=0.0, max=1.0)
     # ---- the Q model
