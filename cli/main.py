@@ -167,16 +167,10 @@ from tosca_mlmt.cli.upper_cmd import train_upper; app.command("train-upper")(use
 @user_errors
 def snapshots_list(root: Path = typer.Option(Path("snapshots"), help="Snapshot root folder.")):
     """One line per snapshot: id, created, task/split, episodes, Acc@t1 -> Acc@final."""
-    from tosca_mlmt.snapshot import list_snapshots
+    from tosca_mlmt.snapshot import list_snapshots, summary_line
 
     for m in list_snapshots(root):
-        if "error" in m:
-            print(f"{m['id']}  ERROR {m['error']}")
-            continue
-        s = m.get("summary", {})
-        print(f"{m['id']}  {m.get('created_at', '?')}  {m['task']['name']}/{m['task']['split']}  "
-              f"episodes={m['rows']['episodes']}  acc_t1={s.get('acc_t1', float('nan')):.3f}  "
-              f"acc_final={s.get('acc_final', float('nan')):.3f}")
+        print(summary_line(m))
 
 
 @snapshots_app.command("show")
@@ -186,7 +180,8 @@ def snapshots_show(sid: str = typer.Argument(..., help="Snapshot id."),
     """Print a snapshot's manifest (JSON)."""
     from tosca_mlmt.snapshot import load_snapshot
 
-    print(json.dumps(load_snapshot(root, sid).manifest, indent=2, sort_keys=True))
+    # unverified: show is how a damaged snapshot is inspected
+    print(json.dumps(load_snapshot(root, sid, verify=False).manifest, indent=2, sort_keys=True))
 
 
 @snapshots_app.command("verify")
@@ -194,12 +189,14 @@ def snapshots_show(sid: str = typer.Argument(..., help="Snapshot id."),
 def snapshots_verify(sid: str = typer.Argument(..., help="Snapshot id."),
                      root: Path = typer.Option(Path("snapshots"), help="Snapshot root folder.")):
     """Re-hash every file; exit 1 with the list of problems on any mismatch."""
-    from tosca_mlmt.snapshot import snapshot_path, verify_snapshot
+    from tosca_mlmt.snapshot import read_manifest, snapshot_path, verify_snapshot
 
-    problems = verify_snapshot(snapshot_path(root, sid))
+    path = snapshot_path(root, sid)
+    read_manifest(path)  # a manifest that cannot be parsed is an error (exit 2), not a verdict
+    problems = verify_snapshot(path)
     if problems:
         for p in problems:
-            err.print(f"[bold red]corrupt:[/] {sid}: {p}", highlight=False)
+            err.print(f"[bold red]corrupt:[/] {sid}: {escape(p)}", highlight=False)
         raise typer.Exit(1)
     print(f"{sid}: ok")
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pyarrow.parquet as pq
 import pytest
@@ -47,14 +48,20 @@ def test_round_trip_preserves_every_field(tmp_path):
 
 
 def test_id_is_a_content_hash_and_snapshots_are_never_overwritten(tmp_path):
-    sid1, c1 = write_snapshot(tmp_path, make_episodes(), {"note": "first"})
+    # informational fields (timings, summary, versions) and where things live do not change the id
+    prov = {"note": "first", "config": {"seed": 1, "collect": {"out": "a"}, "logging": {"wandb": True}}}
+    sid1, c1 = write_snapshot(tmp_path, make_episodes(), {**prov, "timings": {"episodes": 1.0}})
     before = (tmp_path / sid1 / "manifest.json").read_text()
-    sid2, c2 = write_snapshot(tmp_path, make_episodes(), {"note": "second"})
+    again = {**prov, "timings": {"episodes": 2.0}, "summary": {"tokens_per_s": 9},
+             "config": {"seed": 1, "collect": {"out": "b"}, "logging": {"wandb": False}}}
+    sid2, c2 = write_snapshot(tmp_path, make_episodes(), again)
     assert sid1 == sid2 and c1 and not c2
     assert (tmp_path / sid1 / "manifest.json").read_text() == before
-    sid3, _ = write_snapshot(tmp_path, make_episodes(reward_shift=0.5), {})
-    assert sid3 != sid1
-    assert [m["id"] for m in list_snapshots(tmp_path)] == sorted([sid1, sid3], key=[sid1, sid3].index)
+    sid3, _ = write_snapshot(tmp_path, make_episodes(reward_shift=0.5), prov)
+    sid4, _ = write_snapshot(tmp_path, make_episodes(), {**prov, "note": "second"})  # provenance is content
+    sid5, _ = write_snapshot(tmp_path, make_episodes(), {**prov, "config": {"seed": 2, "collect": {"out": "a"}}})
+    assert len({sid1, sid3, sid4, sid5}) == 4
+    assert {m["id"] for m in list_snapshots(tmp_path)} == {sid1, sid3, sid4, sid5}
 
 
 def test_readable_by_pandas_and_datasets(tmp_path):
@@ -121,3 +128,111 @@ def test_unknown_format_version_is_refused_clearly(tmp_path):
     (tmp_path / sid / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(SnapshotError, match="format version 99 is not supported"):
         load_snapshot(tmp_path, sid)
+
+
+# ---------------------------------------------------------------- trust: the id covers what matters
+
+
+def _rewrite_manifest(folder, edit, rehash=True):
+    """An edit made by someone who knows the format: the manifest's own hash recomputed."""
+    from tosca_mlmt.snapshot import _manifest_sha
+
+    m = json.loads((folder / "manifest.json").read_text())
+    edit(m)
+    if rehash:
+        m["manifest_sha256"] = _manifest_sha(m)
+    (folder / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m["rows"].update(episodes=2),
+    lambda m: m.update(parents=["snap-elsewhere"]),
+    lambda m: m["task"].update(split="test"),
+    lambda m: m["config"].update(seed=5),
+])
+def test_an_edited_manifest_with_a_recomputed_hash_fails_verify(tmp_path, edit):
+    sid, _ = write_snapshot(tmp_path, make_episodes(), {"task": {"name": "arith", "split": "train"},
+                                                        "config": {"seed": 0}, "parents": []})
+    _rewrite_manifest(tmp_path / sid, edit)
+    problems = verify_snapshot(tmp_path / sid)
+    assert problems == [f"manifest.json: id {sid} does not match its content (manifest edited)"]
+    with pytest.raises(SnapshotError, match=f"snapshot {sid}: manifest.json: id .* does not match"):
+        load_snapshot(tmp_path, sid)
+
+
+def test_replaced_data_files_with_a_matching_file_table_still_fail(tmp_path):
+    """Rewriting the rewards and the file table (sizes, hashes, manifest hash) changes the id;
+    under the old id's folder name that is caught."""
+    from tosca_mlmt.snapshot import sha256_file
+
+    sid, _ = write_snapshot(tmp_path, make_episodes(), {})
+    other, _ = write_snapshot(tmp_path / "o", make_episodes(reward_shift=0.5), {})
+    for f in ("episodes.parquet", "turns.parquet"):
+        (tmp_path / sid / f).write_bytes((tmp_path / "o" / other / f).read_bytes())
+
+    def table(m):
+        for f in m["files"]:
+            m["files"][f] = {"sha256": sha256_file(tmp_path / sid / f), "bytes": (tmp_path / sid / f).stat().st_size}
+
+    _rewrite_manifest(tmp_path / sid, table)
+    assert any("does not match its content" in p for p in verify_snapshot(tmp_path / sid))
+    _rewrite_manifest(tmp_path / sid, lambda m: m.update(id=other))  # even with the new id recomputed
+    assert verify_snapshot(tmp_path / sid) == [f"folder name {sid} differs from manifest id {other}"]
+
+
+def test_a_truncated_data_file_is_named_by_its_size_before_any_hashing(tmp_path):
+    sid, _ = write_snapshot(tmp_path, make_episodes(), {})
+    f = tmp_path / sid / "turns.parquet"
+    f.write_bytes(f.read_bytes()[:-10])
+    (p,) = verify_snapshot(tmp_path / sid)
+    assert p.startswith("turns.parquet: size") and "truncated" in p
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"[1, 2]", "not a JSON object (a list)"),
+    (b"\xff\xfe{}", "unreadable (UnicodeDecodeError"),
+    (b"{", "unreadable (JSONDecodeError"),
+    (json.dumps({"format_version": 2, "id": "x"}).encode(), "has no file table ('files')"),
+    (json.dumps({"format_version": 2, "id": "x", "files": {"episodes.parquet": {}}}).encode(), "lacks turns.parquet"),
+    (json.dumps({"format_version": 2, "id": "x", "files": {"episodes.parquet": {"sha256": "a", "bytes": -1},
+                                                           "turns.parquet": {"sha256": "a", "bytes": 1}}}).encode(),
+     "entry for episodes.parquet is malformed"),
+    (json.dumps({"format_version": "2"}).encode(), "format version '2' is not supported"),
+])
+def test_a_damaged_manifest_is_a_snapshot_error_naming_the_snapshot(tmp_path, content, needle):
+    sid, _ = write_snapshot(tmp_path, make_episodes(), {})
+    (tmp_path / sid / "manifest.json").write_bytes(content)
+    with pytest.raises(SnapshotError, match=f"^snapshot {sid}: .*{re.escape(needle)}"):
+        load_snapshot(tmp_path, sid)
+    assert verify_snapshot(tmp_path / sid)[0].startswith(f"snapshot {sid}: ")
+    (listed,) = list_snapshots(tmp_path)
+    assert listed["id"] == sid and needle in listed["error"]
+
+
+def test_format_1_snapshots_are_still_read_and_verified(tmp_path):
+    """Written as tosca-mlmt wrote them before format 2: id = hash of the data files only."""
+    import hashlib
+
+    from tosca_mlmt.snapshot import _canonical, _snapshot_id_v1, episodes_to_tables, sha256_file
+
+    build = tmp_path / "build"
+    build.mkdir()
+    ep_t, turn_t = episodes_to_tables(make_episodes())
+    pq.write_table(ep_t, build / "episodes.parquet")
+    pq.write_table(turn_t, build / "turns.parquet")
+    hashes = {f: sha256_file(build / f) for f in ("episodes.parquet", "turns.parquet")}
+    m = {"format_version": 1, "id": _snapshot_id_v1(hashes), "files": hashes, "rows": {"episodes": 3, "turns": 9}}
+    m["manifest_sha256"] = hashlib.sha256(_canonical(m)).hexdigest()
+    (build / "manifest.json").write_text(json.dumps(m))
+    build.rename(tmp_path / m["id"])
+    assert verify_snapshot(tmp_path / m["id"]) == []
+    assert len(load_snapshot(tmp_path, m["id"]).episodes()) == 3
+    f = tmp_path / m["id"] / "turns.parquet"
+    f.write_bytes(f.read_bytes()[:-1] + b"\x00")
+    assert verify_snapshot(tmp_path / m["id"]) == ["turns.parquet: sha256 mismatch (file changed since it was written)"]
+
+
+def test_a_snapshot_id_that_is_a_path_is_refused(tmp_path):
+    for sid in ("../x", "/etc", ".tmp-1-a", ""):
+        with pytest.raises(SnapshotError, match="is not a snapshot id"):
+            load_snapshot(tmp_path, sid)

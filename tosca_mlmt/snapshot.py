@@ -2,10 +2,19 @@
 
 A snapshot is a folder ``<root>/<id>/`` holding ``episodes.parquet`` (one row per
 episode), ``turns.parquet`` (one row per turn, token ids and logprobs included) and
-``manifest.json`` (provenance). The id is a hash of the data files only, so the same
-episodes always get the same id. Folders are built under ``<root>/.tmp-<pid>-<rand>``
-and renamed into place in one step: a reader never sees a half-written snapshot, and
-an existing snapshot is never overwritten.
+``manifest.json`` (provenance, row counts, and the size and sha256 of each data file).
+
+Format 2: the id is a hash of everything in the manifest that decides what the data is
+and means (file sizes and hashes, row counts, parents, models, task, seeds, sampling,
+strategies, config without its logging and path fields); only informational fields
+(creation time, timings, summary, software versions) are left out, so that the same
+episodes from the same settings get the same id. Editing a covered field or a data file
+breaks the id, which ``verify`` and every reader check. Format 1 (id = hash of the data
+files only) is still read and verified by its own, weaker, rules.
+
+Folders are built under ``<root>/.tmp-<pid>-<rand>`` and renamed into place in one step:
+a reader never sees a half-written snapshot, an existing snapshot is never overwritten,
+and a writer that loses a race to an identical snapshot checks the winner's and succeeds.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import datetime as _dt
 import hashlib
 import json
 import os
+import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -26,9 +36,17 @@ from tosca_mlmt.episode import Episode, Turn
 from tosca_mlmt.errors import SnapshotError
 from tosca_mlmt.tasks.base import Problem
 
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+FORMAT_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
 DATA_FILES = ("episodes.parquet", "turns.parquet")
+# Manifest fields that describe the writing, not the data: left out of the id so that the
+# same episodes written again (later, elsewhere, by a newer build) keep their id.
+INFORMATIONAL = ("id", "manifest_sha256", "created_at", "timings", "summary", "tosca_mlmt_version", "git_sha",
+                 "packages")
+# Config fields that say where things live or how they are logged, not what the data is.
+LOCATION_FIELDS = ("logging", "collect.out", "upper.snapshot_root", "task.data_path", "model.solver_adapter",
+                   "model.writer_adapter", "distributed")
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 EPISODE_SCHEMA = pa.schema([
     ("episode_id", pa.string()), ("problem_id", pa.string()), ("task", pa.string()), ("split", pa.string()),
@@ -60,8 +78,34 @@ def _canonical(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
 
 
-def snapshot_id(file_hashes: dict[str, str]) -> str:
+def _without(tree: dict, dotted: tuple[str, ...]) -> dict:
+    out = {}
+    for k, v in tree.items():
+        if k in dotted:
+            continue
+        inner = tuple(d[len(k) + 1:] for d in dotted if d.startswith(k + "."))
+        out[k] = _without(v, inner) if inner and isinstance(v, dict) else v
+    return out
+
+
+def covered_content(manifest: dict) -> dict:
+    """The part of a format-2 manifest that the id stands for."""
+    c = {k: v for k, v in manifest.items() if k not in INFORMATIONAL}
+    if isinstance(c.get("config"), dict):
+        c["config"] = _without(c["config"], LOCATION_FIELDS)
+    return c
+
+
+def snapshot_id(manifest: dict) -> str:
+    return "snap-" + hashlib.sha256(_canonical(covered_content(manifest))).hexdigest()[:16]
+
+
+def _snapshot_id_v1(file_hashes: dict[str, str]) -> str:
     return "snap-" + hashlib.sha256(_canonical({k: file_hashes[k] for k in DATA_FILES})).hexdigest()[:16]
+
+
+def _manifest_sha(manifest: dict) -> str:
+    return hashlib.sha256(_canonical({k: v for k, v in manifest.items() if k != "manifest_sha256"})).hexdigest()
 
 
 # ------------------------------------------------------------------ episodes <-> tables
@@ -99,7 +143,7 @@ def tables_to_episodes(ep_table: pa.Table, turn_table: pa.Table) -> list[Episode
     return out
 
 
-# ------------------------------------------------------------------ write / read / verify
+# ------------------------------------------------------------------ write
 
 
 def _pid_alive(pid: int) -> bool:
@@ -126,9 +170,21 @@ def clean_stale_tmp(root: Path) -> int:
     return n
 
 
+def build_manifest(manifest: dict, files: dict[str, dict], rows: dict[str, int]) -> dict:
+    """The caller's provenance plus what the format adds; id and manifest hash included."""
+    m = dict(manifest)
+    m.update(format_version=FORMAT_VERSION, files=files, rows=rows,
+             created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    # Hash exactly what a reader will parse back (tuples become lists, paths strings...).
+    m = json.loads(json.dumps(m, default=str))
+    m["id"] = snapshot_id(m)
+    m["manifest_sha256"] = _manifest_sha(m)
+    return m
+
+
 def write_snapshot(root: str | Path, episodes: list[Episode], manifest: dict) -> tuple[str, bool]:
     """Write atomically; returns (id, created). ``created`` is False when an identical
-    snapshot already existed (it is left untouched)."""
+    snapshot already existed (it is verified and left untouched)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     clean_stale_tmp(root)
@@ -138,67 +194,137 @@ def write_snapshot(root: str | Path, episodes: list[Episode], manifest: dict) ->
         ep_t, turn_t = episodes_to_tables(episodes)
         pq.write_table(ep_t, tmp / "episodes.parquet")
         pq.write_table(turn_t, tmp / "turns.parquet")
-        hashes = {f: sha256_file(tmp / f) for f in DATA_FILES}
-        sid = snapshot_id(hashes)
-        m = dict(manifest)
-        m.update(format_version=FORMAT_VERSION, id=sid, files=hashes,
-                 created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                 rows={"episodes": ep_t.num_rows, "turns": turn_t.num_rows})
-        m["manifest_sha256"] = hashlib.sha256(_canonical(m)).hexdigest()
+        files = {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in DATA_FILES}
+        m = build_manifest(manifest, files, {"episodes": ep_t.num_rows, "turns": turn_t.num_rows})
+        sid = m["id"]
         with open(tmp / "manifest.json", "w") as f:
-            json.dump(m, f, indent=2, sort_keys=True, default=str)
+            json.dump(m, f, indent=2, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
         final = root / sid
-        if final.exists():
-            return sid, False
-        os.rename(tmp, final)  # atomic on one filesystem; fails rather than overwrite a non-empty dir
-        return sid, True
+        if _publish(tmp, final):
+            return sid, True
+        problems = verify_snapshot(final)
+        if problems:
+            raise SnapshotError(f"snapshot {sid}: already exists under {root} but is damaged ({problems[0]}); "
+                                f"delete that folder to write it again")
+        return sid, False
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _publish(tmp: Path, final: Path) -> bool:
+    """Rename the build folder into place; False when a snapshot of that id is already there."""
+    if final.exists():
+        return False
+    try:
+        os.rename(tmp, final)  # atomic on one filesystem; refuses to replace a non-empty folder
+    except OSError:
+        if final.exists():  # another writer of the same content renamed first
+            return False
+        raise
+    return True
+
+
+# ------------------------------------------------------------------ read / verify
+
+
 def snapshot_path(root: str | Path, sid: str) -> Path:
+    if not isinstance(sid, str) or not _ID_RE.fullmatch(sid):
+        raise SnapshotError(f"{sid!r} is not a snapshot id")
     p = Path(root) / sid
-    if not (p / "manifest.json").exists():
+    if not (p / "manifest.json").is_file():
         raise SnapshotError(f"no snapshot '{sid}' under {root}")
     return p
 
 
+def _check_files_table(files, version: int) -> str | None:
+    """What is wrong with a manifest's file table, or None."""
+    if not isinstance(files, dict):
+        return "has no file table ('files')"
+    missing = [f for f in DATA_FILES if f not in files]
+    if missing:
+        return f"its file table lacks {', '.join(missing)}"
+    for name in DATA_FILES:
+        e = files[name]
+        if version == 1:
+            ok = isinstance(e, str)
+        else:
+            ok = (isinstance(e, dict) and isinstance(e.get("sha256"), str) and type(e.get("bytes")) is int
+                  and e["bytes"] >= 0)
+        if not ok:
+            return f"file table entry for {name} is malformed"
+    return None
+
+
 def read_manifest(path: Path) -> dict:
+    """The parsed manifest of the snapshot folder ``path``, checked for shape (not content)."""
+    where = f"snapshot {path.name}: manifest.json"
     try:
-        m = json.loads((path / "manifest.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise SnapshotError(f"{path}/manifest.json: unreadable ({e})") from None
+        m = json.loads((path / "manifest.json").read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise SnapshotError(f"{where}: unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(m, dict):
+        raise SnapshotError(f"{where}: not a JSON object (a {type(m).__name__})")
     v = m.get("format_version")
-    if v not in SUPPORTED_VERSIONS:
-        raise SnapshotError(f"{path}: snapshot format version {v!r} is not supported by this tosca-mlmt "
-                            f"(supported: {', '.join(map(str, SUPPORTED_VERSIONS))}); upgrade tosca-mlmt")
+    if type(v) is not int or v not in SUPPORTED_VERSIONS:
+        raise SnapshotError(f"snapshot {path.name}: snapshot format version {v!r} is not supported by this "
+                            f"tosca-mlmt (supported: {', '.join(map(str, SUPPORTED_VERSIONS))}); upgrade tosca-mlmt")
+    if not isinstance(m.get("id"), str):
+        raise SnapshotError(f"{where}: has no id")
+    bad = _check_files_table(m.get("files"), v)
+    if bad:
+        raise SnapshotError(f"{where}: {bad}")
+    rows = m.get("rows")
+    if v >= 2 and not (isinstance(rows, dict) and all(type(rows.get(k)) is int for k in ("episodes", "turns"))):
+        raise SnapshotError(f"{where}: row counts ('rows') missing or malformed")
     return m
+
+
+def _file_problem(path: Path, name: str, want, version: int) -> str | None:
+    f = path / name
+    if not f.is_file():
+        return f"{name}: missing"
+    sha = want if version == 1 else want["sha256"]
+    if version >= 2 and f.stat().st_size != want["bytes"]:
+        return f"{name}: size {f.stat().st_size} bytes, manifest says {want['bytes']} (truncated or replaced)"
+    try:
+        got = sha256_file(f)
+    except OSError as e:
+        return f"{name}: unreadable ({e.strerror})"
+    return None if got == sha else f"{name}: sha256 mismatch (file changed since it was written)"
 
 
 def verify_snapshot(path: Path) -> list[str]:
     """Re-hash everything; returns a list of problems (empty = intact)."""
-    problems = []
     try:
         m = read_manifest(path)
     except SnapshotError as e:
         return [str(e)]
-    claimed = m.pop("manifest_sha256", None)
-    if claimed != hashlib.sha256(_canonical(m)).hexdigest():
+    v = m["format_version"]
+    problems = []
+    if m.get("manifest_sha256") != _manifest_sha(m):
         problems.append("manifest.json: content does not match its manifest_sha256 (edited or corrupted)")
-    for name, want in m.get("files", {}).items():
-        f = path / name
-        if not f.exists():
-            problems.append(f"{name}: missing")
-        elif sha256_file(f) != want:
-            problems.append(f"{name}: sha256 mismatch (file changed since it was written)")
-    if not problems and snapshot_id(m["files"]) != m.get("id"):
-        problems.append(f"id {m.get('id')} does not match the data hashes")
-    if path.name != m.get("id"):
-        problems.append(f"folder name {path.name} differs from manifest id {m.get('id')}")
+    problems += [p for name in DATA_FILES if (p := _file_problem(path, name, m["files"][name], v))]
+    want_id = _snapshot_id_v1(m["files"]) if v == 1 else snapshot_id(m)
+    if v >= 2 and want_id != m["id"]:
+        problems.append(f"manifest.json: id {m['id']} does not match its content (manifest edited)")
+    elif v == 1 and not problems and want_id != m["id"]:
+        problems.append(f"id {m['id']} does not match the data hashes")
+    if path.name != m["id"]:
+        problems.append(f"folder name {path.name} differs from manifest id {m['id']}")
     return problems
+
+
+def check_snapshot(path: Path) -> None:
+    """Raise SnapshotError naming the snapshot and its first problem, if it has any."""
+    problems = verify_snapshot(path)
+    if problems:
+        more = f" (+{len(problems) - 1} more; see mlmt snapshots verify)" if len(problems) > 1 else ""
+        first = problems[0]
+        prefix = "" if first.startswith(f"snapshot {path.name}:") else f"snapshot {path.name}: "
+        raise SnapshotError(f"{prefix}{first}{more}; pass --no-verify to read it anyway")
 
 
 @dataclass
@@ -211,24 +337,58 @@ class Snapshot:
         return self.manifest["id"]
 
     def tables(self) -> tuple[pa.Table, pa.Table]:
-        return pq.read_table(self.path / "episodes.parquet"), pq.read_table(self.path / "turns.parquet")
+        try:
+            return (pq.read_table(self.path / "episodes.parquet").cast(EPISODE_SCHEMA),
+                    pq.read_table(self.path / "turns.parquet").cast(TURN_SCHEMA))
+        except (OSError, pa.ArrowException, ValueError) as e:
+            raise SnapshotError(f"snapshot {self.path.name}: unreadable data ({type(e).__name__}: {e})") from None
 
     def episodes(self) -> list[Episode]:
-        return tables_to_episodes(*self.tables())
+        tables = self.tables()
+        try:
+            return tables_to_episodes(*tables)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # a forged or foreign file
+            raise SnapshotError(f"snapshot {self.path.name}: malformed rows ({type(e).__name__}: {e})") from None
 
 
-def load_snapshot(root: str | Path, sid: str) -> Snapshot:
+def load_snapshot(root: str | Path, sid: str, verify: bool = True) -> Snapshot:
+    """The snapshot ``sid`` under ``root``; with ``verify`` its sizes, hashes and id are
+    checked first (SnapshotError naming the problem), so nothing damaged or edited is read."""
     p = snapshot_path(root, sid)
-    return Snapshot(p, read_manifest(p))
+    m = read_manifest(p)
+    if verify:
+        check_snapshot(p)
+    return Snapshot(p, m)
 
 
 def list_snapshots(root: str | Path) -> list[dict]:
     root = Path(root)
     out = []
-    for d in sorted(root.iterdir()) if root.exists() else []:
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
         if d.is_dir() and not d.name.startswith(".") and (d / "manifest.json").exists():
             try:
                 out.append(read_manifest(d))
             except SnapshotError as e:
                 out.append({"id": d.name, "error": str(e)})
-    return sorted(out, key=lambda m: m.get("created_at", ""))
+    return sorted(out, key=lambda m: str(m.get("created_at", "")))
+
+
+def summary_line(m: dict) -> str:
+    """One line for ``mlmt snapshots list``: id, created, task/split, episodes, accuracies.
+    Any field may be missing or odd (old or hand-made manifests): shown as '?'."""
+    if "error" in m:
+        return f"{m.get('id')}  ERROR {m['error']}"
+
+    def get(*keys):
+        v = m
+        for k in keys:
+            v = v.get(k) if isinstance(v, dict) else None
+        return "?" if v is None else v
+
+    def num(*keys):
+        v = get(*keys)
+        return f"{v:.3f}" if isinstance(v, (int, float)) and not isinstance(v, bool) else "?"
+
+    return (f"{m.get('id')}  {get('created_at')}  {get('task', 'name')}/{get('task', 'split')}  "
+            f"episodes={get('rows', 'episodes')}  acc_t1={num('summary', 'acc_t1')}  "
+            f"acc_final={num('summary', 'acc_final')}")
