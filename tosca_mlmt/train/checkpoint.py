@@ -1,25 +1,42 @@
-"""Atomic checkpoints with everything needed to continue exactly.
+"""Atomic, self-verifying checkpoints with everything needed to continue exactly.
 
 Layout: ``<run>/checkpoints/step-000120/`` holding ``state.json`` (counters, data
-position, stage), ``rng.pt`` (python/numpy/torch generator states) and whatever the
-trainer writes (adapters, heads, optimizer, scheduler). A checkpoint folder is built
-under a temp name (``.step-000120.partial``) and renamed, then ``<run>/checkpoints/latest`` is replaced
-atomically, so a crash at any point leaves the previous checkpoint intact.
+position, stage, the metrics file's length at that point), ``rng.pt`` (python/numpy/torch
+generator states), whatever the trainer writes (adapters, heads, optimizer, scheduler)
+and, written last, ``complete.json``: the size and sha256 of every other file. A
+checkpoint folder is built under a temp name (``.step-000120.partial``) and renamed, then
+``<run>/checkpoints/latest`` is replaced atomically, so a crash at any point leaves the
+previous checkpoint intact.
+
+Resuming does not trust the ``latest`` pointer: it takes the newest checkpoint whose files
+all match ``complete.json``, and warns about each newer one it skips (a file missing,
+truncated or changed), so a damaged checkpoint costs the steps since the one before it,
+never the run. Checkpoints written before ``complete.json`` existed are used unverified.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from tosca_mlmt.errors import MlmtError
 from tosca_mlmt.train import distributed as dist
+
+COMPLETE = "complete.json"
+CHECKPOINT_FORMAT = 1
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (damaged) or used without verification (old format)."""
 
 
 def rng_state() -> dict:
@@ -36,10 +53,61 @@ def _rng_file(rank: int) -> str:
     return "rng.pt" if rank == 0 else f"rng-rank{rank}.pt"
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_table(folder: Path) -> dict[str, dict]:
+    return {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != COMPLETE}
+
+
+def checkpoint_problem(ck: Path) -> str | None:
+    """Why ``ck`` cannot be resumed from, or None. Sizes are compared before any hashing."""
+    marker = ck / COMPLETE
+    if not marker.is_file():
+        if not (ck / "state.json").is_file():
+            return f"{COMPLETE} and state.json missing (incomplete)"
+        try:
+            json.loads((ck / "state.json").read_text())
+        except (OSError, ValueError) as e:
+            return f"state.json unreadable ({e})"
+        return None  # an old-format checkpoint: usable, not verifiable (the caller warns)
+    try:
+        files = json.loads(marker.read_text())["files"]
+        entries = [(name, int(e["bytes"]), str(e["sha256"])) for name, e in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{COMPLETE} unreadable ({type(e).__name__}: {e})"
+    if "state.json" not in files:
+        return f"{COMPLETE} lists no state.json"
+    for name, size, _ in entries:
+        f = ck / name
+        if not f.is_file():
+            return f"{name} missing"
+        if f.stat().st_size != size:
+            return f"{name} is {f.stat().st_size} bytes, {size} were written (truncated or replaced)"
+    for name, _, sha in entries:
+        if _sha256(ck / name) != sha:
+            return f"{name} changed since it was written (sha256 mismatch)"
+    return None
+
+
+def _step_of(d: Path) -> int:
+    try:
+        return int(d.name.split("-", 1)[1])
+    except (IndexError, ValueError):
+        return -1
+
+
 class CheckpointManager:
     def __init__(self, run_dir: str | Path, keep: int = 2):
         self.dir = Path(run_dir) / "checkpoints"
         self.keep = keep
+        self._resume: tuple[str | None, str | None] | None = None  # latest()'s answer, warned about once
 
     def save(self, step: int, write: Callable[[Path], None], state: dict) -> Path:
         """``write(folder)`` puts the trainer's files in place; ``state`` goes to state.json.
@@ -47,6 +115,7 @@ class CheckpointManager:
         its own RNG state (and DeepSpeed its own partitions); rank 0 publishes the folder."""
         final = self.dir / f"step-{step:06d}"
         tmp = self.dir / f".{final.name}.partial"
+        self._resume = None  # a new checkpoint changes the answer of latest()
         main = dist.is_main()
         if main:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -59,6 +128,9 @@ class CheckpointManager:
             dist.barrier()
             if main:
                 (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2, default=str))
+                # Last file in: its presence and table say every other file is whole.
+                (tmp / COMPLETE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": step,
+                                                        "files": file_table(tmp)}, indent=1))
                 if final.exists():
                     shutil.rmtree(final)
                 os.replace(tmp, final)
@@ -72,12 +144,40 @@ class CheckpointManager:
         dist.barrier()
         return final
 
+    def checkpoints(self) -> list[Path]:
+        """Published checkpoint folders, newest first (temp folders are not among them)."""
+        found = [d for d in self.dir.glob("step-*") if d.is_dir() and _step_of(d) >= 0] if self.dir.is_dir() else []
+        return sorted(found, key=_step_of, reverse=True)
+
     def latest(self) -> Path | None:
-        p = self.dir / "latest"
-        if not p.exists():
-            return None
-        ck = self.dir / p.read_text().strip()
-        return ck if (ck / "state.json").exists() else None
+        """The newest checkpoint that verifies (None when there is none at all). Warns once
+        about each newer one skipped; raises MlmtError when checkpoints exist but none is
+        usable, rather than silently starting over. Rank 0 decides for every rank."""
+        if self._resume is None:
+            outcome = self._choose() if dist.is_main() else None
+            self._resume = dist.broadcast(outcome)
+        name, error = self._resume
+        if error:
+            raise MlmtError(error)
+        return None if name is None else self.dir / name
+
+    def _choose(self) -> tuple[str | None, str | None]:
+        skipped = []
+        for ck in self.checkpoints():
+            why = checkpoint_problem(ck)
+            if why is None:
+                for s in skipped:
+                    warnings.warn(f"resume: skipping checkpoint {s}; using {ck.name}", CheckpointWarning,
+                                  stacklevel=4)
+                if not (ck / COMPLETE).exists():
+                    warnings.warn(f"resume: {ck} predates verified checkpoints ({COMPLETE}); using it unverified",
+                                  CheckpointWarning, stacklevel=4)
+                return ck.name, None
+            skipped.append(f"{ck.name} ({why})")
+        if skipped:
+            return None, (f"{self.dir}: no usable checkpoint to resume from: {'; '.join(skipped)}; "
+                          f"delete the damaged folder(s) to start the run over")
+        return None, None
 
     @staticmethod
     def load_state(ck: Path, restore_rng: bool = True) -> dict:
