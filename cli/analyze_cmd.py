@@ -16,6 +16,8 @@ def analyze(
                                         help="Run folders, snapshot folders or snapshot ids (under --root)."),
     out: Path = typer.Option(..., "--out", "-o", help="Output folder for report.md and the PNG figures."),
     root: Path = typer.Option(Path("snapshots"), help="Snapshot root for arguments given as snapshot ids."),
+    no_verify: bool = typer.Option(False, "--no-verify",
+                                   help="Read snapshots without checking their sizes, hashes and id."),
 ):
     """Learning curves, accuracy per turn, correction matrix, strategies, bonus and feedback length.
 
@@ -23,6 +25,6 @@ def analyze(
     from tosca_mlmt.cli.main import err
     from tosca_mlmt.pipelines.analyze import analyze as run
 
-    res = run(sources, out, root, console=err)
+    res = run(sources, out, root, console=err, verify=not no_verify)
     err.print(f"analyze: {len(res.figures)} figure(s) in {out}", highlight=False)
     print(res.report)

@@ -14,6 +14,9 @@ def train_joint(
     rounds: Optional[int] = typer.Option(None, help="Rounds (joint.rounds)."),
     engine: Optional[str] = typer.Option(None, help="Rollout engine: hf or vllm."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out after a crash or kill."),
+    allow_drift: list[str] = typer.Option([], "--allow-drift", metavar="FIELD",
+                                          help="On --resume, accept this changed config field (repeatable; only "
+                                               "fields safe to change, see the README)."),
     set_: list[str] = typer.Option([], "--set", help="Any config field (repeatable)."),
     no_wandb: bool = typer.Option(False, "--no-wandb", help="Do not log to wandb."),
 ):
@@ -26,7 +29,7 @@ def train_joint(
     ov = {k: v for k, v in {"joint.rounds": rounds, "engine.name": engine}.items() if v is not None}
     ov.update(_flag_overrides(no_wandb))
     ov.update(_parse_sets(set_))
-    res = run(load_config(config, ov), out, resume=resume, console=err)
+    res = run(load_config(config, ov), out, resume=resume, console=err, allow_drift=tuple(allow_drift))
     for rec in res.manifest["rounds"]:
         m = rec.get("collect_metrics", {})
         _print_summary(f"round {rec['round']}: snapshot {rec.get('snapshot')}", {**m, **{

@@ -17,6 +17,11 @@ def train_lower(
     task: Optional[str] = typer.Option(None, help="Task: arith, gsm8k, math500, mbpp."),
     engine: Optional[str] = typer.Option(None, help="Rollout engine: hf or vllm."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its latest checkpoint."),
+    allow_drift: list[str] = typer.Option([], "--allow-drift", metavar="FIELD",
+                                          help="On --resume, accept this changed config field (repeatable; only "
+                                               "fields safe to change, see the README)."),
+    no_verify: bool = typer.Option(False, "--no-verify",
+                                   help="Read snapshots without checking their sizes, hashes and id."),
     set_: list[str] = typer.Option([], "--set", help="Any config field: --set lower.bonus.coef=0.2 (repeatable)."),
     no_wandb: bool = typer.Option(False, "--no-wandb", help="Do not log to wandb (metrics.jsonl is always written)."),
 ):
@@ -30,7 +35,8 @@ def train_lower(
     ov.update(_flag_overrides(no_wandb))
     ov.update(_parse_sets(set_))
     cfg = load_config(config, ov)
-    res = run(cfg, out, snapshot_ids=list(snapshot) or None, snapshot_root=root, resume=resume, console=err)
+    res = run(cfg, out, snapshot_ids=list(snapshot) or None, snapshot_root=root, resume=resume, console=err,
+              allow_drift=tuple(allow_drift), verify=not no_verify)
     keys = ("lower/acc_t1", "lower/acc_final", "lower/kl", "lower/bonus/mean", "lower/entropy", "lower/clipfrac",
             "lower/grad_norm", "lower/iteration_seconds")
     _print_summary(f"train-lower: {res.iterations} iterations", {k: res.last_metrics[k] for k in keys

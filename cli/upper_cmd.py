@@ -20,6 +20,11 @@ def train_upper(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (e.g. configs/upper.yaml)."),
     set_: list[str] = typer.Option([], "--set", help="Any config field: --set upper.conservatism=iql (repeatable)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its latest checkpoint."),
+    allow_drift: list[str] = typer.Option([], "--allow-drift", metavar="FIELD",
+                                          help="On --resume, accept this changed config field (repeatable; only "
+                                               "fields safe to change, see the README)."),
+    no_verify: bool = typer.Option(False, "--no-verify",
+                                   help="Read snapshots without checking their sizes, hashes and id."),
     seed: Optional[int] = typer.Option(None, help="Master seed (batch order, LoRA init)."),
     deterministic: bool = typer.Option(False, "--deterministic", help="Determinism mode (exactly resumable)."),
     no_wandb: bool = typer.Option(False, "--no-wandb", help="Do not log to wandb (metrics.jsonl is always written)."),
@@ -43,7 +48,7 @@ def train_upper(
     cfg = load_config(config, ov)
     from tosca_mlmt.pipelines.train_upper import train_upper as run
 
-    res = run(cfg, out, resume=resume, console=err)
+    res = run(cfg, out, resume=resume, console=err, allow_drift=tuple(allow_drift), verify=not no_verify)
     _print_summary(f"train-upper {out} (step {res.step})", res.metrics)
     err.print(f"report: {out / 'report.md'}")
     print(res.writer_dir)

@@ -1,8 +1,8 @@
 """``mlmt analyze``: an offline report from run folders and snapshots (no model is loaded).
 
 Steps: resolve the arguments -> read every snapshot manifest (unknown format versions are
-refused here, before any data is read) -> read metrics.jsonl records and snapshot turns ->
-tables (pure) -> figures -> report. Output folder::
+refused here, before any data is read) -> verify each snapshot (sizes, hashes, id) -> read
+metrics.jsonl records and snapshot turns -> tables (pure) -> figures -> report. Output folder::
 
     <out>/report.md     every table, linking every figure by a relative path
     <out>/*.png         the figures
@@ -17,7 +17,8 @@ from tosca_mlmt.analysis import plots
 from tosca_mlmt.analysis.report import render_report
 from tosca_mlmt.analysis.sources import read_metrics, read_turns, resolve
 from tosca_mlmt.analysis.tables import Tables, compute_tables
-from tosca_mlmt.errors import MlmtError
+from tosca_mlmt.pipelines.rundir import check_writable
+from tosca_mlmt.snapshot import check_snapshot
 
 
 @dataclass
@@ -27,11 +28,15 @@ class AnalyzeResult:
     tables: Tables
 
 
-def analyze(sources: list[str], out: str | Path, root: str | Path = "snapshots", console=None) -> AnalyzeResult:
+def analyze(sources: list[str], out: str | Path, root: str | Path = "snapshots", console=None,
+            verify: bool = True) -> AnalyzeResult:
+    """``verify``: check every snapshot's sizes, hashes and id before reading it."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise MlmtError(f"--out {out} is a file, not a folder")
+    check_writable(out)
     src = resolve(sources, Path(root))
+    if verify:
+        for folder, _ in src.snapshots.values():
+            check_snapshot(folder)
     if console is not None:
         console.print(f"analyze: {len(src.metrics)} metrics file(s), {len(src.snapshots)} snapshot(s)",
                       highlight=False)

@@ -20,6 +20,7 @@ from tosca_mlmt.config import Config
 from tosca_mlmt.engines import make_engine
 from tosca_mlmt.episode import EpisodeRunner, to_params
 from tosca_mlmt.metrics import MetricsSink, StageTimer, summarize
+from tosca_mlmt.pipelines.rundir import check_writable
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.snapshot import write_snapshot
 from tosca_mlmt.tasks import make_task
@@ -38,6 +39,9 @@ def collect(cfg: Config, policies: PolicyPair | None = None, engine=None, log_di
             console=None, problems: list | None = None) -> CollectResult:
     """``problems`` overrides the task's first ``task.limit`` problems (train-joint rotates them)."""
     runtime.setup(cfg)
+    # Episodes live in memory until the end: a snapshot root that cannot be written must
+    # fail now, not after all of them were generated.
+    check_writable(cfg.collect.out, "collect.out")
     timer = StageTimer()
     with timer("load_task"):
         task = make_task(cfg.task)
@@ -67,7 +71,7 @@ def collect(cfg: Config, policies: PolicyPair | None = None, engine=None, log_di
         n_mine = sum(len(batches[b]) for b in mine)  # rank 0's bar counts its own share
         bar = progress.add_task(cfg.task.name, total=n_mine * n * turns_per_episode)
         runner = EpisodeRunner(cfg, task, engine, policies,
-                               on_turn=lambda kind, k: progress.update(bar, advance=k * (n if kind == "solve" else 1),
+                               on_turn=lambda kind, k: progress.update(bar, advance=k * {"solve": n, "counterfactual": 0}.get(kind, 1),
                                                                         description=f"{cfg.task.name}: {kind}"))
         with timer("episodes"), policies.full_weights():  # ZeRO-3: whole weights, no per-forward collectives
             # Under several processes each rank plays a contiguous share of the batches, so the

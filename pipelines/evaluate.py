@@ -14,6 +14,7 @@ from pathlib import Path
 from tosca_mlmt.config import Config
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.pipelines.collect import collect
+from tosca_mlmt.pipelines.rundir import check_writable
 from tosca_mlmt.train import distributed as dist
 
 
@@ -31,6 +32,7 @@ def adapters_from_run(run: Path) -> dict[str, str]:
 def evaluate(cfg: Config, out: str | Path, console=None) -> dict:
     if cfg.task.split != "test":
         raise ConfigError("invalid value for field 'task.split': eval runs on held-out problems only (test)")
+    check_writable(out)
     cfg = replace(cfg, solver_sampling=replace(cfg.solver_sampling, temperature=0.0),
                   writer_sampling=replace(cfg.writer_sampling, temperature=0.0),
                   episode=replace(cfg.episode, n_samples=1,

@@ -23,8 +23,9 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import yaml
 from tosca_mlmt.pipelines.collect import collect
+from tosca_mlmt.pipelines.rundir import (check_allow_drift, check_drift, check_writable, metrics_size,
+                                         rewind_metrics, write_config)
 from tosca_mlmt.pipelines.train_lower import train_lower
 from tosca_mlmt.pipelines.train_upper import train_upper
 
@@ -36,6 +37,7 @@ from tosca_mlmt.fsutil import atomic_dir
 from tosca_mlmt.metrics import MetricsSink, StageTimer
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.train import distributed as dist
+from tosca_mlmt.train.checkpoint import CheckpointManager
 
 STEPS = ("collect", "upper", "lower")
 
@@ -54,31 +56,48 @@ def _write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def _read_manifest(path: Path) -> dict:
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise MlmtError(f"--resume: {path} unreadable ({e})") from None
+    if not isinstance(m, dict) or not isinstance(m.get("rounds"), list):
+        raise MlmtError(f"--resume: {path} is not a train-joint manifest")
+    return m
+
+
 def _round_dir(run: Path, r: int) -> Path:
     return run / "rounds" / f"{r:03d}"
 
 
 def train_joint(cfg: Config, run_dir: str | Path, resume: bool = False, console=None,
-                policies: PolicyPair | None = None, stop_after: tuple[int, str] | None = None) -> JointResult:
+                policies: PolicyPair | None = None, stop_after: tuple[int, str] | None = None,
+                allow_drift=()) -> JointResult:
     """``stop_after=(round, step)`` returns right after that step finished, as a kill would
-    (tests use it for the resume-equivalence check)."""
+    (tests use it for the resume-equivalence check). ``allow_drift``: config fields that may
+    differ from the run's on resume (see ``rundir.SAFE_DRIFT``)."""
     runtime.setup(cfg)
     jc = cfg.joint
     run = Path(run_dir)
     man_path = run / "manifest.json"
+    allow_drift = check_allow_drift("train-joint", allow_drift)
+    check_writable(run)
     if man_path.exists() and not resume:
         raise MlmtError(f"{run} already holds a train-joint run; pass --resume or choose another --out")
     if man_path.exists():
-        manifest = json.loads(man_path.read_text())
+        manifest = _read_manifest(man_path)
+        if (run / "config.yaml").exists():
+            check_drift(run, cfg, "train-joint", allow_drift)
     else:
         manifest = {"stage": "train-joint", "tosca_mlmt_version": __version__, "git_sha": runtime.git_sha(),
-                    "rounds": [], "solver": None, "writer": None}
+                    "rounds": [], "solver": None, "writer": None, "metrics_bytes": 0}
     manifest = dist.broadcast(manifest)
     dist.barrier()  # every rank has read it before rank 0 writes
+    write_config(run, cfg)
     if dist.is_main() and not man_path.exists():
-        run.mkdir(parents=True, exist_ok=True)
-        (run / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         _write_json(man_path, manifest)
+    # Lines logged after the manifest's last update belong to a step that runs again.
+    rewind_metrics(run, manifest.get("metrics_bytes"))
     policies = policies or PolicyPair(cfg.model, seed=cfg.seed)
     if manifest["solver"]:
         policies.load_role("solver", run / manifest["solver"])
@@ -120,9 +139,10 @@ def train_joint(cfg: Config, run_dir: str | Path, resume: bool = False, console=
                 rec["done"].append(step)
                 rec.setdefault("seconds", {})[step] = round(timer.seconds[step], 3)
                 manifest["seconds_used"] = round(time.perf_counter() - t_start, 3)
-                _write_json(man_path, manifest)
                 sink.log({f"joint/time/{step}": timer.seconds[step], "joint/round": r,
                           **{f"joint/{k}": v for k, v in rec.get(f"{step}_metrics", {}).items()}}, step=r)
+                manifest["metrics_bytes"] = dist.broadcast(metrics_size(run))
+                _write_json(man_path, manifest)
                 if stop_after == (r, step):
                     return JointResult(run, manifest)
         if dist.is_main():
@@ -158,11 +178,13 @@ def _upper(cfg, rec, manifest, run, rdir, snap_root, policies, console, r) -> No
     if jc.freeze_writer or r % jc.upper_every != 0:
         rec["upper"] = None
         return
-    window = [x["snapshot"] for x in manifest["rounds"][max(0, r - jc.replay_window + 1): r + 1]]
+    first = 0 if jc.replay_window == 0 else max(0, r - jc.replay_window + 1)  # 0 = replay every round
+    window = [x["snapshot"] for x in manifest["rounds"][first: r + 1]]
     ucfg = replace(cfg, upper=replace(cfg.upper, snapshots=window, snapshot_root=str(snap_root), steps=jc.upper_steps),
                    logging=replace(cfg.logging, wandb=False))
     out = rdir / "upper"
-    res = train_upper(ucfg, out, resume=out.exists(), policies=policies, console=console)
+    # allow_drift=None: this run's own config was checked against the joint config.yaml
+    res = train_upper(ucfg, out, resume=out.exists(), policies=policies, console=console, allow_drift=None)
     rec["upper"] = str(out.relative_to(run))
     rec["upper_snapshots"] = window
     manifest["writer"] = str(res.writer_dir.relative_to(run))
@@ -177,12 +199,9 @@ def _lower(cfg, rec, manifest, run, rdir, policies, engine, console, r) -> None:
                    logging=replace(cfg.logging, wandb=False))
     out = rdir / "lower"
     prev = next((x["lower"] for x in reversed(manifest["rounds"][:r]) if x.get("lower")), None)
-    prev_ck = None
-    if prev:
-        latest = run / prev / "checkpoints" / "latest"
-        prev_ck = run / prev / "checkpoints" / latest.read_text().strip() if latest.exists() else None
+    prev_ck = CheckpointManager(run / prev).latest() if prev else None
     res = train_lower(lcfg, out, resume=(out / "config.yaml").exists(), policies=policies, engine=engine,
-                      console=console, init_from=prev_ck)
+                      console=console, init_from=prev_ck, allow_drift=None)
     rec["lower"] = str(out.relative_to(run))
     rec["lower_snapshots"] = sorted(p.name for p in (out / "snapshots").iterdir()
                                     if p.is_dir() and not p.name.startswith(".")) if (out / "snapshots").exists() else []

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import yaml
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tosca_mlmt import __version__, runtime
@@ -31,6 +30,8 @@ from tosca_mlmt.snapshot import load_snapshot, write_snapshot
 from tosca_mlmt.tasks import make_task
 from tosca_mlmt.train import distributed as dist
 from tosca_mlmt.train.checkpoint import CheckpointManager
+from tosca_mlmt.pipelines.rundir import (check_allow_drift, check_drift, check_writable, metrics_size,
+                                         rewind_metrics, write_config)
 
 
 @dataclass
@@ -53,46 +54,74 @@ def iteration_indices(n_pool: int, per_iter: int, iteration: int, seed: int) -> 
     return out
 
 
-def _init_run(run: Path, cfg: Config, resume: bool, extra: dict) -> None:
+def _init_run(run: Path, cfg: Config, resume: bool, allow_drift, extra: dict) -> None:
+    """Refuse what cannot be continued before any model loads, then (re)write config.yaml."""
+    check_writable(run)
     cfg_file = run / "config.yaml"
     if cfg_file.exists() and not resume:
         raise MlmtError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
+    if cfg_file.exists() and allow_drift is not None:
+        check_drift(run, cfg, "train-lower", allow_drift)
+        before = _read_run_json(run).get("snapshots", [])
+        if before != extra["snapshots"]:
+            raise MlmtError(f"--resume: --snapshot {' '.join(extra['snapshots']) or '(none: online)'} differs from "
+                            f"the run's ({' '.join(before) or 'none: online'}); resume with the same snapshots")
     dist.barrier()  # every rank has checked before rank 0 writes
-    if dist.is_main() and not cfg_file.exists():
-        run.mkdir(parents=True, exist_ok=True)
-        cfg_file.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    write_config(run, cfg)
+    if dist.is_main() and not (run / "run.json").exists():
         (run / "run.json").write_text(json.dumps({"stage": "train-lower", "tosca_mlmt_version": __version__,
                                                   "git_sha": runtime.git_sha(), **extra}, indent=2))
+
+
+def _read_run_json(run: Path) -> dict:
+    try:
+        rec = json.loads((run / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return rec if isinstance(rec, dict) else {}
 
 
 def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None = None,
                 snapshot_root: str | Path = "snapshots", resume: bool = False, console=None,
                 policies: PolicyPair | None = None, engine=None, stop_after: int | None = None,
-                init_from: Path | None = None) -> LowerResult:
+                init_from: Path | None = None, allow_drift=(), verify: bool = True) -> LowerResult:
     """``stop_after`` ends the process-equivalent of a crash after that many iterations
     (used by resume tests); checkpoints are written as usual up to then. ``init_from`` is a
     checkpoint whose value head and optimizer state a fresh run starts from (train-joint
-    carries the solver's critic and Adam moments from round to round this way)."""
+    carries the solver's critic and Adam moments from round to round this way).
+    ``allow_drift``: config fields that may differ from the run's on resume (checked by
+    ``rundir.check_allow_drift``); None when the caller (train-joint) checked its own config.
+    ``verify``: check each ``snapshot_ids`` snapshot's sizes, hashes and id before reading it."""
     runtime.setup(cfg)
     run = Path(run_dir)
     lo = cfg.lower
-    _init_run(run, cfg, resume, {"snapshots": snapshot_ids or []})
+    if allow_drift is not None:
+        allow_drift = check_allow_drift("train-lower", allow_drift)
+    _init_run(run, cfg, resume, allow_drift, {"snapshots": snapshot_ids or []})
     timer = StageTimer()
+    ck = CheckpointManager(run, keep=lo.keep_checkpoints)
+    latest = ck.latest() if resume else None  # verified; decided before the model loads
+    offline = None
+    if snapshot_ids:  # read (and verified) before the model loads: a bad snapshot fails fast
+        offline = _load_offline(snapshot_ids, snapshot_root, verify)
     with timer("load_models"):
         policies = policies or PolicyPair(cfg.model, seed=cfg.seed)
         trainer = PPOTrainer(cfg, policies)
-    ck = CheckpointManager(run, keep=lo.keep_checkpoints)
     start = 0
-    if resume and ck.latest() is not None:
-        latest = ck.latest()
+    if latest is not None:
         trainer.load(latest)
-        start = CheckpointManager.load_state(latest)["iteration"]
-    elif init_from is not None:
-        trainer.load_trainer_state(Path(init_from))
+        state = CheckpointManager.load_state(latest)
+        start = state["iteration"]
+        rewind_metrics(run, state.get("metrics_bytes"))
+    else:
+        if resume:  # nothing was checkpointed: every logged iteration runs again
+            rewind_metrics(run, 0)
+        if init_from is not None:
+            trainer.load_trainer_state(Path(init_from))
     task = make_task(cfg.task)
-    offline = None
-    if snapshot_ids:
-        offline = _load_offline(cfg, snapshot_ids, snapshot_root, policies)
+    if offline is not None:
+        _warn_off_policy(offline, policies)
+        offline = [e for _, eps in offline for e in eps]
     else:
         pool = task.load(cfg.task.split, cfg.task.limit or None, cfg.task.skip_bad_rows).problems
         engine = engine or make_engine(cfg, policies)
@@ -159,7 +188,8 @@ def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None
             if done % lo.save_every == 0 or done == lo.iterations:
                 with it_timer("checkpoint"):
                     ck.save(done, trainer.save, {"iteration": done, "stage": upd.get("stage", 0),
-                                                 "optimizer_steps": trainer.optimizer_steps})
+                                                 "optimizer_steps": trainer.optimizer_steps,
+                                                 "metrics_bytes": metrics_size(run)})
             if stop_after is not None and done >= stop_after:
                 break
     if done == lo.iterations:
@@ -170,16 +200,23 @@ def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None
     return LowerResult(run, done, metrics)
 
 
-def _load_offline(cfg: Config, ids: list[str], root, policies: PolicyPair):
-    current = policies.fingerprint("solver")
-    episodes = []
+def _load_offline(ids: list[str], root, verify: bool) -> list[tuple]:
+    """(snapshot, episodes) per id."""
+    out = []
     for sid in ids:
-        snap = load_snapshot(root, sid)
-        fp = snap.manifest.get("models", {}).get("solver", {})
-        if fp.get("adapter_sha") != current["adapter_sha"] or fp.get("base_sha") != current["base_sha"]:
-            warnings.warn(f"snapshot {sid} was sampled by a different solver than the one being trained: "
-                          "the data is off-policy (consider --set lower.old_logprobs=behaviour)", stacklevel=2)
-        episodes += snap.episodes()
-    if not episodes:
+        snap = load_snapshot(root, sid, verify=verify)
+        out.append((snap, snap.episodes()))
+    if not any(eps for _, eps in out):
         raise MlmtError("the given snapshots hold no episodes")
-    return episodes
+    return out
+
+
+def _warn_off_policy(offline: list[tuple], policies: PolicyPair) -> None:
+    current = policies.fingerprint("solver")
+    for snap, _ in offline:
+        models = snap.manifest.get("models")
+        fp = models.get("solver") if isinstance(models, dict) else None
+        fp = fp if isinstance(fp, dict) else {}
+        if fp.get("adapter_sha") != current["adapter_sha"] or fp.get("base_sha") != current["base_sha"]:
+            warnings.warn(f"snapshot {snap.id} was sampled by a different solver than the one being trained: "
+                          "the data is off-policy (consider --set lower.old_logprobs=behaviour)", stacklevel=3)

@@ -22,7 +22,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tosca_mlmt import __version__, runtime
@@ -30,17 +29,14 @@ from tosca_mlmt.config import Config
 from tosca_mlmt.errors import MlmtError, SnapshotError
 from tosca_mlmt.metrics import MetricsSink, StageTimer
 from tosca_mlmt.models.policies import PolicyPair
-from tosca_mlmt.snapshot import load_snapshot, verify_snapshot
+from tosca_mlmt.snapshot import load_snapshot
 from tosca_mlmt.train import distributed as dist
 from tosca_mlmt.train.checkpoint import CheckpointManager
 from tosca_mlmt.upper.dataset import build_transitions, check_strategies
 from tosca_mlmt.upper.learner import UpperLearner
 from tosca_mlmt.upper.report import evaluate_q, preference_table, render_markdown
-
-# Fields that may differ when a run is resumed: they change bookkeeping, not the weights.
-RESUMABLE_CHANGES = ("logging", "upper.steps", "upper.save_every", "upper.keep_checkpoints", "upper.log_every",
-                     "upper.eval_every")
-
+from tosca_mlmt.pipelines.rundir import (check_allow_drift, check_drift, check_writable, metrics_size,
+                                         rewind_metrics, write_config)
 
 @dataclass
 class UpperResult:
@@ -51,20 +47,25 @@ class UpperResult:
 
 
 def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies: PolicyPair | None = None,
-                console=None, stop_at: int | None = None) -> UpperResult:
+                console=None, stop_at: int | None = None, allow_drift=(), verify: bool = True) -> UpperResult:
     """Run the stage. ``policies`` is used as given (its writer adapter and Q head are the
     starting point and are replaced by the trained ones). ``stop_at`` ends the loop after
-    that step without a final checkpoint, as a crash would (tests)."""
+    that step without a final checkpoint, as a crash would (tests). ``allow_drift``: config
+    fields that may differ from the run's on resume; None when the caller (train-joint)
+    checked its own config. ``verify``: check every snapshot's sizes, hashes and id first."""
     runtime.setup(cfg)
     uc = cfg.upper
     run_dir = Path(run_dir)
     timer = StageTimer()
     ckm = CheckpointManager(run_dir, keep=uc.keep_checkpoints)
-    _check_run_dir(cfg, run_dir, resume, ckm)
+    if allow_drift is not None:
+        allow_drift = check_allow_drift("train-upper", allow_drift)
+    _check_run_dir(cfg, run_dir, resume, ckm, allow_drift)
+    latest = ckm.latest() if resume else None  # verified; decided before the model loads
     dist.barrier()  # every rank has checked before rank 0 writes
 
     with timer("load_snapshots"):
-        snaps = _load_snapshots(cfg)
+        snaps = _load_snapshots(cfg, verify)
     with timer("build_dataset"):
         strategies = check_strategies([s.manifest for s in snaps])
         transitions = build_transitions([(s.id, s.episodes()) for s in snaps], uc.reward, uc.break_penalty, uc.gamma)
@@ -77,11 +78,8 @@ def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies
                                 "than the snapshots")
         learner = UpperLearner(cfg, policies, transitions, strategies)
 
-    if dist.is_main():
-        run_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    write_config(run_dir, cfg)
     prov = _provenance(cfg, snaps, policies, transitions, strategies)
-    latest = ckm.latest() if resume else None
     with timer("restore"):
         if latest is not None:
             state = ckm.load_state(latest)  # also restores python/numpy/torch RNG
@@ -89,6 +87,9 @@ def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies
             if (run_dir / "provenance.json").exists():
                 prov = json.loads((run_dir / "provenance.json").read_text())
             prov.setdefault("resumed_from", []).append(latest.name)
+            rewind_metrics(run_dir, state.get("metrics_bytes"))
+        elif resume:  # nothing was checkpointed: every logged step runs again
+            rewind_metrics(run_dir, 0)
     _write_atomic(run_dir / "provenance.json", json.dumps(prov, indent=2, default=str))
 
     sink = MetricsSink(run_dir, cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_mode, cfg.logging.project,
@@ -121,7 +122,8 @@ def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies
                     sink.log({"upper/" + k: v for k, v in last_eval.items()}, step=step)
                 if step % uc.save_every == 0 or step == uc.steps:
                     with timer("checkpoint"):
-                        ckm.save(step, learner.save, {"snapshots": list(uc.snapshots), "stage": "upper"})
+                        ckm.save(step, learner.save, {"snapshots": list(uc.snapshots), "stage": "upper",
+                                                      "metrics_bytes": metrics_size(run_dir)})
         if last_q is None:
             last_q = learner.q_all()  # resumed at the very end: nothing was evaluated in this process
             last_eval = evaluate_q(last_q, transitions, strategies, learner.policy)
@@ -149,42 +151,21 @@ def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies
 # ---------------------------------------------------------------------- helpers
 
 
-def _check_run_dir(cfg: Config, run_dir: Path, resume: bool, ckm: CheckpointManager) -> None:
+def _check_run_dir(cfg: Config, run_dir: Path, resume: bool, ckm: CheckpointManager, allow_drift) -> None:
     if not cfg.upper.snapshots:
         raise MlmtError("no snapshot to learn from: pass --snapshot ID (repeatable) or set upper.snapshots")
-    used = (run_dir / "config.yaml").exists() or ckm.latest() is not None
+    check_writable(run_dir)
+    used = (run_dir / "config.yaml").exists() or bool(ckm.checkpoints())
     if used and not resume:
         raise MlmtError(f"{run_dir} already holds a train-upper run; pass --resume to continue it "
                         "or choose a new --out")
-    if resume and used:
-        old = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else None
-        if old is not None:
-            diff = _diff(old, cfg.to_dict())
-            bad = [k for k in diff if not any(k == p or k.startswith(p + ".") for p in RESUMABLE_CHANGES)]
-            if bad:
-                raise MlmtError(f"--resume: config field '{bad[0]}' differs from the run's config.yaml "
-                                f"({len(bad)} field(s) differ); only {', '.join(RESUMABLE_CHANGES)} may change")
+    if resume and (run_dir / "config.yaml").exists() and allow_drift is not None:
+        check_drift(run_dir, cfg, "train-upper", allow_drift)
 
 
-def _diff(a, b, prefix: str = "") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for k in sorted(set(a) | set(b)):
-            out += _diff(a.get(k), b.get(k), f"{prefix}{k}.")
-        return out
-    return [] if a == b else [prefix.rstrip(".")]
-
-
-def _load_snapshots(cfg: Config):
+def _load_snapshots(cfg: Config, verify: bool = True):
     root = cfg.upper.snapshot_root or cfg.collect.out
-    snaps = []
-    for sid in cfg.upper.snapshots:
-        snap = load_snapshot(root, sid)
-        problems = verify_snapshot(snap.path)
-        if problems:
-            raise SnapshotError(f"snapshot {sid} is corrupt: {problems[0]}")
-        snaps.append(snap)
-    return snaps
+    return [load_snapshot(root, sid, verify=verify) for sid in cfg.upper.snapshots]
 
 
 def _provenance(cfg: Config, snaps, policies: PolicyPair, transitions, strategies) -> dict:
