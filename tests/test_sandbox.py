@@ -383,6 +383,43 @@ def test_memory_of_the_whole_run_is_bounded():
     assert result.all_passed, result.error
 
 
+@pytest.mark.skipif(sandbox_mode() != MODE_BWRAP or os.geteuid() != 0,
+                    reason="needs bubblewrap and root (a fresh uid tells the sandbox's processes apart)")
+def test_the_sandbox_dies_with_the_trainer():
+    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER], stdout=subprocess.PIPE, text=True)
+    try:
+        uid = int(trainer.stdout.readline())
+        deadline = time.monotonic() + 30
+        while not sandbox_isolation.processes_of_uid(uid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sandbox_isolation.processes_of_uid(uid), "the sandbox never started"
+    finally:
+        trainer.kill()
+        trainer.wait()
+    deadline = time.monotonic() + 10
+    while sandbox_isolation.processes_of_uid(uid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sandbox_isolation.processes_of_uid(uid) == []
+    for hierarchy in sandbox._launcher().cgroups:  # the dead trainer could not remove its cgroups
+        for leftover in Path(hierarchy.parent).glob(f"tosca-sbx-{uid}-*"):
+            leftover.rmdir()
+
+
+# A trainer that prints the uid of its next sandbox, then runs a sleeper there.
+_TRAINER = """
+from tosca_mlmt.tasks import sandbox_isolation
+from tosca_mlmt.tasks.sandbox import run_python, sandbox_mode
+sandbox_mode()
+claim = sandbox_isolation._claim_uid
+def announce():
+    uid = claim()
+    print(uid, flush=True)
+    return uid
+sandbox_isolation._claim_uid = announce
+run_python("import os, time\\nif os.fork() == 0:\\n    os.setsid()\\ntime.sleep(60)", ["assert True"], timeout_s=60)
+"""
+
+
 # --- the pure-Python fallback -----------------------------------------------------
 
 
