@@ -14,8 +14,9 @@ def test_softmax_matches_direct_formula():
     p = behaviour_distribution(q, 3, "softmax", temperature=0.5)
     ref = np.exp(q / 0.5) / np.exp(q / 0.5).sum(1, keepdims=True)
     np.testing.assert_allclose(p, ref, rtol=1e-12)
-    # auto uses softmax once Q-values exist
-    np.testing.assert_allclose(behaviour_distribution(q, 3, "auto", temperature=0.5), ref)
+    # auto mixes epsilon of uniform exploration into the softmax once Q-values exist
+    np.testing.assert_allclose(behaviour_distribution(q, 3, "auto", temperature=0.5, epsilon=0.3),
+                               0.1 + 0.7 * ref)
 
 
 def test_epsilon_greedy_and_greedy():

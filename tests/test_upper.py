@@ -67,6 +67,12 @@ def test_counterfactual_reward_credits_only_what_the_feedback_caused():
         build_transitions([("snap-b", [_episode("f", [0.0, 1.0], [2])])], reward_mode="counterfactual")
 
 
+def test_improved_bc_clones_only_feedback_that_fixed_the_answer():
+    rewards = torch.tensor([1.0, 0.0, -1.5, 0.5])
+    w = text_weights("improved_bc", torch.zeros(4), torch.zeros(4), 1.0, 20.0, None, rewards)
+    assert w.tolist() == [1.0, 0.0, 0.0, 1.0]
+
+
 def test_snapshots_must_share_the_strategy_set():
     s = [{"name": "a", "instruction": "x"}, {"name": "b", "instruction": "y"}]
     assert check_strategies([{"id": "1", "strategies": s}, {"id": "2", "strategies": s}]) == s

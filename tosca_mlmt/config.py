@@ -123,11 +123,14 @@ class EpisodeConfig:
     strategies: list = knob(dataclasses.MISSING, "Strategy set: list of {name, instruction[, prefix]} (non-empty "
                                                  "strings, unique names).",
                             default_factory=lambda: [dict(s) for s in DEFAULT_STRATEGIES])
-    strategy_selection: str = knob("auto", "auto = uniform without Q-values, softmax with them.",
-                                   choices=("auto", "uniform", "softmax", "epsilon_greedy", "greedy"))
+    strategy_selection: str = knob("auto", "auto = uniform without Q-values, epsilon_softmax with them (epsilon of "
+                                           "uniform exploration mixed into softmax(Q / T)).",
+                                   choices=("auto", "uniform", "softmax", "epsilon_softmax", "epsilon_greedy",
+                                            "greedy"))
     strategy_temperature: float = knob(1.0, "Softmax temperature over the writer's Q-values.",
                                        min=0.0, min_exclusive=True)
-    epsilon: float = knob(0.1, "Exploration rate for epsilon_greedy.", min=0.0, max=1.0)
+    epsilon: float = knob(0.3, "Uniform exploration share for auto / epsilon_softmax / epsilon_greedy (0.3 while the "
+                               "writer's data is small).", min=0.0, max=1.0)
     max_feedback_tokens: int = knob(64, "Longest feedback text, in tokens (for no feedback use episode.rounds=0; "
                                         "for a fixed text, episode.feedback=static).", min=1)
     feedback: str = knob("generate", "generate = the writer model writes feedback; static = the chosen strategy's "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-MODES = ("auto", "uniform", "softmax", "epsilon_greedy", "greedy")
+MODES = ("auto", "uniform", "softmax", "epsilon_softmax", "epsilon_greedy", "greedy")
 
 
 def behaviour_distribution(q: np.ndarray | None, n_actions: int, mode: str, temperature: float = 1.0,
@@ -24,10 +24,13 @@ def behaviour_distribution(q: np.ndarray | None, n_actions: int, mode: str, temp
         raise ValueError(f"Q head has {q.shape[1]} actions but the strategy set has {n_actions}")
     greedy = np.zeros_like(q)
     greedy[np.arange(len(q)), q.argmax(1)] = 1.0
-    if mode in ("auto", "softmax"):
+    if mode in ("auto", "softmax", "epsilon_softmax"):
         z = (q - q.max(1, keepdims=True)) / temperature
         e = np.exp(z)
-        return e / e.sum(1, keepdims=True)
+        soft = e / e.sum(1, keepdims=True)
+        # auto keeps epsilon of uniform exploration: Q fitted on few decisions must not stop the
+        # collection of the strategies it has not seen
+        return soft if mode == "softmax" else epsilon / n_actions + (1.0 - epsilon) * soft
     if mode == "epsilon_greedy":
         return epsilon / n_actions + (1.0 - epsilon) * greedy
     return greedy

@@ -17,8 +17,9 @@ class JointConfig:
     upper_steps: int = knob(20, "tH: writer gradient steps per writer update.", min=1)
     upper_every: int = knob(1, "Update the writer every N rounds (tL:tH = lower_iterations * N : 1 writer update).",
                             min=1)
-    replay_window: int = knob(2, "The writer learns from this round's snapshot and the previous window - 1 ones.",
-                              min=1)
+    replay_window: int = knob(0, "The writer learns from this round's snapshot and the previous window - 1 ones; "
+                                 "0 = every round's snapshot so far (a few decisions per round are too few to fit).",
+                              min=0)
     freeze_solver: bool = knob(False, "Never update the solver (e.g. writer-only ablations).")
     freeze_writer: bool = knob(False, "Never update the writer (e.g. SCoRe-style self-correction baselines).")
     max_seconds: float = knob(0.0, "Wall-clock budget: no new round starts after this many seconds (0 = none). "

@@ -60,8 +60,10 @@ class UpperConfig:
     target_sync_every: int = knob(10, "Hard sync period in steps (ToSCA's target_update_steps).", min=1)
     # ---- the feedback text
     text_loss: str = knob("awr", "Fit the logged feedback tokens: awr = weights clip(exp(A / beta)); "
-                                 "filtered_bc = weight 1 on the top-returning decisions only; none = Q only.",
-                          choices=("awr", "filtered_bc", "none"))
+                                 "filtered_bc = weight 1 on the top-returning decisions only; improved_bc = weight 1 "
+                                 "on decisions whose round reward is positive (the feedback fixed the answer); "
+                                 "none = Q only.",
+                          choices=("awr", "filtered_bc", "improved_bc", "none"))
     awr_advantage: str = knob("q_minus_v", "A for AWR: q_minus_v = Q(s, a) - V(s) (how good the strategy was); "
                                            "return_minus_q = G - Q(s, a) (how good this text was for its strategy).",
                               choices=("q_minus_v", "return_minus_q"))

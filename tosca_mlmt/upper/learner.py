@@ -165,7 +165,8 @@ class UpperLearner:
         out = dict(out)
         out["adv"] = advantages(out["q_sa"], out["v"], b.returns, uc.awr_advantage)
         if uc.text_loss != "none":
-            out["w"] = text_weights(uc.text_loss, out["adv"], b.returns, uc.awr_beta, uc.awr_max_weight, self.bc_cut)
+            out["w"] = text_weights(uc.text_loss, out["adv"], b.returns, uc.awr_beta, uc.awr_max_weight, self.bc_cut,
+                                    b.rewards)
         if text_on:
             lt, tout = text_loss(logp, mask, out["w"])
             loss = loss + uc.text_coef * lt

@@ -116,10 +116,14 @@ def bc_threshold(all_returns: torch.Tensor, top_frac: float) -> tuple[float, boo
 
 
 def text_weights(kind: str, adv: torch.Tensor, returns: torch.Tensor, beta: float, max_weight: float,
-                 cut: tuple[float, bool] | None = None) -> torch.Tensor:
-    """Per-decision weights [B] of the feedback-text loss."""
+                 cut: tuple[float, bool] | None = None, rewards: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-decision weights [B] of the feedback-text loss. ``improved_bc``: 1 on the decisions whose
+    own round reward is positive (under improvement/counterfactual rewards: the refine fixed the
+    answer), 0 elsewhere: the text is cloned only from feedback that helped."""
     if kind == "awr":
         return awr_weights(adv, beta, max_weight)
+    if kind == "improved_bc":
+        return (rewards > 0).float()
     if kind == "filtered_bc":
         thr, strict = cut
         return ((returns > thr) if strict else (returns >= thr)).float()
