@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tosca_mlmt.tasks import sandbox, sandbox_isolation
+from tosca_mlmt.tasks.sandbox_cgroups import remove_dirs
 from tosca_mlmt.tasks.sandbox import (MODE_BWRAP, MODE_FALLBACK, SANDBOX_VERSION, SandboxResult, SandboxWarning,
                                       run_python, sandbox_fingerprint, sandbox_mode)
 
@@ -396,13 +397,13 @@ def test_the_sandbox_dies_with_the_trainer():
     finally:
         trainer.kill()
         trainer.wait()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 20
     while sandbox_isolation.processes_of_uid(uid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert sandbox_isolation.processes_of_uid(uid) == []
+    left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:80] for pid in sandbox_isolation.processes_of_uid(uid)}
+    assert left == {}, "the sandbox outlived its trainer"
     for hierarchy in sandbox._launcher().cgroups:  # the dead trainer could not remove its cgroups
-        for leftover in Path(hierarchy.parent).glob(f"tosca-sbx-{uid}-*"):
-            leftover.rmdir()
+        remove_dirs(list(Path(hierarchy.parent).glob(f"tosca-sbx-{uid}-*")))
 
 
 # A trainer that prints the uid of its next sandbox, then runs a sleeper there.

@@ -105,18 +105,23 @@ class RunCgroups:
             raise
         self.procs = [str(d / "cgroup.procs") for d in self.dirs]
 
-    def remove(self, timeout_s: float = 2.0) -> None:
-        # A cgroup can be removed once its last process is reaped, which may lag a kill.
-        deadline = time.monotonic() + timeout_s
-        for path in self.dirs:
-            while True:
-                try:
-                    os.rmdir(path)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        break  # left behind empty-ish; harmless, and named after the run
-                    time.sleep(0.01)
+    def remove(self) -> None:
+        remove_dirs(self.dirs)
         self.dirs = []
+
+
+def remove_dirs(paths: list[Path], timeout_s: float = 2.0) -> None:
+    """rmdir each cgroup; one can be removed once its last process is reaped, which may
+    lag the kill a little. One still busy at the deadline is left behind, empty soon."""
+    deadline = time.monotonic() + timeout_s
+    for path in paths:
+        while True:
+            try:
+                os.rmdir(path)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
