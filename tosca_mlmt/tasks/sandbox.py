@@ -96,7 +96,8 @@ def run_python(
     ``timeout_s`` bounds the whole run (start-up included). A test counts as passed only
     if its statements ran without raising and every one of its asserts holds as judged
     by the parent; tests not reached count as failed. ``memory_mb`` and ``max_procs``
-    bound each process and the number of processes.
+    bound each process and the number of processes; where a cgroup can be made, the run
+    as a whole gets 2 x ``memory_mb`` plus its tmpfs.
     """
     return _run(_launcher(), code, list(tests), setup, timeout_s, memory_mb, max_procs)
 
