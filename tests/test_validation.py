@@ -98,7 +98,7 @@ from tosca_mlmt.knobs import INT_MAX
     ("joint.collect_problems", 0, ">= 1"),
     ("joint.lower_iterations", 0, ">= 1"),
     ("joint.upper_steps", 0, ">= 1"),
-    ("joint.replay_window", 0, ">= 1"),
+    ("joint.replay_window", -1, ">= 0"),
     ("joint.max_seconds", -1, ">= 0"),
     ("upper.snapshots", ["ok", 3], "non-empty strings"),
     ("upper.steps", 0, ">= 1"),
