@@ -9,6 +9,7 @@ of (seed, i), so a resumed run sees exactly the data the uninterrupted run would
 from __future__ import annotations
 
 import json
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -68,9 +69,11 @@ def _init_run(run: Path, cfg: Config, resume: bool, allow_drift, extra: dict) ->
                             f"the run's ({' '.join(before) or 'none: online'}); resume with the same snapshots")
     dist.barrier()  # every rank has checked before rank 0 writes
     write_config(run, cfg)
-    if dist.is_main() and not (run / "run.json").exists():
-        (run / "run.json").write_text(json.dumps({"stage": "train-lower", "tosca_mlmt_version": __version__,
-                                                  "git_sha": runtime.git_sha(), **extra}, indent=2))
+    if dist.is_main() and not (run / "run.json").exists():  # atomic: a resume reads its snapshot ids
+        tmp = run / f".run.json.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"stage": "train-lower", "tosca_mlmt_version": __version__,
+                                   "git_sha": runtime.git_sha(), **extra}, indent=2))
+        os.replace(tmp, run / "run.json")
 
 
 def _read_run_json(run: Path) -> dict:
