@@ -38,6 +38,7 @@ from tosca_mlmt.upper.report import evaluate_q, preference_table, render_markdow
 from tosca_mlmt.pipelines.rundir import (check_allow_drift, check_drift, check_writable, metrics_size,
                                          rewind_metrics, write_config)
 
+
 @dataclass
 class UpperResult:
     run_dir: Path
