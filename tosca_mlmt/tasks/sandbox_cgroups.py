@@ -11,13 +11,17 @@ one: the rlimits still hold.
 from __future__ import annotations
 
 import os
+import re
 import secrets
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 # controller -> (v1 limit file, v2 limit file)
 _LIMIT_FILES = {"memory": ("memory.limit_in_bytes", "memory.max"), "pids": ("pids.max", "pids.max")}
+# tosca-sbx-<tag>-<trainer pid>.<trainer start time>-<random>: who may still need it
+_NAME = re.compile(r"tosca-sbx-\w+-(?P<pid>\d+)\.(?P<start>\d+)-[0-9a-f]+")
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,7 @@ class RunCgroups:
         self.dirs: list[Path] = []
         try:
             for h in hierarchies:
-                path = Path(h.parent) / f"tosca-sbx-{tag}-{secrets.token_hex(4)}"
+                path = Path(h.parent) / f"tosca-sbx-{tag}-{os.getpid()}.{_start_time(os.getpid())}-{secrets.token_hex(4)}"
                 path.mkdir()
                 self.dirs.append(path)
                 if h.v2 and "memory" in h.controllers and (path / "memory.swap.max").exists():
@@ -108,6 +112,50 @@ class RunCgroups:
     def remove(self) -> None:
         remove_dirs(self.dirs)
         self.dirs = []
+
+
+def sweep_stale(hierarchies: list[Hierarchy]) -> None:
+    """Kill what still runs in run cgroups whose trainer is gone, and remove them.
+
+    A trainer killed while bwrap is starting can strand bwrap's half-made child, blocked
+    before it runs anything and unreachable by --die-with-parent; the next trainer on
+    the machine clears it here.
+    """
+    for h in hierarchies:
+        for path in Path(h.parent).glob("tosca-sbx-*"):
+            owner = _NAME.fullmatch(path.name)
+            if owner is None or _start_time(int(owner["pid"])) == owner["start"]:
+                continue  # not ours, or its trainer still runs
+            for _ in range(100):
+                members = _read(path / "cgroup.procs").split()
+                if not members:
+                    break
+                for pid in map(int, members):
+                    _kill_if_member(pid, path.name)
+                time.sleep(0.01)
+            remove_dirs([path], timeout_s=1.0)
+
+
+def _kill_if_member(pid: int, cgroup_name: str) -> None:
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return
+    try:
+        # Checked after the pidfd pins the process, so a recycled pid is never signalled.
+        if cgroup_name in _read(Path(f"/proc/{pid}/cgroup")):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except OSError:
+        pass
+    finally:
+        os.close(pidfd)
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot: with the pid, it names one process."""
+    stat = _read(Path(f"/proc/{pid}/stat"))
+    fields = stat[stat.rfind(")") + 2:].split()
+    return fields[19] if len(fields) > 19 else ""
 
 
 def remove_dirs(paths: list[Path], timeout_s: float = 2.0) -> None:

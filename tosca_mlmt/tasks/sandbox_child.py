@@ -12,11 +12,13 @@ Arguments: the result pipe's fd, the job fd, the judge fd (-1 when there is none
 """
 
 import _collections_abc
+import _thread
 import builtins
 import json
 import linecache
 import os
 import resource
+import select
 import signal
 import sys
 import traceback
@@ -251,6 +253,23 @@ def limit_resources(limits):
         pass
 
 
+def watch_trainer(result_fd):
+    """Exit once the trainer is gone (the pipe's read end closed). bwrap's --die-with-parent
+    misses a trainer that dies while bwrap is still starting; this covers that window,
+    and the fallback, which has no such option at all. The code may close the fd: that
+    too ends the run."""
+    exit_now = os._exit
+    poller = select.poll()
+    poller.register(result_fd, 0)  # errors only: POLLERR once no reader is left
+
+    def watch():
+        while not poller.poll():
+            pass
+        exit_now(1)
+
+    _thread.start_new_thread(watch, ())
+
+
 def flush_std():
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -263,6 +282,7 @@ def main():
     result_fd, job_fd, judge_fd = (int(a) for a in sys.argv[1:4])
     job = json.loads(read_fd(job_fd))
     report = make_reporter(result_fd, job["nonce"])
+    watch_trainer(result_fd)
     limit_resources(job["limits"])
     if judge_fd >= 0:
         run_judge(judge_fd, job["n_judge"], result_fd, job["nonce"], report)

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tosca_mlmt.tasks.sandbox_cgroups import find_hierarchies, Hierarchy, RunCgroups
+from tosca_mlmt.tasks.sandbox_cgroups import find_hierarchies, Hierarchy, RunCgroups, sweep_stale
 
 MODE_BWRAP = "bwrap"
 MODE_FALLBACK = "python-fallback"
@@ -73,6 +73,7 @@ def bwrap_launchers() -> list[Launcher]:
     if os.geteuid() == 0 and setpriv:
         # Joining a cgroup needs root; setpriv then drops to the run's uid before bwrap.
         common.update(cgroups=tuple(find_hierarchies()), setpriv=setpriv)
+        sweep_stale(list(common["cgroups"]))
     found = []
     own = os.path.realpath(sys.executable)
     prefix = os.path.realpath(sys.base_prefix)
