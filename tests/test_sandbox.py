@@ -37,6 +37,11 @@ def raises(fn, error=PermissionError):
 """
 
 
+def run(code, tests, **kwargs):
+    """run_python with a generous timeout: these tests check outcomes, not speed, on shared machines."""
+    return run_python(code, tests, **{"timeout_s": 30.0, **kwargs})
+
+
 @pytest.fixture
 def fallback(monkeypatch):
     """Run this test's sandboxes in the pure-Python fallback, as where bwrap is missing."""
@@ -69,7 +74,7 @@ def test_version_mode_and_fingerprint():
     assert SANDBOX_VERSION == "sandbox-v2"
     assert sandbox_mode() in (MODE_BWRAP, MODE_FALLBACK)
     assert sandbox_fingerprint() == f"{SANDBOX_VERSION}+{sandbox_mode()}"
-    assert run_python(ADD, ADD_TESTS).mode == sandbox_mode()
+    assert run(ADD, ADD_TESTS).mode == sandbox_mode()
 
 
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (make install adds it)")
@@ -87,7 +92,7 @@ def test_fallback_is_loud_and_recorded(monkeypatch, caplog):
     assert sandbox_fingerprint() == f"{SANDBOX_VERSION}+python-fallback"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per process, not per run
-        result = run_python(ADD, ADD_TESTS)
+        result = run(ADD, ADD_TESTS)
     assert result.all_passed and result.mode == MODE_FALLBACK
 
 
@@ -106,12 +111,12 @@ def test_a_broken_bwrap_falls_back(monkeypatch):
 def test_correct_and_partial_scores(mode, request):
     if mode == "fallback":
         request.getfixturevalue("fallback")
-    result = run_python(ADD, ADD_TESTS)
+    result = run(ADD, ADD_TESTS)
     assert isinstance(result, SandboxResult)
     assert (result.passed, result.total, result.all_passed, result.timed_out) == (3, 3, True, False)
     assert result.per_test == [True, True, True] and result.error == "" and result.pass_rate == 1.0
 
-    result = run_python("def add(a, b):\n    return a * b\n", ADD_TESTS)
+    result = run("def add(a, b):\n    return a * b\n", ADD_TESTS)
     assert result.per_test == [True, False, True]
     assert result.passed == 2 and not result.all_passed and 0 < result.pass_rate < 1
     assert "test 1 failed: assert add(1, 2) == 3" in result.error
@@ -120,37 +125,37 @@ def test_correct_and_partial_scores(mode, request):
 
 def test_exceptions_and_exit_are_per_test():
     code = "import sys\ndef f(x):\n    if x == 1:\n        sys.exit(0)\n    return 10 // x\n"
-    result = run_python(code, ["assert f(0) == 0", "assert f(1) == 1", "assert f(2) == 5"])
+    result = run(code, ["assert f(0) == 0", "assert f(1) == 1", "assert f(2) == 5"])
     assert result.per_test == [False, False, True]
     assert "ZeroDivisionError" in result.error and 'File "<solution>", line 5' in result.error
 
 
 def test_syntax_errors():
-    result = run_python("def add(a, b)\n    return a + b\n", ADD_TESTS)
+    result = run("def add(a, b)\n    return a + b\n", ADD_TESTS)
     assert result.passed == 0 and result.total == 3
     assert "SyntaxError" in result.error and "<solution>" in result.error
-    result = run_python(ADD, ["assert add(1, 1) == 2", "assert add(1,, 1) == 2"])
+    result = run(ADD, ["assert add(1, 1) == 2", "assert add(1,, 1) == 2"])
     assert result.per_test == [True, False] and "test 1 failed" in result.error and "SyntaxError" in result.error
 
 
 def test_setup_runs_after_code_before_tests():
     code = "class Box:\n    def __init__(self, v):\n        self.v = v\n"
-    assert run_python(code, ["assert b.v == 3"], setup="b = Box(3)").all_passed
+    assert run(code, ["assert b.v == 3"], setup="b = Box(3)").all_passed
 
 
 def test_no_tests_is_not_success():
-    result = run_python(ADD, [])
+    result = run(ADD, [])
     assert result.total == 0 and not result.all_passed and result.pass_rate == 0.0
 
 
 def test_main_block_and_input_do_not_run_or_hang():
     code = ADD + "if __name__ == '__main__':\n    input()\n"
-    assert run_python(code, ADD_TESTS, timeout_s=3).all_passed
+    assert run(code, ADD_TESTS).all_passed
 
 
 def test_output_is_captured_and_truncated():
     code = "print('hello')\nprint('x' * 100_000)\ndef f():\n    return 1\n"
-    result = run_python(code, ["assert f() == 1"])
+    result = run(code, ["assert f() == 1"])
     assert result.all_passed
     assert result.output.startswith("hello\n")
     assert len(result.output) < 10_000 and "output truncated" in result.output
@@ -158,7 +163,7 @@ def test_output_is_captured_and_truncated():
 
 def test_environment_is_not_inherited(monkeypatch):
     monkeypatch.setenv("TOSCA_TEST_SECRET", "hunter2")
-    result = run_python("import os", ["assert 'TOSCA_TEST_SECRET' not in os.environ"])
+    result = run("import os", ["assert 'TOSCA_TEST_SECRET' not in os.environ"])
     assert result.all_passed
 
 
@@ -171,7 +176,7 @@ def test_work_directory_is_fresh_writable_and_gone():
         "with tempfile.NamedTemporaryFile('w') as f:\n    f.write('tmp')",
         "open('/dev/null', 'w').write('discarded')",
     ]
-    result = run_python("import os, shutil, tempfile\n" + code, tests)
+    result = run("import os, shutil, tempfile\n" + code, tests)
     assert result.per_test == [True] * len(tests), result.error
     cwd, listing = result.output.splitlines()[:2]
     assert listing == "[]"  # the job never touches the work directory
@@ -205,7 +210,7 @@ def test_work_directory_is_fresh_writable_and_gone():
 )
 def test_values_compare_like_python_for_builtin_types(returned, expected):
     code = f"import collections, decimal, fractions\ndef f():\n    return {returned}\n"
-    assert run_python(code, [f"assert f() == {expected}"]).all_passed
+    assert run(code, [f"assert f() == {expected}"]).all_passed
 
 
 def test_objects_of_other_types_equal_nothing():
@@ -217,7 +222,7 @@ def test_objects_of_other_types_equal_nothing():
     )
     tests = ["assert Yes() == 3", "assert Liar(5) == 3", "assert Liar(5) == 5", "assert Spoof() == 0",
              "assert gen() == [1]", "assert list(gen()) == [1]", "assert [Yes()] == [1]", "assert Yes() != 3"]
-    result = run_python(code, tests)
+    result = run(code, tests)
     assert result.per_test == [False, False, True, False, False, True, False, True]
     assert "<Yes object" in result.error
 
@@ -244,13 +249,13 @@ def test_assert_forms():
         "assert f(None) == 0",
         "y = f(1)\nassert y == 2\nassert y == 3",
     ]
-    result = run_python(code, tests)
+    result = run(code, tests)
     assert result.per_test == [True] * 10 + [False] * 3, result.error
     assert "test 10 failed: assert f(1) == 3\nAssertionError (got f(1) -> 2)" in result.error
 
 
 def test_failing_operand_reports_its_traceback():
-    result = run_python("def f(x):\n    return [][x]\n", ["assert f(1) == 3"])
+    result = run("def f(x):\n    return [][x]\n", ["assert f(1) == 3"])
     assert "f(1) raised" in result.error and "IndexError" in result.error and '"<solution>", line 2' in result.error
 
 
@@ -269,7 +274,7 @@ def test_expected_values_never_enter_the_sandbox():
         "    wanted = [str(int('918273644') + 1), ''.join(['zqx', 'jkv'])]  # not constants of this code\n"
         "    return [s for s in wanted if s in blob]\n"
     )
-    result = run_python(code, ["assert f() == 918273645", "assert f() == len('zqxjkv')"])
+    result = run(code, ["assert f() == 918273645", "assert f() == len('zqxjkv')"])
     assert result.per_test == [False, False]
     assert "(got f() -> [])" in result.error
 
@@ -286,7 +291,7 @@ def test_forged_records_fail_every_test_and_are_logged(caplog):
         "def f():\n    return 1\n"
     )
     with caplog.at_level(logging.WARNING, logger="tosca_mlmt.tasks.sandbox"):
-        result = run_python(code, ["assert f() == 1"])
+        result = run(code, ["assert f() == 1"])
     assert result.per_test == [False] and result.passed == 0 and not result.all_passed
     assert result.forgery and result.error.startswith("forged result records")
     assert "forged result records" in caplog.text
@@ -295,7 +300,7 @@ def test_forged_records_fail_every_test_and_are_logged(caplog):
 def test_a_forked_copy_of_the_runner_stays_silent():
     # A fork without exec continues the runner in the child; its copy must not report.
     code = "import os\ndef f():\n    os.fork()\n    return 1\n"
-    result = run_python(code, ["assert f() == 1", "assert True"])
+    result = run(code, ["assert f() == 1", "assert True"])
     assert result.all_passed and not result.forgery
 
 
@@ -305,10 +310,10 @@ def test_a_forked_copy_of_the_runner_stays_silent():
 def test_infinite_loop_is_killed_at_the_timeout():
     code = "def spin():\n    while True:\n        pass\n"
     start = time.monotonic()
-    result = run_python(code, ["assert True", "assert spin()", "assert True"], timeout_s=1.0)
+    result = run(code, ["assert True", "assert spin()", "assert True"], timeout_s=5.0)
     assert result.timed_out and result.error == "timeout"
     assert result.per_test == [True, False, False]  # tests finished before the hang still count
-    assert time.monotonic() - start < 10.0
+    assert time.monotonic() - start < 30.0  # ended by the timeout, not by the spin
 
 
 @pytest.mark.parametrize(
@@ -321,21 +326,21 @@ def test_infinite_loop_is_killed_at_the_timeout():
     ids=["bytearray-4GiB", "list-of-MiB", "list-of-ints"],
 )
 def test_memory_bomb_is_stopped(bomb):
-    result = run_python(bomb, ["assert True"], timeout_s=10.0, memory_mb=256)
+    result = run(bomb, ["assert True"], timeout_s=10.0, memory_mb=256)
     assert not result.all_passed
     assert "MemoryError" in result.error or result.timed_out or "killed" in result.error
 
 
 def test_memory_error_in_one_test_leaves_the_others():
     code = "def grab():\n    return bytearray(4 * 1024**3)\n" + ADD
-    result = run_python(code, ["assert grab()", *ADD_TESTS], memory_mb=256)
+    result = run(code, ["assert grab()", *ADD_TESTS], memory_mb=256)
     assert result.per_test == [False, True, True, True]
     assert "MemoryError" in result.error
 
 
 def test_file_size_limit_raises_instead_of_killing():
     code = "def big():\n    with open('big.bin', 'wb') as f:\n        f.write(b'0' * (64 * 1024 * 1024))\n"
-    result = run_python(code, ["assert big()", "assert True"])
+    result = run(code, ["assert big()", "assert True"])
     assert result.per_test == [False, True]
     assert "File too large" in result.error or "OSError" in result.error
 
@@ -350,7 +355,7 @@ def test_process_limit_binds_and_forks_work_below_it():
         "                time.sleep(30)\n                os._exit(0)\n            n += 1\n    except OSError:\n"
         "        pass\n    return n\n"
     )
-    result = run_python(code, ["assert pool() == [1, 4, 9]", "assert forks() <= 12"], max_procs=12)
+    result = run(code, ["assert pool() == [1, 4, 9]", "assert forks() <= 12"], max_procs=12)
     assert result.all_passed, result.error
 
 
@@ -380,7 +385,7 @@ def test_memory_of_the_whole_run_is_bounded():
         "        dead.update(p for p in pids if p not in dead and os.waitpid(p, os.WNOHANG)[0])\n"
         "    return len(set(pids) - dead)\n"
     )
-    result = run_python(code, ["assert survivors() <= 3"], memory_mb=256, timeout_s=30)
+    result = run(code, ["assert survivors() <= 3"], memory_mb=256, timeout_s=30)
     assert result.all_passed, result.error
 
 
@@ -453,7 +458,7 @@ def test_fallback_guards(fallback, tmp_path):
     ]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sandbox_isolation.subprocess, "Popen", RecordingPopen)
-        result = run_python("import os, socket, subprocess\n" + RAISES, tests)
+        result = run("import os, socket, subprocess\n" + RAISES, tests)
     assert result.per_test == [True] * len(tests), result.error
     assert list(tmp_path.iterdir()) == []
     assert started and all(_group_members(pid) == [] for pid in started)

@@ -27,7 +27,7 @@ MAX_PROCS = 16
 class Hostile:
     name: str
     code: str
-    timeout_s: float = 3.0
+    timeout_s: float = 10.0  # generous: most finish at once, and machines are shared
     settle_s: float = 0.0  # wait before the final checks, for effects scheduled for later
     forged: bool = False  # the result channel must be judged forged
     check: Callable | None = None  # more assertions on the SandboxResult
