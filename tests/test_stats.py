@@ -1,0 +1,40 @@
+"""Statistics for learning claims, checked against values computed another way."""
+
+import math
+
+import numpy as np
+import pytest
+
+from tosca_mlmt.analysis.stats import mcnemar, paired_bootstrap, wilson
+
+
+def test_wilson_matches_the_closed_form_and_behaves_at_the_edges():
+    lo, hi = wilson(30, 100)
+    assert lo == pytest.approx(0.2189, abs=1e-4) and hi == pytest.approx(0.3958, abs=1e-4)  # textbook values
+    assert wilson(0, 20)[0] == 0.0 and wilson(20, 20)[1] == 1.0 and wilson(0, 0) == (0.0, 1.0)
+
+
+def test_mcnemar_exact_p_value():
+    a = np.array([1] * 9 + [0] * 1 + [1] * 40 + [0] * 50)  # 9 a-only, 1 b-only discordant pairs
+    b = np.array([0] * 9 + [1] * 1 + [1] * 40 + [0] * 50)
+    r = mcnemar(a, b)
+    assert (r["a_only"], r["b_only"]) == (9, 1)
+    assert r["p"] == pytest.approx(2 * (1 + 10) / 2**10)  # 2 * P(Bin(10, .5) <= 1)
+    assert mcnemar(a, a)["p"] == 1.0
+
+
+def test_paired_bootstrap_centres_on_the_mean_and_widens_with_noise():
+    rng = np.random.default_rng(1)
+    a = (rng.random((3, 400)) < 0.6).astype(float)
+    b = (rng.random((3, 400)) < 0.4).astype(float)
+    d = paired_bootstrap(a, b, n_boot=500)
+    assert d["mean"] == pytest.approx(a.mean() - b.mean())
+    assert d["lo"] < d["mean"] < d["hi"] and d["lo"] > 0  # a 20-point gap on 1200 pairs is resolved
+    same = paired_bootstrap(a, a, n_boot=200)
+    assert same["mean"] == same["lo"] == same["hi"] == 0.0  # pairing removes all noise from a - a
+    small = paired_bootstrap(a[:, :20], b[:, :20], n_boot=500)
+    assert small["hi"] - small["lo"] > d["hi"] - d["lo"]  # 20 problems decide less than 400
+    # one seed, a single-level bootstrap: the interval is close to the normal approximation
+    one = paired_bootstrap(a[:1], n_boot=2000)
+    p = a[0].mean()
+    assert one["hi"] - one["lo"] == pytest.approx(2 * 1.96 * math.sqrt(p * (1 - p) / 400), rel=0.15)

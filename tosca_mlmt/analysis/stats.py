@@ -1,0 +1,57 @@
+"""Statistics for learning claims: paired bootstrap over seeds x problems, McNemar, Wilson.
+
+Every method is evaluated on the same test problems with the same seeds, so comparisons are
+paired: ``correct[s, i]`` is 1 when seed s's run got problem i right. Resampling seeds and
+problems (a two-level bootstrap) gives intervals that include both sources of noise: the
+training randomness (seeds) and which problems happen to be in the test set.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95 % Wilson interval of a proportion k / n (sensible at 0 and n, unlike the normal one)."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def paired_bootstrap(a: np.ndarray, b: np.ndarray | None = None, n_boot: int = 2000, seed: int = 0,
+                     level: float = 0.95) -> dict[str, float]:
+    """Mean of ``a`` (or of ``a - b`` when ``b`` is given) with a two-level bootstrap interval.
+
+    a, b: [S seeds, N problems] arrays of per-problem outcomes (0/1 or any score), paired by
+    position. Each replicate draws S seeds with replacement, then N problems with replacement
+    (the same problems for every seed drawn, keeping the pairing), and takes the mean."""
+    x = np.asarray(a, dtype=float) - (0.0 if b is None else np.asarray(b, dtype=float))
+    if x.ndim != 2:
+        raise ValueError(f"expected [seeds, problems], got shape {x.shape}")
+    S, N = x.shape
+    rng = np.random.default_rng(seed)
+    means = np.empty(n_boot)
+    for r in range(n_boot):
+        rows = rng.integers(0, S, S)
+        cols = rng.integers(0, N, N)
+        means[r] = x[np.ix_(rows, cols)].mean()
+    lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return {"mean": float(x.mean()), "lo": float(lo), "hi": float(hi), "seeds": S, "problems": N}
+
+
+def mcnemar(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
+    """Exact two-sided McNemar test on paired 0/1 outcomes [N]: only discordant pairs count.
+
+    n01 = a wrong & b right, n10 = a right & b wrong; under H0 each discordant pair is a fair coin,
+    so p = P(Binomial(n01 + n10, 1/2) at least as extreme as observed)."""
+    a, b = np.asarray(a, dtype=bool), np.asarray(b, dtype=bool)
+    n10, n01 = int((a & ~b).sum()), int((~a & b).sum())
+    n = n10 + n01
+    k = min(n10, n01)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n if n else 1.0
+    return {"a_only": n10, "b_only": n01, "p": min(1.0, 2 * tail)}
