@@ -1,4 +1,8 @@
-"""``mlmt eval``: the three-turn loop, greedy, on held-out problems only.
+"""``mlmt eval``: the three-turn loop, greedy decoding, on held-out problems only.
+
+Strategies are chosen by the same rule before and after training (``episode.strategy_selection``,
+default ``auto``: uniform without a trained Q head, epsilon-softmax over Q with one), drawn with
+the run's seed; eval.json records the rule.
 
 There is no oracle stop: every episode runs all K rounds even when turn 1 was already
 right, so Acc@final measures what a user of the system would get, and right->wrong
@@ -35,13 +39,14 @@ def evaluate(cfg: Config, out: str | Path, console=None) -> dict:
     check_writable(out)
     cfg = replace(cfg, solver_sampling=replace(cfg.solver_sampling, temperature=0.0),
                   writer_sampling=replace(cfg.writer_sampling, temperature=0.0),
-                  episode=replace(cfg.episode, n_samples=1,
-                                  strategy_selection="greedy" if cfg.model.writer_adapter else "uniform"),
+                  # the same selection rule before and after training (episode.strategy_selection, seeded):
+                  # switching to argmax only once a writer is trained would compare two protocols
+                  episode=replace(cfg.episode, n_samples=1),
                   collect=replace(cfg.collect, out=str(Path(out) / "snapshots")))
     res = collect(cfg, console=console)
     report = {"snapshot_id": res.snapshot_id, "task": cfg.task.name, "split": cfg.task.split,
               "solver_adapter": cfg.model.solver_adapter or None, "writer_adapter": cfg.model.writer_adapter or None,
-              **res.summary}
+              "strategy_selection": cfg.episode.strategy_selection, "epsilon": cfg.episode.epsilon, **res.summary}
     if dist.is_main():  # under torchrun every rank collected its share; one writes
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "eval.json").write_text(json.dumps(report, indent=2))
