@@ -105,7 +105,7 @@ class GSM8KTask(_MathTask):
     def instruction(self, problem: Problem) -> str:
         return (
             f"{problem.question}\n\n"
-            f"Reason step by step. {ANSWER_FORMAT}"
+            f"{ANSWER_FORMAT}"
         )
 
 

@@ -20,7 +20,10 @@ _MV_TIMEOUT_S = 5
 
 # The answer-line instruction of the word-problem tasks (arith, gsm8k): it names the line's
 # prefix but holds no number or placeholder, so an echo of it gives the verifier nothing to read.
-ANSWER_FORMAT = "End with a final line that starts with 'The answer is:' followed by your number."
+# "Work it out step by step" first: without it smollm2-135m writes the answer line at once and
+# guesses (arith L1 greedy, 64 test problems: 17 % -> 55 %; L2: 6 % -> 20 %).
+ANSWER_FORMAT = ("Work it out step by step, then end with a final line that starts with 'The answer is:' "
+                 "followed by your number.")
 _ECHO_RE = re.compile(r"starts? with\W+the answer is\W+followed by (?:your|the) number", re.IGNORECASE)
 
 
