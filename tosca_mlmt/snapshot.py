@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 
 from tosca_mlmt.episode import Episode, Turn
 from tosca_mlmt.errors import SnapshotError
+from tosca_mlmt.fsutil import sha256_file
 from tosca_mlmt.tasks.base import Problem
 
 FORMAT_VERSION = 2
@@ -64,14 +65,6 @@ TURN_SCHEMA = pa.schema([
     ("q_values", pa.list_(pa.float64())), ("state_len", pa.int32()),
 ])
 _TURN_FIELDS = [f.name for f in TURN_SCHEMA if f.name not in ("episode_id", "problem_id", "turn_index", "info")]
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _canonical(obj) -> bytes:

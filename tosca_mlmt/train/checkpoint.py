@@ -16,7 +16,6 @@ never the run. Checkpoints written before ``complete.json`` existed are used unv
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from tosca_mlmt.errors import MlmtError
+from tosca_mlmt.fsutil import sha256_file
 from tosca_mlmt.train import distributed as dist
 
 COMPLETE = "complete.json"
@@ -53,16 +53,8 @@ def _rng_file(rank: int) -> str:
     return "rng.pt" if rank == 0 else f"rng-rank{rank}.pt"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def file_table(folder: Path) -> dict[str, dict]:
-    return {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    return {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != COMPLETE}
 
 
@@ -91,7 +83,7 @@ def checkpoint_problem(ck: Path) -> str | None:
         if f.stat().st_size != size:
             return f"{name} is {f.stat().st_size} bytes, {size} were written (truncated or replaced)"
     for name, _, sha in entries:
-        if _sha256(ck / name) != sha:
+        if sha256_file(ck / name) != sha:
             return f"{name} changed since it was written (sha256 mismatch)"
     return None
 
