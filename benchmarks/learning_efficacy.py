@@ -1,13 +1,22 @@
-"""Equal-budget comparison of mlmt, score and single-turn-grpo on held-out arith and GSM8K.
+"""Does the method make answers better? Methods at equal compute, several seeds, paired statistics.
 
-For each task: evaluate the untrained models once ("before"), then for each preset run
-train-joint under the same wall-clock budget (joint.max_seconds) and evaluate its final
-solver/writer greedily on the same held-out problems ("after"). Every number comes from
-`mlmt eval` (three-turn loop, no oracle stop). Writes JSON and a Markdown table to
-benchmarks/results/. Small budgets on a 135M model on CPU are noisy: read the table as
-what this run measured, nothing more.
+Every method trains with train-joint on arith (the same rounds, problems per round, PPO iterations,
+writer steps: equal compute counted in episodes and optimizer steps; a frozen part spends none) and
+is then evaluated by `mlmt eval`'s protocol (greedy decoding, the same strategy-selection rule, the
+same fixed test problems, no oracle stop). Per-problem outcomes are kept, so methods are compared
+*paired*: a two-level bootstrap over seeds x problems gives 95 % intervals, and an exact McNemar test
+per seed checks the primary contrast.
 
-    python benchmarks/learning_efficacy.py --budget 600 --eval-limit 13 --gsm8k-limit 10
+Pre-registered primary contrast: `mlmt` minus each baseline on Acc@final.
+
+Environments (--env): `none` (the writer sees problem and attempts), `confidence` (plus the solver's
+bucketed mean log-prob: honest), `verdict` (plus the verifier's right/wrong: a privileged sanity
+environment; its results are labelled and never mixed with honest ones).
+
+    python benchmarks/learning_efficacy.py --env verdict --seeds 0 1 2 --test-problems 300
+    python benchmarks/learning_efficacy.py --smoke          # minutes: wiring only, decides nothing
+
+Writes benchmarks/results/learning_efficacy-<env>.json (+ .md) with date, machine, load and seeds.
 """
 
 from __future__ import annotations
@@ -20,78 +29,160 @@ import platform
 import time
 from pathlib import Path
 
+import numpy as np
+
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
-PRESETS = ("mlmt", "score", "single-turn-grpo")
-KEYS = ("acc_t1", "acc_final", "delta", "wrong_to_right", "right_to_wrong")
+MLMT = ROOT / "configs" / "mlmt.yaml"
+
+# name -> (preset, overrides). All share the compute budget set in main().
+METHODS = {
+    "untrained": (MLMT, None),  # no training: eval of the base pair
+    "score": (ROOT / "configs" / "score.yaml", {}),
+    "single-turn-grpo": (ROOT / "configs" / "single-turn-grpo.yaml", {}),
+    "mlmt": (MLMT, {}),
+    "mlmt-no-bonus": (MLMT, {"lower.bonus.coef": 0.0}),
+    "writer-only": (MLMT, {"joint.freeze_solver": True}),
+    "solver-only": (MLMT, {"joint.freeze_writer": True}),
+}
+# the control of the privileged environment: the verdict itself as feedback, solver trained like mlmt's
+VERDICT_CONTROL = {"verdict-template": (MLMT, {"episode.feedback": "verdict", "joint.freeze_writer": True})}
+ENV_OVERRIDES = {"none": {}, "confidence": {"episode.writer_sees": "confidence"},
+                 "verdict": {"episode.writer_sees": "verdict"}}
 
 
-def _eval(cfg_file: Path, overrides: dict, out: Path, run: Path | None = None) -> dict:
+def outcomes(eval_dir: Path, report: dict) -> dict[str, np.ndarray]:
+    """Per-problem 0/1 outcomes of an eval, in the test set's problem order."""
+    from tosca_mlmt.snapshot import load_snapshot
+
+    snap = load_snapshot(eval_dir / "snapshots", report["snapshot_id"])
+    eps = sorted(snap.episodes(), key=lambda e: e.problem.id)
+    t1 = np.array([e.solver_turns[0].correct for e in eps], dtype=float)
+    fin = np.array([e.solver_turns[-1].correct for e in eps], dtype=float)
+    return {"ids": [e.problem.id for e in eps], "t1": t1, "final": fin}
+
+
+def run_method(name: str, preset: Path, extra: dict | None, common: dict, train: dict, seed: int,
+               work: Path) -> dict:
     from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.evaluate import adapters_from_run, evaluate
+    from tosca_mlmt.pipelines.train_joint import train_joint
 
-    ov = dict(overrides, **{"task.split": "test", "logging.wandb": False, "logging.progress": False})
-    if run is not None:
-        ov.update(adapters_from_run(run))
-    rep = evaluate(load_config(cfg_file, ov), out)
-    return {k: rep[k] for k in KEYS}
+    t0 = time.time()
+    folder = work / name / f"seed{seed}"
+    adapters, used = {}, {}
+    if extra is not None:
+        cfg = load_config(preset, {**common, **train, **extra, "seed": seed})
+        res = train_joint(cfg, folder / "run")
+        adapters = adapters_from_run(folder / "run")
+        used = {"rounds": len(res.manifest["rounds"]),
+                "writer_updates": sum(1 for r in res.manifest["rounds"] if r.get("upper")),
+                "solver_updates": sum(1 for r in res.manifest["rounds"] if r.get("lower"))}
+    train_s = time.time() - t0
+    # eval: test split, the same problems and eval seed for every method and training seed
+    ecfg = load_config(preset, {**common, **(extra or {}), **adapters, "task.split": "test", "seed": 0})
+    report = evaluate(ecfg, folder / "eval")
+    out = outcomes(folder / "eval", report)
+    return {"method": name, "seed": seed, "train_seconds": round(train_s, 1),
+            "eval_seconds": round(time.time() - t0 - train_s, 1), "used": used,
+            "environment": report.get("environment"), **out}
+
+
+def table(per: dict[str, list[dict]], primary: str) -> tuple[dict, list[str]]:
+    from tosca_mlmt.analysis.stats import mcnemar, paired_bootstrap
+
+    summary, lines = {}, []
+    lines.append("| method | seeds x problems | Acc@t1 | Acc@final | Δ | i→c | c→i |")
+    lines.append("|---|---|---|---|---|---|---|")
+    for name, runs in per.items():
+        t1 = np.stack([r["t1"] for r in runs])
+        fin = np.stack([r["final"] for r in runs])
+        cells = {"acc_t1": paired_bootstrap(t1), "acc_final": paired_bootstrap(fin),
+                 "delta": paired_bootstrap(fin, t1),
+                 "wrong_to_right": paired_bootstrap((1 - t1) * fin), "right_to_wrong": paired_bootstrap(t1 * (1 - fin))}
+        summary[name] = cells
+        fmt = lambda c: f"{c['mean']:.3f} [{c['lo']:.3f}, {c['hi']:.3f}]"  # noqa: E731
+        lines.append(f"| {name} | {t1.shape[0]} x {t1.shape[1]} | " + " | ".join(fmt(cells[k]) for k in
+                     ("acc_t1", "acc_final", "delta", "wrong_to_right", "right_to_wrong")) + " |")
+    if primary in per:
+        lines += ["", f"Primary contrast: {primary} minus each baseline on Acc@final (paired over seeds x problems; "
+                      "McNemar p per seed).", "", "| baseline | difference [95 % CI] | McNemar p per seed |",
+                  "|---|---|---|"]
+        a = np.stack([r["final"] for r in per[primary]])
+        for name, runs in per.items():
+            if name == primary:
+                continue
+            b = np.stack([r["final"] for r in runs])
+            if b.shape != a.shape:
+                continue
+            d = paired_bootstrap(a, b)
+            ps = [mcnemar(a[s], b[s])["p"] for s in range(a.shape[0])]
+            summary[f"{primary}-minus-{name}"] = {**d, "mcnemar_p": ps}
+            lines.append(f"| {name} | {d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] | "
+                         + ", ".join(f"{p:.3g}" for p in ps) + " |")
+    return summary, lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--budget", type=float, default=600.0, help="train-joint seconds per preset and task")
-    ap.add_argument("--eval-limit", type=int, default=13, help="held-out arith problems (level 1 has 13)")
-    ap.add_argument("--gsm8k-limit", type=int, default=10, help="held-out GSM8K problems (0 = skip GSM8K)")
-    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--env", default="none", choices=tuple(ENV_OVERRIDES))
+    ap.add_argument("--methods", nargs="+", default=None, help="subset of the methods (default: all)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--level", type=int, default=1)
+    ap.add_argument("--test-problems", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--collect-problems", type=int, default=16)
+    ap.add_argument("--lower-iterations", type=int, default=2)
+    ap.add_argument("--problems-per-iteration", type=int, default=8)
+    ap.add_argument("--upper-steps", type=int, default=30)
+    ap.add_argument("--engine", default="hf", choices=("hf", "vllm"))
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the wiring, decides nothing")
     ap.add_argument("--work", default="/tmp/tosca-bench-efficacy")
-    ap.add_argument("--small-rounds", action="store_true",
-                    help="shrink each train-joint round (4 problems, 1 PPO iteration, 6 writer steps) so short "
-                         "budgets still finish several rounds")
     args = ap.parse_args()
+    if args.smoke:
+        args.seeds, args.test_problems, args.rounds = args.seeds[:1], 8, 1
+        args.collect_problems, args.lower_iterations, args.problems_per_iteration, args.upper_steps = 2, 1, 2, 2
 
-    from tosca_mlmt.config import load_config
-    from tosca_mlmt.pipelines.train_joint import train_joint
-
-    tasks = {"arith": {"task.name": "arith", "task.level": 1, "task.limit": args.eval_limit}}
-    if args.gsm8k_limit:
-        tasks["gsm8k"] = {"task.name": "gsm8k", "task.data_path": args.data, "task.limit": args.gsm8k_limit,
-                          "solver_sampling.max_new_tokens": 128}
-    work = Path(args.work) / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    results: dict = {"date": dt.datetime.now().isoformat(timespec="seconds"), "args": vars(args),
-                     "machine": f"{platform.machine()} {os.cpu_count()} cores", "tasks": {}}
-    for tname, tov in tasks.items():
-        base = ROOT / "configs" / "mlmt.yaml"
-        res = {"before": _eval(base, tov, work / tname / "before")}
-        for preset in PRESETS:
-            cfg_file = ROOT / "configs" / f"{preset}.yaml"
-            train_ov = {k: v for k, v in tov.items() if k != "task.limit"}
-            if args.small_rounds:
-                train_ov.update({"joint.collect_problems": 4, "joint.lower_iterations": 1, "joint.upper_steps": 6,
-                                 "lower.problems_per_iteration": 2, "upper.warmup_steps": 2, "upper.eval_every": 6,
-                                 "upper.batch_size": 4})
-            cfg = load_config(cfg_file, dict(train_ov, **{"joint.max_seconds": args.budget, "joint.rounds": 100,
-                                                          "logging.wandb": False, "logging.progress": False}))
-            t0 = time.time()
-            run = work / tname / preset / "run"
-            man = train_joint(cfg, run).manifest
-            after = _eval(cfg_file, tov, work / tname / preset / "eval", run=run)
-            res[preset] = {"after": after, "train_seconds": round(time.time() - t0, 1),
-                           "rounds": len(man["rounds"])}
-        results["tasks"][tname] = res
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "learning_efficacy.json").write_text(json.dumps(results, indent=2))
-    lines = [f"# Learning efficacy ({results['date']}, {results['machine']}, budget {args.budget:.0f} s per run)", "",
-             "| task | method | rounds | Acc@t1 | Acc@final | Δ | i→c | c→i |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for tname, res in results["tasks"].items():
-        b = res["before"]
-        lines.append(f"| {tname} | before training | 0 | " + " | ".join(f"{b[k]:.3f}" for k in KEYS) + " |")
-        for preset in PRESETS:
-            a = res[preset]["after"]
-            lines.append(f"| {tname} | {preset} | {res[preset]['rounds']} | " + " | ".join(f"{a[k]:.3f}" for k in KEYS) + " |")
-    (RESULTS / "learning_efficacy.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    methods = dict(METHODS, **(VERDICT_CONTROL if args.env == "verdict" else {}))
+    if args.methods:
+        methods = {k: v for k, v in methods.items() if k in args.methods}
+    common = {"task.name": "arith", "task.level": args.level, "task.limit": args.test_problems,
+              "logging.wandb": False, "logging.progress": False, "engine.name": args.engine,
+              "episode.max_prompt_tokens": 768, "engine.vllm.max_model_len": 1024, **ENV_OVERRIDES[args.env]}
+    # equal compute for every trained method (a frozen part simply spends none of it)
+    train = {"task.split": "train", "task.limit": 0, "joint.rounds": args.rounds,
+             "joint.collect_problems": args.collect_problems, "joint.lower_iterations": args.lower_iterations,
+             "lower.problems_per_iteration": args.problems_per_iteration, "joint.upper_steps": args.upper_steps,
+             "upper.warmup_steps": min(5, args.upper_steps), "upper.eval_every": max(1, args.upper_steps),
+             "upper.save_every": max(1, args.upper_steps)}
+    work = Path(args.work) / f"{args.env}-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    per: dict[str, list[dict]] = {}
+    for name, (preset, extra) in methods.items():
+        for seed in (args.seeds if extra is not None else args.seeds[:1]):
+            r = run_method(name, preset, extra, common, train, seed, work)
+            per.setdefault(name, []).append(r)
+            print(f"{name} seed {seed}: Acc@t1 {r['t1'].mean():.3f} Acc@final {r['final'].mean():.3f} "
+                  f"({r['train_seconds']:.0f} s train, {r['eval_seconds']:.0f} s eval)", flush=True)
+    # the untrained pair has no training seed: its one eval stands for every seed of the pairing
+    if "untrained" in per:
+        per["untrained"] = per["untrained"] * len(args.seeds)
+    summary, lines = table(per, "mlmt")
+    label = "privileged (writer sees the verdict)" if args.env == "verdict" else "honest"
+    head = [f"# Learning efficacy, env `{args.env}` ({label}), arith level {args.level}",
+            f"{dt.datetime.now():%Y-%m-%d}, {platform.machine()} {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, "
+            f"seeds {args.seeds}, {args.test_problems} test problems" + (" — SMOKE RUN: decides nothing" if args.smoke
+                                                                         else ""), ""]
+    RESULTS.mkdir(exist_ok=True)
+    stem = f"learning_efficacy-{args.env}" + ("-smoke" if args.smoke else "")
+    (RESULTS / f"{stem}.md").write_text("\n".join(head + lines) + "\n")
+    (RESULTS / f"{stem}.json").write_text(json.dumps({
+        "date": dt.datetime.now().isoformat(timespec="seconds"), "machine": f"{platform.machine()} {os.cpu_count()}",
+        "load_avg": os.getloadavg(), "args": vars(args), "environment": label, "summary": summary,
+        "runs": [{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in r.items() if k != "ids"}
+                 for runs in per.values() for r in runs]}, indent=1))
+    print("\n".join(head + lines))
 
 
 if __name__ == "__main__":

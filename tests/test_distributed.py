@@ -42,7 +42,9 @@ OVERRIDES = {
     **FP32, "logging.wandb": False, "logging.progress": False,
     "solver_sampling.max_new_tokens": 16, "writer_sampling.max_new_tokens": 8, "episode.max_feedback_tokens": 8,
     "lower.iterations": 2, "lower.problems_per_iteration": 2, "lower.minibatch_size": 4, "lower.grad_accum": 2,
+    # the bonus ungated, so every refine contributes a term the ranks must agree on
     "lower.epochs": 1, "lower.advantage": "gae", "lower.lr": 2e-3, "lower.kl_coef": 0.05, "lower.bonus.coef": 0.2,
+    "lower.bonus.gate": "none",
     "lower.save_every": 1, "lower.keep_snapshots": False,
     "upper.steps": 2, "upper.batch_size": 4, "upper.micro_batch_size": 2, "upper.warmup_steps": 1,
     "upper.lr": 2e-3, "upper.save_every": 1, "upper.eval_every": 2, "upper.log_every": 1,
@@ -120,7 +122,8 @@ def assert_same_metrics(single: Path, out: Path) -> None:
         assert len(got) == len(ref) == 2  # rank 0 alone writes: one record per step
         for r, g in zip(ref, got):
             for k in (k for k in keys if k in r):  # text_loss only once it is on
-                assert g[k] == pytest.approx(r[k], rel=1e-4, abs=1e-7), (stage, k)
+                # the bonus differences two forwards of different batch shapes: ~1e-7 per token each
+                assert g[k] == pytest.approx(r[k], rel=1e-4, abs=1e-6 if "bonus" in k else 1e-7), (stage, k)
 
 
 def test_two_process_ddp_gives_the_one_process_update(single, snapshot, initial, tmp_path):

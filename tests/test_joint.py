@@ -35,9 +35,10 @@ def test_tiny_train_joint_through_the_cli_then_eval_and_analyze(tmp_path):
     snap1 = json.loads((run / "snapshots" / man["rounds"][1]["snapshot"] / "manifest.json").read_text())
     assert snap1["parents"] == [man["rounds"][0]["snapshot"]]
     assert (run / "solver" / "adapter_model.safetensors").exists() and (run / "writer" / "q_head.safetensors").exists()
-    # the trained writer drives strategy choice in eval (greedy over its Q-values, logged)
+    # the trained writer drives strategy choice in eval (greedy over its Q-values when asked, logged)
     ev = tmp_path / "eval"
-    run_mlmt("eval", "--run", run, "--out", ev, "--limit", "2", *sets, check=True)
+    run_mlmt("eval", "--run", run, "--out", ev, "--limit", "2", *sets, "--set", "episode.strategy_selection=greedy",
+             check=True)
     rep = json.loads((ev / "eval.json").read_text())
     from tosca_mlmt.snapshot import load_snapshot
 

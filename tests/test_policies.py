@@ -75,7 +75,9 @@ def test_saved_writer_with_q_head_drives_strategy_choice(tiny_cfg, policies, tmp
         assert torch.equal(v, state[k]), k
     runner = EpisodeRunner(cfg, ArithTask(1), HFEngine(loaded, 8), loaded)
     eps = runner.run(ArithTask(1).load("train", 3).problems)
-    want = np.exp([0, 0, 0, 4, 0, 0]) / np.exp([0, 0, 0, 4, 0, 0]).sum()
+    # auto: epsilon of uniform exploration mixed into softmax(Q / T)
+    eps_ = cfg.episode.epsilon
+    want = eps_ / 6 + (1 - eps_) * np.exp([0, 0, 0, 4, 0, 0]) / np.exp([0, 0, 0, 4, 0, 0]).sum()
     for ep in eps:
         fb = ep.turns[1]
         np.testing.assert_allclose(fb.behaviour_probs, want, rtol=1e-5)

@@ -139,7 +139,8 @@ def test_saved_writer_is_what_collect_loads(trained, snapshot, tmp_path):
     res = collect(cfg, policies=loaded)
     fb = [t for ep in load_snapshot(tmp_path, res.snapshot_id).episodes() for t in ep.turns if t.kind == "feedback"][0]
     assert fb.q_values is not None
-    expect = torch.softmax(torch.tensor(fb.q_values, dtype=torch.float64) / cfg.episode.strategy_temperature, 0)
+    soft = torch.softmax(torch.tensor(fb.q_values, dtype=torch.float64) / cfg.episode.strategy_temperature, 0)
+    expect = cfg.episode.epsilon / len(soft) + (1 - cfg.episode.epsilon) * soft  # auto: epsilon-softmax
     assert torch.allclose(torch.tensor(fb.behaviour_probs, dtype=torch.float64), expect, atol=1e-6)
     assert fb.behaviour_prob == pytest.approx(fb.behaviour_probs[fb.strategy])
 
