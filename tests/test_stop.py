@@ -3,9 +3,9 @@
 import pytest
 
 from tosca_mlmt.engines.base import Generation
-from tosca_mlmt.engines.stop import ANSWER_LINE, apply_stop, stop_index
+from tosca_mlmt.engines.stop import apply_stop, stop_index
 from tosca_mlmt.tasks.arith import ArithTask
-from tosca_mlmt.tasks.mathverify import ANSWER_FORMAT
+from tosca_mlmt.tasks.mathverify import ANSWER_FORMAT, ANSWER_LINE
 
 
 def _chars(text):  # a "tokenizer" with one token per character

@@ -1,4 +1,5 @@
-"""Stop at the first complete answer line: one rule for every engine.
+"""Stop at the first complete answer line: one rule for every engine (the pattern is the task's
+``stop_regex``, e.g. ``tasks.mathverify.ANSWER_LINE``).
 
 A solver turn is over once it has written "The answer is: <a number>" and something after the
 number shows the number is complete (a newline, a full stop not followed by a digit, a space and
@@ -15,9 +16,6 @@ from typing import Callable
 
 from tosca_mlmt.engines.base import Generation
 
-# "The answer is: 42\n", "the answer is 3.5.", "The answer is: $1,200 dollars"; not "The answer is: 7 + 5 = 12"
-# (a number followed by an operator is an expression in progress, not the answer)
-ANSWER_LINE = r"[Tt]he (?:final )?answer is:?\**\s*\$?\s*-?\d[\d,]*(?:\.\d+)?(?:[ \t]*\n|\.(?=\D)|[ \t]+[A-Za-z]|\*)"
 # Decoding the last few tokens is enough to see a whole answer line appear.
 TAIL_TOKENS = 32
 

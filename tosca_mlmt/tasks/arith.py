@@ -25,9 +25,8 @@ import random
 import sys
 from pathlib import Path
 
-from tosca_mlmt.engines.stop import ANSWER_LINE
 from tosca_mlmt.tasks.base import LoadResult, Problem, Verdict, check_split
-from tosca_mlmt.tasks.mathverify import ANSWER_FORMAT, echoes_format, extract_answer, is_equivalent
+from tosca_mlmt.tasks.mathverify import ANSWER_FORMAT, ANSWER_LINE, echoes_format, extract_answer, is_equivalent
 
 VERIFIER_VERSION = "arith-v2"  # v2: an echo of the answer-format instruction scores wrong
 GENERATOR_VERSION = "arith-gen-v2"

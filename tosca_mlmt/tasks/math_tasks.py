@@ -13,8 +13,7 @@ from tosca_mlmt.errors import ConfigError, DataError
 from tosca_mlmt.tasks.base import (DATA_ENV_VAR, LoadResult, Problem, Verdict, check_split, check_text, decode_line,
                                     default_data_path, no_problems, parse_json_line, read_lines, short_repr,
                                     stable_split)
-from tosca_mlmt.engines.stop import ANSWER_LINE
-from tosca_mlmt.tasks.mathverify import ANSWER_FORMAT, VERIFIER_VERSION, echoes_format, extract_answer, extract_gold, match_method
+from tosca_mlmt.tasks.mathverify import ANSWER_FORMAT, ANSWER_LINE, VERIFIER_VERSION, echoes_format, extract_answer, extract_gold, match_method
 
 
 

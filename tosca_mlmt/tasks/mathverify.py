@@ -24,6 +24,9 @@ _MV_TIMEOUT_S = 5
 # guesses (arith L1 greedy, 64 test problems: 17 % -> 55 %; L2: 6 % -> 20 %).
 ANSWER_FORMAT = ("Work it out step by step, then end with a final line that starts with 'The answer is:' "
                  "followed by your number.")
+# "The answer is: 42\n", "the answer is 3.5.", "The answer is: $1,200 dollars"; not "The answer is: 7 + 5 = 12"
+# (a number followed by an operator is an expression in progress, not the answer)
+ANSWER_LINE = r"[Tt]he (?:final )?answer is:?\**\s*\$?\s*-?\d[\d,]*(?:\.\d+)?(?:[ \t]*\n|\.(?=\D)|[ \t]+[A-Za-z]|\*)"
 _ECHO_RE = re.compile(r"starts? with\W+the answer is\W+followed by (?:your|the) number", re.IGNORECASE)
 
 
