@@ -2,7 +2,8 @@
 
 Each round runs three named steps with the current solver and writer:
 
-  collect  one snapshot of episodes (the writer's training data; parent = last round's)
+  collect  one snapshot of episodes (the writer's training data; parent = last round's; skipped
+           when ``joint.freeze_writer``: nothing would learn from it)
   upper    offline strategic Q-learning + AWR on this round's snapshot and the replay window
   lower    ``joint.lower_iterations`` online PPO iterations of the solver (each collects its
            own on-policy batch with the writer as it now is)
@@ -156,7 +157,13 @@ def train_joint(cfg: Config, run_dir: str | Path, resume: bool = False, console=
 
 
 def _collect(cfg, rec, manifest, snap_root, policies, engine, r, console) -> None:
-    parents = [manifest["rounds"][r - 1]["snapshot"]] if r > 0 else []
+    if cfg.joint.freeze_writer:
+        # the round's snapshot is the writer's training data only: a frozen writer spends no episodes
+        # on it (equal compute is counted in episodes; the solver's PPO batches collect their own)
+        rec["snapshot"] = None
+        return
+    prev = manifest["rounds"][r - 1].get("snapshot") if r > 0 else None
+    parents = [prev] if prev else []
     ccfg = replace(cfg, seed=cfg.seed + 1000 * r,
                    collect=replace(cfg.collect, out=str(snap_root), parents=parents),
                    logging=replace(cfg.logging, wandb=False))

@@ -36,6 +36,7 @@ def test_tiny_train_joint_through_the_cli_then_eval_and_analyze(tmp_path):
     # the trained writer drives strategy choice in eval (greedy over its Q-values when asked, logged)
     ev = tmp_path / "eval"
     run_mlmt("eval", "--run", run, "--out", ev, "--limit", "2", *sets, "--set", "episode.strategy_selection=greedy",
+             "--set", "episode.min_q_decisions=0",
              check=True)
     rep = json.loads((ev / "eval.json").read_text())
     from tosca_mlmt.snapshot import load_snapshot
@@ -46,3 +47,17 @@ def test_tiny_train_joint_through_the_cli_then_eval_and_analyze(tmp_path):
     report = tmp_path / "report" / "report.md"
     assert a.stdout.strip().splitlines()[-1] == str(report) and "Correction matrix" in report.read_text()
 
+
+
+def test_a_frozen_writer_spends_no_collect_episodes(tmp_path):
+    """Equal compute is counted in episodes: with joint.freeze_writer the round's writer snapshot is
+    not collected (no policies or engine are touched), and a later round names no missing parent."""
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.pipelines import train_joint as tj
+
+    cfg = load_config(overrides={"joint.freeze_writer": True})
+    rec, manifest = {}, {"rounds": [{"snapshot": None}, {}]}
+    tj._collect(cfg, rec, manifest, tmp_path, None, None, 1, None)  # None policies/engine: any use would raise
+    assert rec == {"snapshot": None} and not any(tmp_path.iterdir())
+    tj._upper(cfg, rec, manifest, tmp_path, tmp_path, tmp_path, None, None, 1)
+    assert rec["upper"] is None

@@ -134,8 +134,17 @@ def test_saved_writer_is_what_collect_loads(trained, snapshot, tmp_path):
     (rows,) = report["table"].values()  # one task type: arith at the configured level
     learner_q = torch.tensor([r["q"] for r in rows])
     assert torch.allclose(learner_q, q.mean(0), atol=1e-3)
-    cfg = load_config(overrides={**TINY, "model.writer_adapter": writer, "task.limit": 1, "episode.n_samples": 1,
-                                 "collect.out": str(tmp_path)})
+    # the head carries the number of decisions it was fitted on
+    decisions = json.loads((trained["run"] / "provenance.json").read_text())["decisions"]
+    assert loaded.q_decisions == decisions and 0 < decisions < 200
+    base = {**TINY, "model.writer_adapter": writer, "task.limit": 1, "episode.n_samples": 1}
+    # below episode.min_q_decisions (default 200) the under-fitted Q is not consulted: uniform
+    cfg = load_config(overrides={**base, "collect.out": str(tmp_path / "gated")})
+    res = collect(cfg, policies=loaded)
+    fb = [t for ep in load_snapshot(tmp_path / "gated", res.snapshot_id).episodes() for t in ep.turns
+          if t.kind == "feedback"][0]
+    assert fb.q_values is None and fb.behaviour_probs == pytest.approx([1 / len(fb.behaviour_probs)] * len(fb.behaviour_probs))
+    cfg = load_config(overrides={**base, "episode.min_q_decisions": 0, "collect.out": str(tmp_path)})
     res = collect(cfg, policies=loaded)
     fb = [t for ep in load_snapshot(tmp_path, res.snapshot_id).episodes() for t in ep.turns if t.kind == "feedback"][0]
     assert fb.q_values is not None

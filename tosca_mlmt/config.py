@@ -131,6 +131,9 @@ class EpisodeConfig:
                                        min=0.0, min_exclusive=True)
     epsilon: float = knob(0.3, "Uniform exploration share for auto / epsilon_softmax / epsilon_greedy (0.3 while the "
                                "writer's data is small).", min=0.0, max=1.0)
+    min_q_decisions: int = knob(200, "The writer's Q-values steer strategy selection only once they were fitted on at "
+                                     "least this many logged decisions; below it selection stays uniform (a Q fitted "
+                                     "on a handful of decisions is noise). 0 = always use Q.", min=0)
     max_feedback_tokens: int = knob(64, "Longest feedback text, in tokens (for no feedback use episode.rounds=0; "
                                         "for a fixed text, episode.feedback=static).", min=1)
     feedback: str = knob("generate", "generate = the writer model writes feedback; static = the chosen strategy's "

@@ -202,7 +202,9 @@ class EpisodeRunner:
             states.append(pieces)
         n_actions = len(self.strategies)
         rendered = [wfmt.user_prompt_with_ids(WRITER_SYSTEM, pieces) for pieces in states]  # (ids, cuts)
-        q = self.policies.q_values([ids[:cuts[-1]] for ids, cuts in rendered])
+        # a Q fitted on too few decisions is noise: selection stays uniform until it has seen enough
+        q = (self.policies.q_values([ids[:cuts[-1]] for ids, cuts in rendered])
+             if self.policies.q_decisions >= cfg.episode.min_q_decisions else None)
         q_np = None if q is None else q.numpy()
         probs = behaviour_distribution(q_np, n_actions, cfg.episode.strategy_selection,
                                        cfg.episode.strategy_temperature, cfg.episode.epsilon)

@@ -76,6 +76,7 @@ class PolicyPair:
             self._models[role] = pm
         self.strategies: list[dict] | None = None
         self.q_head: QHead | None = None
+        self.q_decisions = 0  # logged decisions the Q head was fitted on (episode.min_q_decisions gates its use)
         if cfg.writer_adapter:
             self._load_writer_extras(Path(cfg.writer_adapter))
         self._base_fp: dict[Path, str] = {}
@@ -207,7 +208,8 @@ class PolicyPair:
             if role == "writer":
                 (tmp / STRATEGIES_FILE).write_text(json.dumps(self.strategies, indent=2) if self.strategies else "null")
                 if self.q_head is not None:
-                    save_file({k: v.contiguous() for k, v in self.q_head.state_dict().items()}, tmp / Q_HEAD_FILE)
+                    save_file({k: v.contiguous() for k, v in self.q_head.state_dict().items()}, tmp / Q_HEAD_FILE,
+                              metadata={"decisions": str(self.q_decisions)})
 
     def load_role(self, role: str, folder: str | Path) -> None:
         """Load weights written by :meth:`save_role` into the live adapter (and, for the writer,
@@ -226,6 +228,7 @@ class PolicyPair:
 
     # ------------------------------------------------------------------ writer extras
     def _load_writer_extras(self, folder: Path) -> None:
+        from safetensors import safe_open
         from safetensors.torch import load_file
 
         if (folder / STRATEGIES_FILE).exists():
@@ -235,6 +238,9 @@ class PolicyPair:
             head = QHead(sd["proj.weight"].shape[1], sd["proj.weight"].shape[0])
             head.load_state_dict(sd)
             self.q_head = head
+            with safe_open(folder / Q_HEAD_FILE, "pt") as f:
+                # heads saved before the count existed were fitted on an unknown amount: trust them
+                self.q_decisions = int((f.metadata() or {}).get("decisions", 10**9))
 
     @torch.no_grad()
     def q_values(self, prompts: list[list[int]], batch_size: int = 16) -> torch.Tensor | None:

@@ -223,6 +223,7 @@ class UpperLearner:
         """The trained writer (adapter + Q head + strategy list), loadable as model.writer_adapter."""
         with dist.full_parameters(self.critic):
             self.policies.q_head = self.critic.exported_head()
+        self.policies.q_decisions = len(self.transitions)
         self.policies.strategies = [dict(s) for s in self.strategies]
         self.policies.save_role("writer", folder)
         dist.barrier()  # other ranks may read it next (train-joint's next step)
