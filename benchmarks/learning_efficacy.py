@@ -16,7 +16,13 @@ environment; its results are labelled and never mixed with honest ones).
     python benchmarks/learning_efficacy.py --env verdict --seeds 0 1 2 --test-problems 300
     python benchmarks/learning_efficacy.py --smoke          # minutes: wiring only, decides nothing
 
-Writes benchmarks/results/learning_efficacy-<env>.json (+ .md) with date, machine, load and seeds.
+Each (method, seed) is one *unit*, written as soon as it finishes to
+benchmarks/results/learning_efficacy/<env>-L<level>/<method>-seed<k>.json with its git sha and the
+sizes that define it; a rerun with the same sizes skips finished units (``--force`` redoes them), so a
+grid larger than one sitting fills up over several runs (``--budget-minutes`` stops starting units).
+The table is assembled from every finished unit with the same sizes and written to
+benchmarks/results/learning_efficacy-<env>.json (+ .md) with date, machine, load and seeds; units
+from different code (git sha) are listed so a reader can judge whether they may be pooled.
 """
 
 from __future__ import annotations
@@ -125,20 +131,40 @@ def table(per: dict[str, list[dict]], primary: str) -> tuple[dict, list[str]]:
     return summary, lines
 
 
+def _unit_key(args) -> dict:
+    """The sizes that make two units comparable (the same problems, compute and protocol)."""
+    return {k: getattr(args, k) for k in ("env", "level", "test_problems", "rounds", "collect_problems",
+                                          "lower_iterations", "problems_per_iteration", "upper_steps", "engine",
+                                          "n_samples", "smoke")}
+
+
+def _git_sha() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--env", default="none", choices=tuple(ENV_OVERRIDES))
     ap.add_argument("--methods", nargs="+", default=None, help="subset of the methods (default: all)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--level", type=int, default=1)
+    ap.add_argument("--level", type=int, default=2, help="arith level (1 has too few distinct test facts)")
     ap.add_argument("--test-problems", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--collect-problems", type=int, default=16)
+    ap.add_argument("--collect-problems", type=int, default=32)
     ap.add_argument("--lower-iterations", type=int, default=2)
     ap.add_argument("--problems-per-iteration", type=int, default=8)
     ap.add_argument("--upper-steps", type=int, default=30)
-    ap.add_argument("--engine", default="hf", choices=("hf", "vllm"))
+    ap.add_argument("--n-samples", type=int, default=2, help="turn-1 samples per problem (the GRPO group)")
+    ap.add_argument("--engine", default="vllm", choices=("hf", "vllm"))
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the wiring, decides nothing")
+    ap.add_argument("--force", action="store_true", help="redo units that already have results")
+    ap.add_argument("--budget-minutes", type=float, default=0.0, help="start no unit after this (0 = none)")
     ap.add_argument("--work", default="/tmp/tosca-bench-efficacy")
     args = ap.parse_args()
     if args.smoke:
@@ -147,41 +173,67 @@ def main() -> None:
 
     methods = dict(METHODS, **(VERDICT_CONTROL if args.env == "verdict" else {}))
     if args.methods:
+        unknown = set(args.methods) - set(methods)
+        if unknown:
+            ap.error(f"unknown method(s) {sorted(unknown)}; allowed: {', '.join(methods)}")
         methods = {k: v for k, v in methods.items() if k in args.methods}
     common = {"task.name": "arith", "task.level": args.level, "task.limit": args.test_problems,
               "logging.wandb": False, "logging.progress": False, "engine.name": args.engine,
               "episode.max_prompt_tokens": 768, "engine.vllm.max_model_len": 1024, **ENV_OVERRIDES[args.env]}
     # equal compute for every trained method (a frozen part simply spends none of it)
-    train = {"task.split": "train", "task.limit": 0, "joint.rounds": args.rounds,
+    train = {"task.split": "train", "task.limit": 0, "joint.rounds": args.rounds, "episode.n_samples": args.n_samples,
              "joint.collect_problems": args.collect_problems, "joint.lower_iterations": args.lower_iterations,
              "lower.problems_per_iteration": args.problems_per_iteration, "joint.upper_steps": args.upper_steps,
              "upper.warmup_steps": min(5, args.upper_steps), "upper.eval_every": max(1, args.upper_steps),
              "upper.save_every": max(1, args.upper_steps)}
+    key = _unit_key(args)
+    units = RESULTS / "learning_efficacy" / (f"{args.env}-L{args.level}" + ("-smoke" if args.smoke else ""))
+    units.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) / f"{args.env}-{dt.datetime.now():%Y%m%d-%H%M%S}"
-    per: dict[str, list[dict]] = {}
+    t_start = time.time()
     for name, (preset, extra) in methods.items():
         for seed in (args.seeds if extra is not None else args.seeds[:1]):
+            path = units / f"{name}-seed{seed}.json"
+            if path.exists() and not args.force and json.loads(path.read_text()).get("key") == key:
+                continue
+            if args.budget_minutes and time.time() - t_start > 60 * args.budget_minutes:
+                print(f"budget spent: {name} seed {seed} not started", flush=True)
+                continue
             r = run_method(name, preset, extra, common, train, seed, work)
-            per.setdefault(name, []).append(r)
+            path.write_text(json.dumps({"key": key, "git_sha": _git_sha(), "date": dt.datetime.now().isoformat(
+                timespec="seconds"), "load_avg": os.getloadavg(), **{k: (v.tolist() if isinstance(v, np.ndarray)
+                                                                           else v) for k, v in r.items()}}))
             print(f"{name} seed {seed}: Acc@t1 {r['t1'].mean():.3f} Acc@final {r['final'].mean():.3f} "
                   f"({r['train_seconds']:.0f} s train, {r['eval_seconds']:.0f} s eval)", flush=True)
+    per: dict[str, list[dict]] = {}
+    shas = set()
+    for name in methods:
+        for f in sorted(units.glob(f"{name}-seed*.json")):
+            u = json.loads(f.read_text())
+            if u.get("key") != key:
+                continue
+            shas.add(u["git_sha"])
+            per.setdefault(name, []).append({**u, "t1": np.array(u["t1"]), "final": np.array(u["final"])})
+    seeds = sorted({r["seed"] for name, runs in per.items() if name != "untrained" for r in runs}) or args.seeds
     # the untrained pair has no training seed: its one eval stands for every seed of the pairing
     if "untrained" in per:
-        per["untrained"] = per["untrained"] * len(args.seeds)
+        per["untrained"] = per["untrained"][:1] * len(seeds)
     summary, lines = table(per, "mlmt")
     label = "privileged (writer sees the verdict)" if args.env == "verdict" else "honest"
     head = [f"# Learning efficacy, env `{args.env}` ({label}), arith level {args.level}",
             f"{dt.datetime.now():%Y-%m-%d}, {platform.machine()} {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, "
-            f"seeds {args.seeds}, {args.test_problems} test problems" + (" — SMOKE RUN: decides nothing" if args.smoke
-                                                                         else ""), ""]
-    RESULTS.mkdir(exist_ok=True)
+            f"seeds {seeds}, {args.test_problems} test problems, engine {args.engine}, code {sorted(shas)}"
+            + (" — SMOKE RUN: decides nothing" if args.smoke else ""),
+            f"Compute per trained method and seed: {args.rounds} rounds x ({args.collect_problems} writer problems + "
+            f"{args.lower_iterations} PPO iterations x {args.problems_per_iteration} problems) x "
+            f"{args.n_samples} samples, {args.upper_steps} writer steps per round.", ""]
     stem = f"learning_efficacy-{args.env}" + ("-smoke" if args.smoke else "")
     (RESULTS / f"{stem}.md").write_text("\n".join(head + lines) + "\n")
     (RESULTS / f"{stem}.json").write_text(json.dumps({
         "date": dt.datetime.now().isoformat(timespec="seconds"), "machine": f"{platform.machine()} {os.cpu_count()}",
         "load_avg": os.getloadavg(), "args": vars(args), "environment": label, "summary": summary,
-        "runs": [{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in r.items() if k != "ids"}
-                 for runs in per.values() for r in runs]}, indent=1))
+        "code": sorted(shas), "runs": [{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in r.items()
+                                        if k != "ids"} for runs in per.values() for r in runs]}, indent=1))
     print("\n".join(head + lines))
 
 
