@@ -176,7 +176,7 @@ def main() -> None:
         unknown = set(args.methods) - set(methods)
         if unknown:
             ap.error(f"unknown method(s) {sorted(unknown)}; allowed: {', '.join(methods)}")
-        methods = {k: v for k, v in methods.items() if k in args.methods}
+        methods = {k: methods[k] for k in args.methods}  # in the order given: the first ones run first
     common = {"task.name": "arith", "task.level": args.level, "task.limit": args.test_problems,
               "logging.wandb": False, "logging.progress": False, "engine.name": args.engine,
               "episode.max_prompt_tokens": 768, "engine.vllm.max_model_len": 1024, **ENV_OVERRIDES[args.env]}
@@ -191,8 +191,11 @@ def main() -> None:
     units.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) / f"{args.env}-{dt.datetime.now():%Y%m%d-%H%M%S}"
     t_start = time.time()
-    for name, (preset, extra) in methods.items():
-        for seed in (args.seeds if extra is not None else args.seeds[:1]):
+    # seed-major: every method's seed 0 before any seed 1, so a budget cut leaves complete pairings
+    for seed in args.seeds:
+        for name, (preset, extra) in methods.items():
+            if extra is None and seed != args.seeds[0]:
+                continue
             path = units / f"{name}-seed{seed}.json"
             if path.exists() and not args.force and json.loads(path.read_text()).get("key") == key:
                 continue
