@@ -179,3 +179,25 @@ def test_cli_refuses_an_unknown_snapshot_format_version(run, tmp_path):
 def test_cli_rejects_an_argument_that_is_nothing_it_knows(tmp_path):
     res = CliRunner().invoke(app, ["analyze", "snap-nope", "--root", str(tmp_path), "--out", str(tmp_path / "o")])
     assert res.exit_code == 2 and "'snap-nope' is not a run folder" in res.stderr
+
+
+def test_privileged_snapshots_are_labelled_above_everything_in_the_report():
+    from tosca_mlmt.analysis.report import _environment
+    from tosca_mlmt.analysis.tables import Tables
+
+    base = {"created_at": "2026-01-01T00:00:01+00:00", "format_version": 2}
+    honest = {**base, "id": "h", "summary": {"environment": "honest"}}
+    priv = {**base, "id": "p", "summary": {"environment": "privileged:writer_sees=verdict"}}
+    old = {**base, "id": "o"}  # written before the label existed: honest
+    idx = snapshot_index([honest, priv, old])
+    assert dict(zip(idx["snapshot"], idx["environment"])) == {
+        "h": "honest", "p": "privileged:writer_sees=verdict", "o": "honest"}
+
+    def banner(ms):
+        t = Tables.__new__(Tables)
+        t.snapshots = snapshot_index(ms)
+        return "\n".join(_environment(t))
+
+    assert "honest" in banner([honest, old]) and "Privileged" not in banner([honest, old])
+    assert "Privileged environment" in banner([priv]) and "mixed" not in banner([priv])
+    assert "`privileged:writer_sees=verdict`" in banner([honest, priv]) and "mixed" in banner([honest, priv])

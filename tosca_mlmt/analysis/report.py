@@ -123,8 +123,27 @@ def _feedback_length(t: Tables, figures: dict[str, str]) -> list[str]:
     return out + [md_table(t.feedback_length), ""]
 
 
+def _environment(t: Tables) -> list[str]:
+    """A privileged environment (the writer saw the verifier's verdict) is a sanity check, not a
+    result: say so above everything, and name the snapshots, so its numbers are never read as honest."""
+    env = t.snapshots.get("environment")
+    if env is None or not len(env):
+        return []
+    privileged = sorted(set(e for e in env if e != "honest"))
+    if not privileged:
+        return ["Environment: **honest** (the writer saw only the problem and the attempts it may see at test "
+                "time).", ""]
+    mixed = " Honest and privileged snapshots are **mixed** in this report: compare rows only within one " \
+            "environment." if (env == "honest").any() else ""
+    return [f"> **Privileged environment** ({', '.join(f'`{e}`' for e in privileged)}): the writer saw the "
+            "verifier's verdict, which no honest system has at test time. These numbers are a sanity check of "
+            f"the learning machinery, not a result.{mixed} The `environment` column of the snapshot table says "
+            "which row is which.", ""]
+
+
 def render_report(t: Tables, figures: dict[str, str], sources: list[str]) -> str:
-    lines = ["# mlmt analyze", "", "From " + ", ".join(f"`{s}`" for s in sources) + ".", "", *_inputs(t)]
+    lines = ["# mlmt analyze", "", "From " + ", ".join(f"`{s}`" for s in sources) + ".", "", *_environment(t),
+             *_inputs(t)]
     for section in (_curves, _accuracy, _correction, _strategies, _bonus, _feedback_length):
         lines += section(t, figures)
     return "\n".join(lines).rstrip() + "\n"

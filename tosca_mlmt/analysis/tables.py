@@ -109,8 +109,11 @@ def snapshot_index(manifests: list[dict]) -> pd.DataFrame:
     df = pd.DataFrame([{
         "snapshot": m["id"], "created_at": m.get("created_at", ""), "iteration": m.get("iteration"),
         "kind": m.get("kind", ""), "format_version": m["format_version"],
-        "episodes": m.get("rows", {}).get("episodes")} for m in manifests],
-        columns=["snapshot", "created_at", "iteration", "kind", "format_version", "episodes"])
+        "episodes": m.get("rows", {}).get("episodes"),
+        # "privileged:..." when the writer saw the verifier (episode.writer_sees/feedback: verdict);
+        # snapshots from before the label existed were all honest
+        "environment": (m.get("summary") or {}).get("environment", "honest")} for m in manifests],
+        columns=["snapshot", "created_at", "iteration", "kind", "format_version", "episodes", "environment"])
     df["iteration"] = df["iteration"].astype("Int64")
     df = df.sort_values(["created_at", "iteration", "snapshot"], na_position="last").reset_index(drop=True)
     return df.rename_axis("order").reset_index()
