@@ -41,7 +41,7 @@ demo: $(STAMP)
 	@echo "run: $(DEMO_OUT)/run   eval: $(DEMO_OUT)/eval/eval.json   report: $(DEMO_OUT)/report/report.md"
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15
 
 clean-demo:
 	rm -rf $(DEMO_OUT)
