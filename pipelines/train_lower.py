@@ -1,7 +1,7 @@
 """``mlmt train-lower``: PPO for the solver, online or from snapshots.
 
 Per iteration (each step timed): pick problems -> generate (episodes, scored) ->
-snapshot -> old/ref log-probs, bonus, advantages, update (inside PPOTrainer) ->
+snapshot -> old/ref log-probs, advantages, bonus, update (inside LowerLearner) ->
 weight sync -> metrics -> checkpoint. The problems of iteration i are a pure function
 of (seed, i), so a resumed run sees exactly the data the uninterrupted run would have.
 """
@@ -19,17 +19,17 @@ import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tosca_mlmt import __version__, runtime
+from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
 from tosca_mlmt.engines import make_engine
 from tosca_mlmt.episode import EpisodeRunner
 from tosca_mlmt.errors import MlmtError
-from tosca_mlmt.lower.ppo import PPOTrainer
+from tosca_mlmt.lower.learner import LowerLearner
 from tosca_mlmt.lower.trajectory import episode_to_trajectory
 from tosca_mlmt.metrics import MetricsSink, StageTimer, summarize
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.snapshot import load_snapshot, write_snapshot
 from tosca_mlmt.tasks import make_task
-from tosca_mlmt.train import distributed as dist
 from tosca_mlmt.train.checkpoint import CheckpointManager
 from tosca_mlmt.pipelines.rundir import (check_allow_drift, check_drift, check_writable, metrics_size,
                                          rewind_metrics, write_config)
@@ -109,7 +109,7 @@ def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None
         offline = _load_offline(snapshot_ids, snapshot_root, verify)
     with timer("load_models"):
         policies = policies or PolicyPair(cfg.model, seed=cfg.seed)
-        trainer = PPOTrainer(cfg, policies)
+        trainer = LowerLearner(cfg, policies)
     start = 0
     if latest is not None:
         trainer.load(latest)

@@ -64,7 +64,7 @@ def test_grpo_rloo_reinforce_hand_values():
     np.testing.assert_allclose(rloo(R, groups, valid)[:, 0].numpy(), [1.0, -0.5, -0.5, -2.0, 2.0], rtol=1e-6)
     np.testing.assert_allclose(reinforce(R, groups, valid)[:, 0].numpy(), R[:, 0].numpy())
     np.testing.assert_allclose(reinforce(R, groups, valid, baseline=True)[:, 0].numpy(), (R[:, 0] - 1.8).numpy(), rtol=1e-6)
-    assert set(ADVANTAGES) == {"gae", "grpo", "rloo", "reinforce"}
+    assert set(ADVANTAGES) == {"gae", "grpo", "rloo", "reinforce", "archer"}
 
 
 def test_all_equal_group_gives_zero_advantage_not_nan():
@@ -110,7 +110,8 @@ def test_value_loss_clipping_and_kl_estimators_and_ev():
 
 
 def test_archer_targets_and_advantages_hand_case():
-    from tosca_mlmt.lower.archer import advantages, critic_loss, critic_targets
+    from tosca_mlmt.algos.advantages import archer as advantages
+    from tosca_mlmt.lower.archer import critic_loss, critic_targets
 
     # two turns; target critic: V-bar(s1) = min(0.5, 0.7) = 0.5; Q-bar(s0,a0) = min(0.2, 0.4) = 0.2
     r = torch.tensor([[0.0, 1.0]])

@@ -101,18 +101,18 @@ TOLERANCE = {"fp32": dict(atol=2e-4, rtol=1e-4), "bf16": dict(atol=0.125, rtol=0
 def test_bonus_equals_an_independent_two_forward_computation(lower_setup, bf16_setup, policies, level, precision):
     from peft import set_peft_model_state_dict
 
-    from tosca_mlmt.lower.ppo import PPOTrainer
+    from tosca_mlmt.lower.learner import LowerLearner
 
     cfg, trajs, policies = (*lower_setup, policies) if precision == "fp32" else bf16_setup
     # ungated and summed: the raw two-forward quantity, whatever the episodes' rewards
     cfg = replace(cfg, lower=replace(cfg.lower, bonus=replace(cfg.lower.bonus, level=level, clip=0.3, gate="none",
                                                               reduce="sum")))
     state = copy.deepcopy(policies.adapter_state("solver"))
-    trainer = PPOTrainer(cfg, policies)
-    assert trainer.use_bf16 == (precision == "bf16")
+    trainer = LowerLearner(cfg, policies)
+    assert trainer.scorer.use_bf16 == (precision == "bf16")
     tt = to_tensors(trajs, trainer.pad_id)
     with torch.no_grad():
-        old_lp = trainer._forward(tt.input_ids, tt.attention_mask)[0]
+        old_lp = trainer.scorer.forward(tt.input_ids, tt.attention_mask).logprobs
     bonus, stats = trainer.context_bonus(trajs, old_lp, None, torch.zeros_like(old_lp))
     model = policies.model("solver")
     errors, sizes = [], []
@@ -146,18 +146,18 @@ def test_bonus_equals_an_independent_two_forward_computation(lower_setup, bf16_s
 def test_bonus_shifts_only_refine_advantages_after_normalization(lower_setup, policies, monkeypatch):
     """Turn 1's advantages are the same with and without the bonus, and the refine's advantage
     moves by exactly the bonus (added after the group normalization, not inside it)."""
-    from tosca_mlmt.lower.ppo import PPOTrainer
+    from tosca_mlmt.lower.learner import LowerLearner
 
     cfg, trajs = lower_setup
     # every refine broke a right answer (r1 = 1, r_final = 0): the improvement gate is -1 on all
     trajs = [replace(t, turn_rewards=[1.0, 0.0]) for t in trajs]
     seen = {}
-    monkeypatch.setattr(PPOTrainer, "_epochs", lambda self, tt, old_lp, old_v, ref_lp, adv, *a: seen.update(
-        adv=adv.clone(), tt=tt) or {"grad_norm": 0.0})
+    monkeypatch.setattr(LowerLearner, "_epochs", lambda self, batch, step: seen.update(
+        adv=batch.advantages.clone(), tt=batch.tt) or {"grad_norm": 0.0})
     runs = {}
     for coef in (0.0, 0.5):
         c = replace(cfg, lower=replace(cfg.lower, bonus=replace(cfg.lower.bonus, coef=coef, clip=100.0)))
-        PPOTrainer(c, policies).update(trajs, step=0)
+        LowerLearner(c, policies).update(trajs, step=0)
         runs[coef] = seen["adv"]
     tt = seen["tt"]
     t1, t2 = tt.turn_ids == 0, tt.turn_ids == 1
@@ -176,11 +176,11 @@ def test_bonus_shifts_only_refine_advantages_after_normalization(lower_setup, po
 def test_bf16_update_keeps_fp32_master_adapters_and_finite_losses(bf16_setup):
     """With bf16 base weights the LoRA adapter must stay fp32: an AdamW step of lr ~1e-5 on a
     bf16 weight of size ~1e-2 is below its rounding step and would be lost."""
-    from tosca_mlmt.lower.ppo import PPOTrainer
+    from tosca_mlmt.lower.learner import LowerLearner
 
     cfg, trajs, policies = bf16_setup
     trajs = [replace(t, turn_rewards=[float(i % 2), float((i + 1) % 2)]) for i, t in enumerate(trajs)]
-    trainer = PPOTrainer(cfg, policies)
+    trainer = LowerLearner(cfg, policies)
     assert trainer.params and all(p.dtype == torch.float32 for p in trainer.params)
     assert all(p.dtype == torch.bfloat16 for n, p in policies.model("solver").named_parameters() if "lora_" not in n)
     before = [p.detach().clone() for p in trainer.params]
@@ -195,7 +195,7 @@ def test_bf16_update_keeps_fp32_master_adapters_and_finite_losses(bf16_setup):
 def test_update_changes_the_solver_adapter_and_nothing_else(lower_setup, policies, advantage):
     from peft import set_peft_model_state_dict
 
-    from tosca_mlmt.lower.ppo import PPOTrainer
+    from tosca_mlmt.lower.learner import LowerLearner
 
     cfg, trajs = lower_setup
     # rewards must vary for group estimators to produce a gradient
@@ -203,7 +203,7 @@ def test_update_changes_the_solver_adapter_and_nothing_else(lower_setup, policie
     cfg = replace(cfg, lower=replace(cfg.lower, advantage=advantage))
     model = policies.model("solver")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer = PPOTrainer(cfg, policies)
+    trainer = LowerLearner(cfg, policies)
     vh_before = copy.deepcopy(trainer.value_head.state_dict())
     metrics = trainer.update(trajs, step=0)
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}

@@ -505,15 +505,15 @@ def test_cli_out_of_range_training_knob_writes_no_run_folder(tmp_path):
 # A NaN injected into the PPO loss from the second iteration on, in the real CLI process.
 _DIVERGE = """
 import sys
-from tosca_mlmt.lower.ppo import PPOTrainer
-orig, calls = PPOTrainer.update, []
+from tosca_mlmt.lower.learner import LowerLearner
+orig, calls = LowerLearner.update, []
 def update(self, trajs, step, *a, **kw):
     if step >= 1 and not calls:
         calls.append(step)
-        loss_fn = self._loss
-        self._loss = lambda *a, **kw: (lambda out: (out[0] * float("nan"), out[1]))(loss_fn(*a, **kw))
+        loss_fn = self.loss
+        self.loss = lambda *a, **kw: (lambda out: (out[0] * float("nan"), out[1]))(loss_fn(*a, **kw))
     return orig(self, trajs, step, *a, **kw)
-PPOTrainer.update = update
+LowerLearner.update = update
 from tosca_mlmt.cli.main import app
 sys.argv = ["mlmt"] + sys.argv[1:]
 app()

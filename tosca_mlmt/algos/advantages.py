@@ -1,4 +1,4 @@
-"""Advantage estimators: pure functions in a registry, picked by ``lower.advantage``.
+"""Advantage estimators: pure functions, and a registry of them picked by ``lower.advantage``.
 
 A solver trajectory is one token sequence holding every solver turn (turn 1, each
 refine) with the writer's feedback and template tokens in between. Shapes:
@@ -11,23 +11,53 @@ B = trajectories, T = tokens, K = solver turns per trajectory.
   all token rewards from turn k to the end, gamma = 1) and broadcast A_k to the
   tokens of turn k. Groups are (problem, turn index): the n turn-1 samples of a
   problem, and their refines, are compared only with each other.
+* ``archer`` reads an utterance-level critic: A_k = min_j Q_j(s_k, a_k) - min_j V_j(s_k).
+
+Every registered estimator has one signature, ``(AdvantageInputs, **knobs) -> (A [B, T],
+returns [B, T])``, and declares in ``needs`` which model outputs it reads, so a trainer asks
+for those instead of branching on estimator names.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from tosca_mlmt.algos import registrar
 
-ADVANTAGES: dict[str, Callable] = {}
+ADVANTAGES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
+_register = registrar(ADVANTAGES)
+
+# What an estimator may need besides the rewards: a per-token value head, or the utterance critic.
+VALUES, CRITIC = "values", "critic"
 
 
-register = registrar(ADVANTAGES)
+@dataclass
+class AdvantageInputs:
+    rewards: torch.Tensor  # [B, T] token rewards (turn rewards on each turn's last token, KL penalty)
+    mask: torch.Tensor  # [B, T] 1.0 on action tokens
+    turn_ids: torch.Tensor  # [B, T] solver turn of each token, -1 elsewhere
+    groups: torch.Tensor  # [B] problem index
+    n_turns: int  # K
+    values: torch.Tensor | None = None  # [B, T] V of the state before each token (VALUES)
+    q: torch.Tensor | None = None  # [B, K, 2] the critic's two Q heads (CRITIC)
+    v: torch.Tensor | None = None  # [B, K, 2] the critic's two V heads (CRITIC)
+
+    def valid(self) -> torch.Tensor:
+        """[B, K] bool: trajectory b has a turn k (trajectories may have fewer turns than K)."""
+        return torch.stack([(self.turn_ids == k).any(1) for k in range(self.n_turns)], 1)
 
 
-@register("gae")
+def register(name: str, needs: tuple[str, ...] = ()):
+    def deco(fn):
+        fn.needs = frozenset(needs)
+        return _register(name)(fn)
+
+    return deco
+
+
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
         lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
     """rewards, values, mask: [B, T] -> (advantages [B, T], returns [B, T]); zero where mask = 0.
@@ -49,12 +79,17 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return adv, returns
 
 
-def turn_returns(rewards: torch.Tensor, turn_ids: torch.Tensor, n_turns: int) -> torch.Tensor:
-    """rewards [B, T], turn_ids [B, T] (-1 off-turn) -> R [B, K]: reward-to-go from each turn's start."""
+def turn_sums(rewards: torch.Tensor, turn_ids: torch.Tensor, n_turns: int) -> torch.Tensor:
+    """rewards [B, T], turn_ids [B, T] (-1 off-turn) -> r [B, K]: the reward of each turn's tokens."""
     per_turn = torch.zeros(rewards.shape[0], n_turns, dtype=rewards.dtype)
     for k in range(n_turns):
         per_turn[:, k] = (rewards * (turn_ids == k)).sum(1)
-    return per_turn.flip(1).cumsum(1).flip(1)
+    return per_turn
+
+
+def turn_returns(rewards: torch.Tensor, turn_ids: torch.Tensor, n_turns: int) -> torch.Tensor:
+    """rewards [B, T], turn_ids [B, T] (-1 off-turn) -> R [B, K]: reward-to-go from each turn's start."""
+    return turn_sums(rewards, turn_ids, n_turns).flip(1).cumsum(1).flip(1)
 
 
 def _group_stats(R: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor, leave_one_out: bool):
@@ -77,7 +112,6 @@ def _group_stats(R: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor, lea
     return mean, std
 
 
-@register("grpo")
 def grpo(R: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor, norm_std: bool = True,
          eps: float = 1e-6) -> torch.Tensor:
     """R [B, K], groups [B], valid [B, K] -> A [B, K] = (R - mean_group) / (std_group + eps)."""
@@ -88,14 +122,12 @@ def grpo(R: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor, norm_std: b
     return a * valid
 
 
-@register("rloo")
 def rloo(R: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor, **_) -> torch.Tensor:
     """A_i = R_i - mean of the other group members' R (unbiased leave-one-out baseline)."""
     mean, _ = _group_stats(R, groups, valid, leave_one_out=True)
     return (R - mean) * valid
 
 
-@register("reinforce")
 def reinforce(R: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor, baseline: bool = False,
               **_) -> torch.Tensor:
     """A = R (plain REINFORCE) or R - batch mean of R at the same turn (baseline=True)."""
@@ -109,3 +141,43 @@ def broadcast_turns(A: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tensor:
     """A [B, K], turn_ids [B, T] -> per-token advantages [B, T] (0 off-turn)."""
     idx = turn_ids.clamp(min=0)
     return A.gather(1, idx) * (turn_ids >= 0)
+
+
+# ---------------------------------------------------------------- the registry, one signature
+
+
+@register("gae", needs=(VALUES,))
+def gae_estimator(x: AdvantageInputs, gamma: float = 1.0, lam: float = 0.95, **_):
+    return gae(x.rewards, x.values, x.mask, gamma, lam)
+
+
+def _per_turn(x: AdvantageInputs, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # turn-level estimators have no critic: the return target is the advantage itself
+    adv = broadcast_turns(A, x.turn_ids)
+    return adv, adv
+
+
+@register("grpo")
+def grpo_estimator(x: AdvantageInputs, norm_std: bool = True, **_):
+    return _per_turn(x, grpo(turn_returns(x.rewards, x.turn_ids, x.n_turns), x.groups, x.valid(), norm_std=norm_std))
+
+
+@register("rloo")
+def rloo_estimator(x: AdvantageInputs, **_):
+    return _per_turn(x, rloo(turn_returns(x.rewards, x.turn_ids, x.n_turns), x.groups, x.valid()))
+
+
+@register("reinforce")
+def reinforce_estimator(x: AdvantageInputs, baseline: bool = False, **_):
+    return _per_turn(x, reinforce(turn_returns(x.rewards, x.turn_ids, x.n_turns), x.groups, x.valid(),
+                                  baseline=baseline))
+
+
+def archer(q: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """q, v [B, K, 2], valid [B, K] -> A_k = min Q - min V per turn [B, K] (pessimistic on both)."""
+    return (q.min(-1).values - v.min(-1).values) * valid
+
+
+@register("archer", needs=(CRITIC,))
+def archer_estimator(x: AdvantageInputs, **_):
+    return _per_turn(x, archer(x.q, x.v, x.valid().float()))

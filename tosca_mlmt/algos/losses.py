@@ -1,5 +1,8 @@
 """Policy losses, value loss and KL estimators: pure functions, policy losses in a registry.
 
+Every policy loss takes the same arguments, ``(logp, old_logp, adv, mask, agg=, clip_low=,
+clip_high=)``, ignoring the knobs it has no use for, so a trainer calls any of them alike.
+
 Shapes: B = sequences, T = tokens. ``mask`` [B, T] is 1 on tokens the policy generated.
 """
 
@@ -11,7 +14,7 @@ import torch
 
 from tosca_mlmt.algos import registrar
 
-from tosca_mlmt.train.batching import masked_mean
+from tosca_mlmt.tensors import masked_mean
 
 POLICY_LOSSES: dict[str, Callable] = {}
 
@@ -31,7 +34,7 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor
 
 @register("ppo_clip")
 def ppo_clip(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-             clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token-mean") -> tuple[torch.Tensor, dict]:
+             clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token-mean", **_) -> tuple[torch.Tensor, dict]:
     """L = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A),  rho = pi / pi_old."""
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * adv

@@ -7,12 +7,14 @@ For turn k of a trajectory, with s_k the context before the turn and a_k the tur
     A_k = min_j Q_j(s_k, a_k) - min_j V_j(s_k)                           (the actor's advantage)
 Q and V are linear heads on the solver trunk's hidden state (detached, so critic gradients never
 move the actor's adapter): V reads the position before the turn's first token, Q its last token.
-Targets are Polyak copies (tau). Shapes: B trajectories, K turns, H hidden size.
+Targets are Polyak copies (tau). The advantage itself is the registered ``archer`` estimator
+(algos/advantages.py). Shapes: B trajectories, K turns, H hidden size.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -44,6 +46,34 @@ def turn_features(hidden: torch.Tensor, spans: list[list[tuple[int, int]]], n_tu
     return hs, ha
 
 
+@dataclass
+class CriticTargets:
+    """One batch's TD targets, fixed before the update (the target critic does not move within it)."""
+    spans: list[list[tuple[int, int]]]  # each row's solver-turn spans, to read its features again
+    y_q: torch.Tensor  # [B, K]
+    y_v: torch.Tensor  # [B, K]
+    valid: torch.Tensor  # [B, K] float
+
+    def select(self, rows: torch.Tensor) -> "CriticTargets":
+        return CriticTargets([self.spans[i] for i in rows.tolist()], self.y_q[rows], self.y_v[rows], self.valid[rows])
+
+
+def evaluate(critic: UtteranceCritic, target: UtteranceCritic, features: tuple[torch.Tensor, torch.Tensor],
+             turn_rewards: torch.Tensor, valid: torch.Tensor, spans: list[list[tuple[int, int]]], gamma: float
+             ) -> tuple[torch.Tensor, torch.Tensor, CriticTargets]:
+    """(Q, V) [B, K, 2] of the online critic for the advantage, and the targets its loss fits."""
+    q, v = critic(*features)
+    q_bar, v_bar = target(*features)
+    y_q, y_v = critic_targets(turn_rewards, valid, q_bar, v_bar, gamma)
+    return q, v, CriticTargets(spans, y_q, y_v, valid)
+
+
+def loss_on(critic: UtteranceCritic, hidden: torch.Tensor, targets: CriticTargets, n_turns: int) -> torch.Tensor:
+    """The critic's loss on a minibatch; ``hidden`` detached so the critic never moves the actor."""
+    q, v = critic(*turn_features(hidden.detach(), targets.spans, n_turns))
+    return critic_loss(q, v, targets.y_q, targets.y_v, targets.valid)
+
+
 def critic_targets(turn_rewards: torch.Tensor, valid: torch.Tensor, q_bar: torch.Tensor, v_bar: torch.Tensor,
                    gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
     """turn_rewards, valid [B, K]; q_bar, v_bar [B, K, 2] from the target critic -> (y_q, y_v) [B, K].
@@ -55,11 +85,6 @@ def critic_targets(turn_rewards: torch.Tensor, valid: torch.Tensor, q_bar: torch
     y_q = turn_rewards + gamma * v_next
     y_v = q_bar.min(-1).values
     return y_q * valid, y_v * valid
-
-
-def advantages(q: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """A_k = min Q - min V per turn [B, K]."""
-    return (q.min(-1).values - v.min(-1).values) * valid
 
 
 def critic_loss(q: torch.Tensor, v: torch.Tensor, y_q: torch.Tensor, y_v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,211 @@
+"""One PPO update of the solver, and the learner's state for checkpoints.
+
+Per update, for a batch of trajectories:
+
+1. score (scoring.py): old log-probs, entropy, values or critic features, reference
+   log-probs, each rank scoring its share of the rows;
+2. token rewards, then the registered advantage estimator ``lower.advantage`` (algos/),
+   then the context bonus on refine tokens (objective.py, algos/bonus.py);
+3. epochs of minibatches, each ``grad_accum`` micro-batch slots over the ranks
+   (``TrainEngine``), and the target critic's Polyak step after each optimiser step.
+
+Only the solver's adapter and the heads its estimator needs train: base weights and the
+writer's adapter stay frozen.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from tosca_mlmt import parallel as dist
+from tosca_mlmt.algos.advantages import ADVANTAGES, CRITIC, VALUES, AdvantageInputs, turn_sums
+from tosca_mlmt.algos.qlearning import polyak_update
+from tosca_mlmt.config import Config
+from tosca_mlmt.lower import archer, objective, stats
+from tosca_mlmt.lower.objective import UpdateBatch
+from tosca_mlmt.lower.scoring import Scores, SolverScorer
+from tosca_mlmt.lower.trajectory import SolverTrajectory, TrajectoryTensors, to_tensors
+from tosca_mlmt.metrics import StageTimer
+from tosca_mlmt.models.policies import PolicyPair
+from tosca_mlmt.train.distributed import TrainEngine
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+class LowerLearner:
+    def __init__(self, cfg: Config, policies: PolicyPair):
+        self.cfg, self.lo, self.policies = cfg, cfg.lower, policies
+        self.estimator = ADVANTAGES[self.lo.advantage]
+        self.model = policies.model("solver")
+        self.params = [p for n, p in self.model.named_parameters() if ".solver." in n]
+        for n, p in self.model.named_parameters():
+            p.requires_grad_(".solver." in n)
+        hidden = self.model.get_base_model().config.hidden_size
+        torch.manual_seed(self.cfg.seed + 1)  # the heads' initial weights do not depend on earlier draws
+        self.value_head = nn.Linear(hidden, 1)
+        nn.init.normal_(self.value_head.weight, std=1e-3)
+        nn.init.zeros_(self.value_head.bias)
+        self.critic = archer.UtteranceCritic(hidden)
+        self.critic_target = archer.make_target(self.critic)
+        # Heads the estimator does not read stay frozen: DDP rejects trainable parameters without gradients.
+        lo, needs = self.lo, self.estimator.needs
+        groups = [{"params": self.params, "lr": lo.lr}]
+        for module, used, lr in ((self.value_head, VALUES in needs, lo.value_lr),
+                                 (self.critic, CRITIC in needs, lo.critic_lr)):
+            module.requires_grad_(used)
+            if used:
+                groups.append({"params": list(module.parameters()), "lr": lr})
+        optimizer = torch.optim.AdamW(groups, weight_decay=lo.weight_decay)
+        warm = max(1, lo.warmup_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
+        if lo.gradient_checkpointing:
+            self.model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.enable_input_require_grads()
+        self.engine = TrainEngine(cfg.distributed, {"policy": self.model, "value_head": self.value_head,
+                                                    "critic": self.critic}, optimizer, scheduler,
+                                  slots=lo.grad_accum, micro_size=lo.minibatch_size // lo.grad_accum,
+                                  max_grad_norm=lo.max_grad_norm, what="lower.grad_accum")
+        self.scorer = SolverScorer(lo, policies, self.value_head)
+        self.optimizer_steps = 0
+        self._warned_clip = False
+
+    @property
+    def scheduler(self):
+        return self.engine.scheduler
+
+    @property
+    def pad_id(self) -> int:
+        return self.scorer.pad_id
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def update(self, trajs: list[SolverTrajectory], step: int, timer: StageTimer | None = None) -> dict:
+        lo, needs = self.lo, self.estimator.needs
+        timer = timer or StageTimer()
+        tt = to_tensors(trajs, self.pad_id)
+        self.model.eval()  # LoRA dropout is 0; eval keeps old/new log-probs comparable
+        # ZeRO-3: weights whole for the scoring block, so ranks may run different forwards
+        with torch.no_grad(), self.policies.full_weights(), dist.full_parameters(self.value_head, self.critic):
+            with timer("old_ref_logprobs"):
+                scores = self.scorer.score(tt, trajs, values=VALUES in needs, features=CRITIC in needs)
+            with timer("advantages"):
+                rewards = objective.token_rewards(trajs, tt, scores, lo, step)
+                adv, returns, critic_targets = self._advantages(trajs, tt, rewards, scores)
+            with timer("bonus"):
+                bonus, bstats = self.context_bonus(trajs, scores.old_logprobs, scores.ref_logprobs, adv)
+                adv = adv + bonus
+                self._warn_if_mostly_clipped(bstats)
+        batch = UpdateBatch(tt, scores.old_logprobs, scores.old_values, scores.ref_logprobs, adv, returns,
+                            rewards.kl_weight, critic_targets)
+        with timer("update"):
+            upd = self._epochs(batch, step)
+        return {**stats.iteration_stats(tt, rewards, scores, adv, returns), **bstats, **upd}
+
+    def _advantages(self, trajs, tt: TrajectoryTensors, rewards: objective.TokenRewards, scores: Scores):
+        """(advantages [B, T], returns [B, T], the critic's targets when it trains)."""
+        x = AdvantageInputs(rewards.rewards, tt.mask, tt.turn_ids, tt.groups, tt.n_turns, values=scores.old_values)
+        targets = None
+        if CRITIC in self.estimator.needs:
+            x.q, x.v, targets = archer.evaluate(self.critic, self.critic_target, scores.turn_features,
+                                                turn_sums(rewards.rewards, tt.turn_ids, tt.n_turns),
+                                                x.valid().float(), [t.turn_spans for t in trajs], self.lo.gamma)
+        adv, returns = self.estimator(x, gamma=self.lo.gamma, lam=self.lo.lam, norm_std=self.lo.grpo_norm_std,
+                                      baseline=self.lo.reinforce_baseline)
+        return adv, returns, targets
+
+    @torch.no_grad()
+    def context_bonus(self, trajs: list[SolverTrajectory], lp_with: torch.Tensor, ref_with: torch.Tensor | None,
+                      adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Bonus [B, T] for the advantages ``adv`` [B, T], and its statistics. ``lp_with`` are the
+        old policy's log-probs, ``ref_with`` the reference's; ``lower.bonus.model`` picks one."""
+        bo = self.lo.bonus
+        if bo.coef == 0:
+            return torch.zeros_like(lp_with), stats.bonus_stats(None)
+        reference = bo.model == "reference"
+        refine = self.scorer.without_feedback(trajs, reference=reference)
+        if not refine.where:
+            return torch.zeros_like(lp_with), stats.bonus_stats(None)
+        bonus, terms = objective.refine_bonus(trajs, ref_with if reference else lp_with, refine, adv, bo)
+        return bonus, stats.bonus_stats(terms)
+
+    def _warn_if_mostly_clipped(self, bstats: dict) -> None:
+        if bstats["bonus/clip_rate"] > 0.5 and not self._warned_clip:
+            self._warned_clip = True
+            warnings.warn(f"lower.bonus.clip={self.lo.bonus.clip} clips {bstats['bonus/clip_rate']:.0%} of the "
+                          "bonus terms: the bonus is mostly +-clip; raise the clip or use reduce=mean")
+
+    def _epochs(self, batch: UpdateBatch, step: int) -> dict:
+        """Minibatches of a shared permutation; each is ``grad_accum`` micro-batch slots of
+        minibatch_size / grad_accum rows, spread over the ranks. Slots past the end of a short
+        last minibatch run a zero-weight forward so every rank steps in lockstep."""
+        lo, eng = self.lo, self.engine
+        micro = lo.minibatch_size // lo.grad_accum
+        mine = range(dist.rank() * eng.local_slots, (dist.rank() + 1) * eng.local_slots)
+        means, norms = stats.LossMeans(), []
+        self.model.train()
+        for epoch in range(lo.epochs):
+            order = np.random.default_rng([self.cfg.seed, step, epoch]).permutation(len(batch))
+            for mb_start in range(0, len(batch), lo.minibatch_size):
+                mb = order[mb_start: mb_start + lo.minibatch_size]
+                n_micro = (len(mb) + micro - 1) // micro
+                eng.zero_grad()
+                for slot in mine:
+                    rows = torch.as_tensor(mb[slot * micro: (slot + 1) * micro])
+                    weight = 1.0 / n_micro
+                    if len(rows) == 0:
+                        rows, weight = torch.as_tensor(mb[:1]), 0.0
+                    loss, info = eng(self.loss, batch.select(rows))
+                    eng.backward(loss, weight)
+                    means.add(info, real=weight > 0)
+                norms.append(eng.step(at=f"iteration {step + 1}, optimizer step {self.optimizer_steps + 1}"))
+                self.optimizer_steps += 1
+                if batch.critic is not None:
+                    with dist.full_parameters(self.critic):
+                        polyak_update(self.critic_target.parameters(), self.critic.parameters(), lo.archer_tau)
+        self.model.eval()
+        out = means.means()
+        out["grad_norm"] = float(np.mean(norms))  # already global: the engine clips over all ranks
+        out["lr"] = self.scheduler.get_last_lr()[0]
+        out["optimizer_steps"] = self.optimizer_steps
+        return out
+
+    def loss(self, mb: UpdateBatch) -> tuple[torch.Tensor, dict]:
+        """One micro-batch's loss; runs inside the engine, so DDP sees the forward."""
+        fwd = self.scorer.forward(mb.tt.input_ids, mb.tt.attention_mask, values=mb.old_values is not None)
+        return objective.ppo_loss(self.lo, fwd, mb, self.critic)
+
+    def save(self, folder: Path) -> None:
+        """Collective (every rank calls it); rank 0 writes the adapter and value head."""
+        from safetensors.torch import save_file
+
+        self.policies.save_role("solver", folder / "solver")
+        with dist.full_parameters(self.value_head):
+            if dist.is_main():
+                save_file({k: v.detach().clone().contiguous() for k, v in self.value_head.state_dict().items()},
+                          folder / VALUE_HEAD_FILE)
+        with dist.full_parameters(self.critic):
+            critic = {k: v.detach().clone() for k, v in self.critic.state_dict().items()}
+        self.engine.save(folder, {"optimizer_steps": self.optimizer_steps, "critic": critic,
+                                  "critic_target": self.critic_target.state_dict()})
+
+    def load(self, folder: Path) -> None:
+        self.policies.load_role("solver", folder / "solver")
+        self.load_trainer_state(folder)
+
+    def load_trainer_state(self, folder: Path) -> None:
+        """Value head, critic, optimizer and scheduler (the adapter comes from elsewhere)."""
+        from safetensors.torch import load_file
+
+        with torch.no_grad(), dist.full_parameters(self.value_head, modify=True):
+            self.value_head.load_state_dict(load_file(folder / VALUE_HEAD_FILE))
+        st = self.engine.load(folder)
+        self.optimizer_steps = st["optimizer_steps"]
+        with dist.full_parameters(self.critic, modify=True):
+            self.critic.load_state_dict(st["critic"])
+        self.critic_target.load_state_dict(st["critic_target"])

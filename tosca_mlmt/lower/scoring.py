@@ -1,0 +1,129 @@
+"""Forward passes of the solver for PPO: the training forward, and the no-grad scoring of a
+batch before its update (old, reference and no-feedback log-probs), sharded over the ranks.
+
+Each rank scores its share of the rows and every rank gets the whole batch back, so the
+advantages, the bonus and the minibatch order are the same everywhere. Shapes: B rows,
+T tokens, K solver turns, H hidden size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from tosca_mlmt import parallel as dist
+from tosca_mlmt.lower import archer
+from tosca_mlmt.lower.trajectory import SolverTrajectory, TrajectoryTensors, no_feedback_sequences
+from tosca_mlmt.models.policies import PolicyPair
+from tosca_mlmt.precision import use_bf16_autocast
+from tosca_mlmt.tensors import token_logprobs_from_hidden
+from tosca_mlmt.train.batching import build_batch
+
+if TYPE_CHECKING:
+    from tosca_mlmt.lower.config import LowerConfig
+
+
+@dataclass
+class Forward:
+    logprobs: torch.Tensor  # [B, T]; position 0 is 0 (no context)
+    values: torch.Tensor | None  # [B, T] when asked for
+    entropy: torch.Tensor | None  # [B, T] when asked for
+    hidden: torch.Tensor  # [B, T, H] last hidden states (the utterance critic reads them)
+
+
+@dataclass
+class Scores:
+    """What the update needs from the models before it starts; every rank holds all B rows."""
+    old_logprobs: torch.Tensor  # [B, T] pi_old (the engine's own on action tokens with old_logprobs=behaviour)
+    entropy: torch.Tensor  # [B, T] of pi_old
+    old_values: torch.Tensor | None  # [B, T] value head, for estimators that need values
+    ref_logprobs: torch.Tensor | None  # [B, T] adapters off; when KL, SCoRe or a reference bonus needs them
+    turn_features: tuple[torch.Tensor, torch.Tensor] | None  # (state, action) [B, K, H] for the critic
+
+
+@dataclass
+class RefineScores:
+    """log pi(y | x, z) of every refine with its feedback g cut out of the context."""
+    where: list[tuple[int, int]]  # (row, turn) of each refine
+    logprobs: list[torch.Tensor]  # [len(y)] per refine
+
+
+class SolverScorer:
+    def __init__(self, lo: "LowerConfig", policies: PolicyPair, value_head: nn.Module):
+        self.lo, self.policies, self.value_head = lo, policies, value_head
+        self.model = policies.model("solver")
+        self.use_bf16 = use_bf16_autocast(lo.autocast)
+        self.pad_id = policies.tokenizer("solver").pad_token_id or 0
+
+    def _autocast(self):
+        if not self.use_bf16:
+            return contextlib.nullcontext()
+        return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
+
+    def forward(self, ids: torch.Tensor, attn: torch.Tensor, values: bool = False, reference: bool = False,
+                entropy: bool = False) -> Forward:
+        """Under the solver, or with ``reference`` the same base with every adapter disabled."""
+        ctx = self.model.disable_adapter() if reference else self.policies.use("solver")
+        with ctx, self._autocast():
+            # logits_to_keep=1: the LM head runs in chunks below, never over [B, T, V] at once
+            out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1)
+            hidden = out.hidden_states[-1]
+            head = self.model.get_base_model().get_output_embeddings()
+            res = token_logprobs_from_hidden(hidden, head, ids, self.lo.logprob_chunk, with_entropy=entropy)
+        lp, ent = res if entropy else (res, None)
+        v = None
+        if values:
+            # V for action token t is read from the state before it, i.e. hidden position t - 1
+            v = self.value_head(hidden[:, :-1].float()).squeeze(-1)
+            v = torch.cat([torch.zeros_like(v[:, :1]), v], dim=1)
+        return Forward(lp, v, ent, hidden)
+
+    def _chunks(self, rows: list[int]) -> list[list[int]]:
+        n = self.lo.score_batch or len(rows)
+        return [rows[i: i + n] for i in range(0, len(rows), n)]
+
+    @torch.no_grad()
+    def _sharded(self, tt: TrajectoryTensors, trajs: list[SolverTrajectory], values=False, reference=False,
+                 entropy=False, features=False) -> list[torch.Tensor | None]:
+        """[logprobs, values, entropy, h_state, h_action] over all rows, each rank scoring its shard."""
+        chunks = []
+        for c in self._chunks(dist.shard(tt.input_ids.shape[0])):
+            f = self.forward(tt.input_ids[c], tt.attention_mask[c], values=values, reference=reference,
+                             entropy=entropy)
+            # the hidden states are dropped chunk by chunk: only the K turn positions are kept
+            hs, ha = (archer.turn_features(f.hidden, [trajs[i].turn_spans for i in c], tt.n_turns)
+                      if features else (None, None))
+            chunks.append((f.logprobs, f.values, f.entropy, hs, ha))
+        part = tuple(_cat(chunks, i) for i in range(5)) if chunks else None
+        parts = [q for q in dist.gather(part) if q is not None]
+        return [_cat(parts, i) for i in range(5)]
+
+    @torch.no_grad()
+    def score(self, tt: TrajectoryTensors, trajs: list[SolverTrajectory], values: bool, features: bool) -> Scores:
+        lo = self.lo
+        lp, v, ent, hs, ha = self._sharded(tt, trajs, values=values, entropy=True, features=features)
+        if lo.old_logprobs == "behaviour":
+            lp = torch.where(tt.mask > 0, tt.behaviour_logprobs, lp)
+        need_ref = lo.kl_coef > 0 or lo.score.enabled or lo.bonus.model == "reference"
+        ref = self._sharded(tt, trajs, reference=True)[0] if need_ref else None
+        return Scores(lp, ent, v, ref, (hs, ha) if features else None)
+
+    @torch.no_grad()
+    def without_feedback(self, trajs: list[SolverTrajectory], reference: bool) -> RefineScores:
+        prompts, responses, where = no_feedback_sequences(trajs)
+        if not where:  # every rank sees the same trajectories, so all skip the collective alike
+            return RefineScores([], [])
+        local = []
+        for c in self._chunks(dist.shard(len(where))):
+            batch = build_batch([prompts[i] for i in c], [responses[i] for i in c], self.pad_id)
+            lp = self.forward(batch.input_ids, batch.attention_mask, reference=reference).logprobs
+            local += [lp[j, p: p + len(responses[i])] for j, (i, p) in enumerate(zip(c, batch.prompt_lens))]
+        return RefineScores(where, dist.gather_sharded(local, len(where)))
+
+
+def _cat(parts: list[tuple], i: int) -> torch.Tensor | None:
+    return None if parts[0][i] is None else torch.cat([q[i] for q in parts])

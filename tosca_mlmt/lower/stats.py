@@ -1,0 +1,71 @@
+"""What one lower-level update reports (train-lower logs it under ``lower/``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tosca_mlmt import parallel as dist
+from tosca_mlmt.algos.bonus import TRANSITIONS, transition_names
+from tosca_mlmt.algos.losses import explained_variance
+from tosca_mlmt.lower.objective import BonusTerms, TokenRewards
+from tosca_mlmt.lower.scoring import Scores
+from tosca_mlmt.lower.trajectory import TrajectoryTensors
+from tosca_mlmt.tensors import masked_mean
+
+
+def iteration_stats(tt: TrajectoryTensors, rewards: TokenRewards, scores: Scores, adv: torch.Tensor,
+                    returns: torch.Tensor) -> dict:
+    m = tt.mask
+    out = {
+        "stage": rewards.stage, "kl": float(masked_mean(rewards.kl, m)), "entropy": float(masked_mean(scores.entropy, m)),
+        "adv_mean": float(masked_mean(adv, m)), "adv_std": float(adv[m > 0].std()) if m.sum() > 1 else 0.0,
+        "token_reward_sum": float(rewards.rewards.sum() / len(m)), "train_tokens": int(m.sum()),
+    }
+    for k in range(tt.n_turns):
+        out[f"kl/turn{k}"] = float(masked_mean(rewards.kl, m * (tt.turn_ids == k)))
+    if scores.old_values is not None:
+        out["explained_variance"] = explained_variance(scores.old_values, returns, m)
+    return out
+
+
+def bonus_stats(terms: BonusTerms | None) -> dict:
+    """Bonus size, clipping, and how it splits over the four kinds of correction a refine made;
+    ``terms`` is None when no bonus was computed (coefficient 0 or no refines)."""
+    stats = {"bonus/mean": 0.0, "bonus/clip_rate": 0.0, "bonus/corr_correct": float("nan")}
+    if terms is None:
+        return stats
+    total = terms.total.numpy()
+    stats["bonus/mean"] = float(total.mean())
+    stats["bonus/raw_logratio_mean"] = float(terms.raw.mean())
+    stats["bonus/clip_rate"] = float(terms.clipped.mean())
+    stats["bonus/gate_mean"] = float(terms.gate.mean())
+    names = transition_names(terms.r_prev, terms.r_this)
+    for name in TRANSITIONS.values():
+        sel = [i for i, n in enumerate(names) if n == name]
+        stats[f"bonus/{name}/count"] = float(len(sel))
+        stats[f"bonus/{name}/mean"] = float(total[sel].mean()) if sel else float("nan")
+        stats[f"bonus/{name}/raw_mean"] = float(terms.raw[sel].mean()) if sel else float("nan")
+    if total.std() > 0 and terms.r_this.std() > 0:
+        stats["bonus/corr_correct"] = float(np.corrcoef(total, terms.r_this.numpy())[0, 1])
+    return stats
+
+
+class LossMeans:
+    """Loss diagnostics averaged over every rank's real micro-batches. A zero-weight padding
+    slot adds its keys with 0, so all ranks reduce the same keys in the same order."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {"n": 0.0}
+
+    def add(self, info: dict, real: bool) -> None:
+        w = float(real)
+        self.sums["n"] += w
+        for k, v in info.items():
+            self.sums[k] = self.sums.get(k, 0.0) + w * v
+
+    def means(self) -> dict:
+        """Collective: every rank calls it."""
+        sums = dist.all_sum(self.sums)
+        n = sums.pop("n")
+        return {k: v / n for k, v in sums.items()}
