@@ -80,3 +80,60 @@ def test_readme_documents_every_knob_and_command():
     assert missing == [], f"README config reference lacks: {missing}"
     for cmd in ("collect", "train-upper", "train-lower", "train-joint", "eval", "analyze", "snapshots"):
         assert f"mlmt {cmd}" in readme, cmd
+
+
+def test_allowed_values_are_the_registries():
+    """config/ cannot import algos/ (torch; config imports only the ground floor), so it lists the
+    registries' names itself: a name added to one side only fails here."""
+    from tosca_mlmt.algos.advantages import ADVANTAGES
+    from tosca_mlmt.algos.bonus import GATES
+    from tosca_mlmt.algos.losses import POLICY_LOSSES
+    from tosca_mlmt.config import ADVANTAGE_ESTIMATORS, BONUS_GATES, POLICY_LOSSES as LOSS_NAMES
+    from tosca_mlmt.strategies import MODES
+
+    assert set(ADVANTAGES) == set(ADVANTAGE_ESTIMATORS)
+    assert set(GATES) == set(BONUS_GATES)
+    assert set(POLICY_LOSSES) == set(LOSS_NAMES)
+    choices = {name: f.metadata["choices"] for name, f in _knob_fields().items()}
+    assert choices["lower.advantage"] == ADVANTAGE_ESTIMATORS and choices["lower.bonus.gate"] == BONUS_GATES
+    assert choices["lower.policy_loss"] == LOSS_NAMES and choices["episode.strategy_selection"] == MODES
+
+
+def test_config_loads_without_torch():
+    """A bad value or `mlmt config --explain` answers at once, not after torch has loaded."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tosca_mlmt.config import load_config; load_config(); "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_sections_validate_themselves():
+    from dataclasses import replace
+
+    cfg = load_config()
+    cfg.validate()
+    with pytest.raises(ConfigError, match="'lower.lr'"):
+        replace(cfg, lower=replace(cfg.lower, lr=-1.0)).validate()
+    with pytest.raises(ConfigError, match="'joint.upper_every'"):
+        replace(cfg, joint=replace(cfg.joint, upper_every=0)).validate()
+    with pytest.raises(ConfigError, match="'grad_accum'"):
+        replace(cfg.lower, minibatch_size=6, grad_accum=4).validate()
+
+
+def _knob_fields():
+    import dataclasses
+
+    out = {}
+
+    def walk(obj, prefix):
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, prefix + f.name + ".")
+            else:
+                out[prefix + f.name] = f
+
+    walk(Config(), "")
+    return out

@@ -4,11 +4,10 @@ targets, text weights, config checks. (test_upper_e2e.py trains the real writer.
 import pytest
 import torch
 
-from tosca_mlmt.config import load_config
+from tosca_mlmt.config import UpperConfig, load_config
 from tosca_mlmt.episode import Episode, Turn
 from tosca_mlmt.errors import ConfigError, SnapshotError
 from tosca_mlmt.tasks.base import Problem
-from tosca_mlmt.upper.config import UpperConfig
 from tosca_mlmt.upper.critic import StrategyCritic
 from tosca_mlmt.upper.dataset import batch_indices, build_transitions, check_strategies, round_rewards
 from tosca_mlmt.upper.objective import (DecisionBatch, PolicySpec, advantages, bc_threshold, critic_loss,

@@ -16,8 +16,8 @@ from torch import nn
 
 from conftest import TINY, run_mlmt
 from tosca_mlmt.config import Config, SamplingConfig, describe_fields, load_config, markdown_reference, parse_override
+from tosca_mlmt.config.knobs import INT_MAX
 from tosca_mlmt.errors import ConfigError, DataError, TrainingDiverged
-from tosca_mlmt.knobs import INT_MAX
 
 # ---------------------------------------------------------------- knob ranges
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-MODES = ("auto", "uniform", "softmax", "epsilon_softmax", "epsilon_greedy", "greedy")
+# Listed with the episode.strategy_selection knob: config/ may import only the ground floor, so
+# the names live there and this module, which implements them, reads them.
+from tosca_mlmt.config.episode import SELECTION_MODES as MODES
 
 
 def behaviour_distribution(q: np.ndarray | None, n_actions: int, mode: str, temperature: float = 1.0,

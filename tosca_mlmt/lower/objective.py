@@ -26,7 +26,7 @@ from tosca_mlmt.lower.trajectory import SolverTrajectory, TrajectoryTensors, sha
 from tosca_mlmt.tensors import masked_mean
 
 if TYPE_CHECKING:
-    from tosca_mlmt.lower.config import ContextBonus, LowerConfig
+    from tosca_mlmt.config import ContextBonus, LowerConfig
 
 
 @dataclass

@@ -24,7 +24,7 @@ from tosca_mlmt.tensors import token_logprobs_from_hidden
 from tosca_mlmt.train.batching import build_batch
 
 if TYPE_CHECKING:
-    from tosca_mlmt.lower.config import LowerConfig
+    from tosca_mlmt.config import LowerConfig
 
 
 @dataclass

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tosca_mlmt.config import LowerConfig
 from tosca_mlmt.episode import Episode
-from tosca_mlmt.lower.config import LowerConfig
 
 
 @dataclass

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from tosca_mlmt.algos.qlearning import hard_update, polyak_update, target_due
+from tosca_mlmt.config import UpperConfig
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.models.policies import QHead
-from tosca_mlmt.upper.config import UpperConfig
 
 
 class VHead(nn.Module):

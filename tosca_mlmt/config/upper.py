@@ -1,19 +1,16 @@
-"""``upper:`` config section: offline strategic Q-learning and AWR for the feedback writer.
-
-Every knob states its valid range (checked by ``load_config`` before anything runs; see
-:mod:`tosca_mlmt.knobs`).
-"""
+"""``upper:`` section: offline strategic Q-learning and AWR for the feedback writer."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from tosca_mlmt.knobs import ID_LIST, knob
+from tosca_mlmt.config.knobs import ID_LIST, knob
+from tosca_mlmt.config.section import Section, need
 
 
 @dataclass
-class UpperConfig:
+class UpperConfig(Section):
     snapshots: list = knob(dataclasses.MISSING, "Snapshot ids to learn from (train-upper --snapshot, repeatable).",
                            default_factory=list, rule=ID_LIST)
     snapshot_root: str = knob("", "Folder holding the snapshots (empty = collect.out).")
@@ -84,3 +81,7 @@ class UpperConfig:
     eval_every: int = knob(50, "Full-dataset Q evaluation period (Q by strategy, importance-weighted policy value).",
                            min=1)
     eval_batch_size: int = knob(16, "States per forward pass in evaluation and the report.", min=1)
+
+    def check(self, prefix: str) -> None:
+        need(self.micro_batch_size <= self.batch_size, f"{prefix}micro_batch_size",
+             f"must be at most {prefix}batch_size ({self.batch_size}); 0 = the whole batch")

@@ -1,7 +1,7 @@
 """``knob``: a dataclass field with help text and its valid values, for every config section.
 
 Each knob states what it accepts (``choices``, a numeric range, or a :class:`Rule`); the
-loader checks it before anything heavy runs, and ``mlmt config --explain`` and the README
+section checks it when it validates itself, and ``mlmt config --explain`` and the README
 print the same range next to the help. Floats must always be finite and integers must fit
 in a signed 32-bit int (sizes, steps and seeds reach torch, numpy and vLLM, which reject
 or overflow on larger ones), whether or not a knob states a tighter range.
@@ -10,7 +10,7 @@ or overflow on larger ones), whether or not a knob states a tighter range.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import field
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ def _num(x: float) -> str:
     return repr(x) if isinstance(x, float) and x and (abs(x) < 1e-3 or abs(x) >= 1e6) else f"{x:g}"
 
 
-def range_text(md) -> str:
+def range_text(md: Mapping) -> str:
     """The range of a knob's metadata in words: ``[0, 1]``, ``>= 1``, ``> 0`` (empty if none)."""
     lo, hi = md.get("min"), md.get("max")
     if lo is not None and hi is not None:
@@ -57,7 +57,7 @@ def range_text(md) -> str:
     return ""
 
 
-def range_error(md, value: float) -> str | None:
+def range_error(md: Mapping, value: float) -> str | None:
     """Why ``value`` is outside the knob's range, or None when it is inside."""
     lo, hi = md.get("min"), md.get("max")
     bad_lo = lo is not None and (value <= lo if md.get("min_exclusive") else value < lo)
@@ -65,7 +65,18 @@ def range_error(md, value: float) -> str | None:
     return f"must be {'in ' if lo is not None and hi is not None else ''}{range_text(md)}" if bad_lo or bad_hi else None
 
 
-# ---------------------------------------------------------------- shared rules
+def field_help(md: Mapping) -> str:
+    """A knob's help text followed by its allowed values (choices, range, rule)."""
+    out = md.get("help", "")
+    if md.get("choices"):
+        out += f" One of: {', '.join(map(str, md['choices']))}."
+    valid = [t for t in (range_text(md), md["rule"].text if md.get("rule") else "") if t]
+    if valid:
+        out += f" Valid: {'; '.join(valid)}."
+    return out
+
+
+# ---------------------------------------------------------------- rules shared by sections
 
 def path_is(kind: str, value: str) -> bool:
     """Whether ``value`` names an existing folder (``kind="dir"``) or file; a name the OS

@@ -1,14 +1,25 @@
-"""``lower:`` config section: PPO for the solver with the context-dependency bonus."""
+"""``lower:`` section: PPO for the solver with the context-dependency bonus."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tosca_mlmt.knobs import knob
+from tosca_mlmt.config.knobs import knob
+from tosca_mlmt.config.section import Section, need
+
+# The allowed values of lower.advantage, lower.policy_loss and lower.bonus.gate are the names
+# of the algos/ registries (ADVANTAGES, POLICY_LOSSES, GATES). They cannot be read from there:
+# config/ imports only the ground floor (tests/test_architecture.py), algos/ takes knobs as
+# arguments and never a config, and algos/ loads torch, while a config error or `mlmt config`
+# should answer before torch is loaded. So the names are listed once here, each registry files
+# its functions under the same names, and tests/test_config.py fails when the two sets differ.
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce", "archer")
+POLICY_LOSSES = ("ppo_clip", "reinforce")
+BONUS_GATES = ("none", "improvement", "advantage_sign")
 
 
 @dataclass
-class ScoreShaping:
+class ScoreShaping(Section):
     enabled: bool = knob(False, "SCoRe-style two-stage shaping (stage I anchors turn 1, stage II adds a progress bonus).")
     stage1_steps: int = knob(10, "Iterations in stage I before stage II starts.", min=0)
     alpha: float = knob(10.0, "Stage II progress bonus alpha * (r_final - r1) on the final turn.", min=0.0)
@@ -17,7 +28,7 @@ class ScoreShaping:
 
 
 @dataclass
-class ContextBonus:
+class ContextBonus(Section):
     coef: float = knob(0.1, "lambda: weight of the KL-maximization bonus (0 turns it off).", min=0.0)
     clip: float = knob(1.0, "c: each bonus term is clipped to [-c, c] before weighting (the clip rate is logged "
                             "as bonus/clip_rate; a warning says when it exceeds 50%).", min=0.0, min_exclusive=True)
@@ -28,22 +39,22 @@ class ContextBonus:
     gate: str = knob("improvement", "Sign of the bonus: none = ungated (rewards any departure from z, kept for the "
                                     "ablation); improvement = times r(refine) - r(previous turn); advantage_sign = "
                                     "times the sign of the refine's advantage.",
-                     choices=("none", "improvement", "advantage_sign"))
+                     choices=BONUS_GATES)
     model: str = knob("policy", "Who scores log pi(y | x, z) without the feedback: the current policy (no grad) or "
                                 "the frozen reference (adapter off).", choices=("policy", "reference"))
 
 
 @dataclass
-class LowerConfig:
+class LowerConfig(Section):
     iterations: int = knob(4, "PPO iterations (each: collect a batch, score, update).", min=1)
     problems_per_iteration: int = knob(4, "Problems per iteration (x episode.n_samples episodes).", min=1)
     advantage: str = knob("grpo", "Advantage estimator; archer = ArCHer's utterance-level double Q/V critic with "
-                                  "target networks.", choices=("gae", "grpo", "rloo", "reinforce", "archer"))
+                                  "target networks.", choices=ADVANTAGE_ESTIMATORS)
     archer_tau: float = knob(0.1, "archer: Polyak rate of the target critic (ArCHer's 0.1).",
                              min=0.0, max=1.0, min_exclusive=True)
     critic_lr: float = knob(1e-3, "archer: learning rate of the utterance-level Q/V heads.",
                             min=0.0, min_exclusive=True)
-    policy_loss: str = knob("ppo_clip", "Policy loss.", choices=("ppo_clip", "reinforce"))
+    policy_loss: str = knob("ppo_clip", "Policy loss.", choices=POLICY_LOSSES)
     loss_agg: str = knob("token-mean", "How token losses are averaged.", choices=("token-mean", "seq-mean-token-mean"))
     grpo_norm_std: bool = knob(True, "grpo: divide by the group std (off = Dr. GRPO style).")
     reinforce_baseline: bool = knob(True, "reinforce: subtract the batch-mean return per turn.")
@@ -82,3 +93,8 @@ class LowerConfig:
     save_every: int = knob(2, "Checkpoint every N iterations (and always at the end).", min=1)
     keep_checkpoints: int = knob(2, "How many checkpoints to keep.", min=1)
     keep_snapshots: bool = knob(True, "Write each online iteration's batch as a snapshot under <run>/snapshots.")
+
+    def check(self, prefix: str) -> None:
+        # Accumulation splits each mini-batch into equal micro-batches.
+        need(self.minibatch_size % self.grad_accum == 0, f"{prefix}grad_accum",
+             f"must divide {prefix}minibatch_size ({self.minibatch_size})")

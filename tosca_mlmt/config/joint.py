@@ -1,14 +1,15 @@
-"""``joint:`` config section: the alternation schedule of train-joint."""
+"""``joint:`` section: the alternation schedule of train-joint."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tosca_mlmt.knobs import knob
+from tosca_mlmt.config.knobs import knob
+from tosca_mlmt.config.section import Section
 
 
 @dataclass
-class JointConfig:
+class JointConfig(Section):
     rounds: int = knob(3, "Rounds of collect -> train-upper -> train-lower.", min=1)
     collect_problems: int = knob(8, "Problems collected per round for the writer (x episode.n_samples episodes).",
                                  min=1)

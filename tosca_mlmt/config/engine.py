@@ -1,0 +1,39 @@
+"""``engine:`` and ``*_sampling:`` sections: the rollout engine and how each model samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tosca_mlmt.config.knobs import Rule, knob
+from tosca_mlmt.config.section import Section
+
+# Below ~1e-3 sampling is greedy in all but name, and far below it logits / T overflow to inf
+# (NaN probabilities in the hf sampler); 0 is the explicit greedy switch.
+TEMPERATURE = Rule("0 (greedy) or >= 0.001", lambda v: v == 0 or v >= 1e-3)
+
+
+@dataclass
+class VLLMConfig(Section):
+    gpu_memory_utilization: float = knob(0.5, "Share of GPU memory vLLM may take (GPU only; leaves room for training).",
+                                         min=0.0, max=1.0, min_exclusive=True)
+    max_model_len: int = knob(2048, "Longest prompt+response vLLM must hold (more than episode.max_prompt_tokens).",
+                              min=2)
+    enforce_eager: bool = knob(True, "Skip CUDA graphs / torch.compile (fast start; turn off for long GPU runs).")
+    kv_cache_gb: int = knob(2, "CPU only: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE).", min=1)
+    enable_prefix_caching: bool = knob(True, "Reuse KV of shared prefixes (turn-3 prompts extend turn-1 prompts).")
+
+
+@dataclass
+class EngineConfig(Section):
+    name: str = knob("hf", "Rollout engine.", choices=("hf", "vllm"))
+    batch_size: int = knob(32, "Prompts per generate call (hf); vllm schedules the whole turn itself.", min=1)
+    threads: int = knob(0, "torch CPU threads (0 = all cores).", min=0)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+
+
+@dataclass
+class SamplingConfig(Section):
+    temperature: float = knob(0.7, "Sampling temperature; 0 = greedy.", rule=TEMPERATURE)
+    top_p: float = knob(1.0, "Nucleus sampling mass (1 = off).", min=0.0, max=1.0, min_exclusive=True)
+    top_k: int = knob(0, "Top-k (0 = off).", min=0)
+    max_new_tokens: int = knob(128, "Longest response of one turn, in tokens.", min=1)

@@ -1,0 +1,89 @@
+"""``episode:`` section: one problem's turns, the writer's strategy set and how it picks one."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from tosca_mlmt.config.knobs import Rule, knob
+from tosca_mlmt.config.section import Section, need, show
+
+# The behaviour policies `tosca_mlmt.strategies` implements. They are listed here, not there,
+# because config/ may import only the ground floor; strategies.py takes its MODES from this
+# tuple, so the names exist once.
+SELECTION_MODES = ("auto", "uniform", "softmax", "epsilon_softmax", "epsilon_greedy", "greedy")
+
+# instruction: what the writer is told to do; prefix: the fixed sentence that opens the feedback
+# the solver reads when episode.strategy_prefix is on.
+DEFAULT_STRATEGIES: tuple[dict[str, str], ...] = (
+    {"name": "check_arithmetic", "instruction": "Point to the calculation that is most likely wrong and ask the solver to redo it carefully.",
+     "prefix": "Check your calculation carefully."},
+    {"name": "reread_question", "instruction": "Remind the solver what the question actually asks and which numbers it gives.",
+     "prefix": "Read the question again and use its numbers."},
+    {"name": "verify_substitution", "instruction": "Ask the solver to check its answer by plugging it back into the problem.",
+     "prefix": "Check your answer against the problem."},
+    {"name": "start_over", "instruction": "Tell the solver to discard its attempt and solve the problem again step by step.",
+     "prefix": "Your answer is probably wrong: solve the problem again step by step."},
+    {"name": "confirm", "instruction": "Say the attempt looks right and ask the solver to state the final answer clearly.",
+     "prefix": "Your answer looks right: give it again."},
+    {"name": "simplify", "instruction": "Suggest a simpler way to set up the computation, one step at a time.",
+     "prefix": "Solve it one simple step at a time."},
+)
+
+CONFIDENCE_EDGES = Rule("two ascending finite numbers", lambda v: isinstance(v, list) and len(v) == 2 and all(
+    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v) and v[0] < v[1])
+
+
+@dataclass
+class EpisodeConfig(Section):
+    n_samples: int = knob(2, "Turn-1 samples per problem (the group for group-relative advantages).", min=1)
+    rounds: int = knob(1, "K: feedback + refine rounds after turn 1 (0 = single-turn baseline).", min=0)
+    strategies: list = knob(dataclasses.MISSING, "Strategy set: list of {name, instruction[, prefix]} (non-empty "
+                                                 "strings, unique names).",
+                            default_factory=lambda: [dict(s) for s in DEFAULT_STRATEGIES])
+    strategy_selection: str = knob("auto", "auto = uniform without Q-values, epsilon_softmax with them (epsilon of "
+                                           "uniform exploration mixed into softmax(Q / T)).",
+                                   choices=SELECTION_MODES)
+    strategy_temperature: float = knob(1.0, "Softmax temperature over the writer's Q-values.",
+                                       min=0.0, min_exclusive=True)
+    epsilon: float = knob(0.3, "Uniform exploration share for auto / epsilon_softmax / epsilon_greedy (0.3 while the "
+                               "writer's data is small).", min=0.0, max=1.0)
+    min_q_decisions: int = knob(200, "The writer's Q-values steer strategy selection only once they were fitted on at "
+                                     "least this many logged decisions; below it selection stays uniform (a Q fitted "
+                                     "on a handful of decisions is noise). 0 = always use Q.", min=0)
+    max_feedback_tokens: int = knob(64, "Longest feedback text, in tokens (for no feedback use episode.rounds=0; "
+                                        "for a fixed text, episode.feedback=static).", min=1)
+    feedback: str = knob("generate", "generate = the writer model writes feedback; static = the chosen strategy's "
+                                     "instruction is the feedback verbatim (SCoRe's fixed self-correction prompt); "
+                                     "verdict = 'Your answer is right/wrong.' from the verifier (a privileged control).",
+                         choices=("generate", "static", "verdict"))
+    writer_sees: str = knob("none", "Extra signal in the writer's state per attempt: none; confidence = the solver's "
+                                    "mean token log-prob bucketed low/medium/high (honest); verdict = the verifier's "
+                                    "right/wrong (privileged: labelled in every summary).",
+                            choices=("none", "confidence", "verdict"))
+    confidence_edges: list = knob(dataclasses.MISSING, "writer_sees=confidence: mean log-prob edges [low|medium, "
+                                                       "medium|high], ascending.",
+                                  default_factory=lambda: [-0.6, -0.25], rule=CONFIDENCE_EDGES)
+    strategy_prefix: bool = knob(False, "Open the feedback the solver reads with the chosen strategy's fixed "
+                                        "sentence (its 'prefix'), so the decision reaches the solver.")
+    max_prompt_tokens: int = knob(1536, "Prompts longer than this are left-truncated (counted in metrics).", min=1)
+    counterfactual: bool = knob(False, "Also sample each refine with the feedback cut out of its context and score it "
+                                       "(one more solver turn per round), for upper.reward=counterfactual.")
+    stop_at_answer: bool = knob(True, "End each solver turn at its first complete 'The answer is: N' line (tasks with "
+                                      "an answer line: arith, gsm8k); finish_reason 'answer'.")
+
+    def check(self, prefix: str) -> None:
+        # A strategy's name is its action id in snapshots and the Q head, so names must be unique.
+        need(len(self.strategies) >= 1, f"{prefix}strategies", "needs at least one strategy")
+        names = set()
+        for i, s in enumerate(self.strategies):
+            at = f"{prefix}strategies[{i}]"
+            need(isinstance(s, dict) and {"name", "instruction"} <= set(s) <= {"name", "instruction", "prefix"},
+                 at, "each strategy needs the keys 'name' and 'instruction' (and may have 'prefix', the sentence "
+                     "that opens its feedback)")
+            for key in ("name", "instruction", "prefix"):
+                need(key not in s or (isinstance(s[key], str) and bool(s[key].strip())), f"{at}.{key}",
+                     "must be a non-empty string")
+            need(s["name"] not in names, f"{at}.name", f"duplicate name {show(s['name'])}")
+            names.add(s["name"])

@@ -1,0 +1,38 @@
+"""``model:`` section: which bases and adapters the solver and the writer load, and LoRA."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tosca_mlmt.config.knobs import EXISTING_DIR_OR_EMPTY, NON_EMPTY, Rule, knob
+from tosca_mlmt.config.section import Section
+
+# peft accepts either form; an empty name would silently adapt nothing.
+TARGET_MODULES = Rule("a non-empty string or a non-empty list of non-empty strings",
+                      lambda v: bool(v.strip()) if isinstance(v, str)
+                      else bool(v) and all(isinstance(s, str) and s.strip() for s in v))
+
+
+@dataclass
+class LoraConfig(Section):
+    r: int = knob(16, "LoRA rank of each adapter (solver and writer).", min=1)
+    alpha: int = knob(32, "LoRA alpha (scale = alpha / r).", min=1)
+    dropout: float = knob(0.0, "LoRA dropout; 0 keeps rollouts and training logprobs identical.",
+                          min=0.0, max=1.0, max_exclusive=True)
+    target_modules: str | list = knob("all-linear", "peft target_modules: 'all-linear' adapts every linear layer; "
+                                                    "another string is a regex over module names; a list names "
+                                                    "modules (e.g. [q_proj, v_proj]).", rule=TARGET_MODULES)
+
+
+@dataclass
+class ModelConfig(Section):
+    solver: str = knob("smollm2-135m", "Solver (LL) base model: 'smollm2-135m' (embedded) or a local HF model folder.",
+                       rule=NON_EMPTY)
+    writer: str = knob("", "Feedback-writer (HL) base model; empty = same base as the solver (two adapters, one base).")
+    solver_adapter: str = knob("", "Folder of a trained solver adapter to load (empty = fresh, identity adapter).",
+                               rule=EXISTING_DIR_OR_EMPTY)
+    writer_adapter: str = knob("", "Folder of a trained writer (adapter + Q head + strategies) to load.",
+                               rule=EXISTING_DIR_OR_EMPTY)
+    dtype: str = knob("auto", "Inference dtype: auto (bf16 if the CPU/GPU supports it), float32 or bfloat16.",
+                      choices=("auto", "float32", "bfloat16"))
+    lora: LoraConfig = field(default_factory=LoraConfig)

@@ -1,0 +1,43 @@
+"""``Config``: the whole config, one section per field, and the rules between sections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tosca_mlmt.config.engine import EngineConfig, SamplingConfig
+from tosca_mlmt.config.episode import EpisodeConfig
+from tosca_mlmt.config.joint import JointConfig
+from tosca_mlmt.config.knobs import knob
+from tosca_mlmt.config.lower import LowerConfig
+from tosca_mlmt.config.model import ModelConfig
+from tosca_mlmt.config.run import CollectConfig, DistributedConfig, LoggingConfig
+from tosca_mlmt.config.section import Section, need
+from tosca_mlmt.config.task import TaskConfig
+from tosca_mlmt.config.upper import UpperConfig
+
+
+@dataclass
+class Config(Section):
+    seed: int = knob(0, "Master seed: problems, strategy choice and sampling derive from it.", min=0)
+    deterministic: bool = knob(False, "Determinism mode: deterministic torch algorithms, fixed thread count.")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    solver_sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    writer_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=64))
+    task: TaskConfig = field(default_factory=TaskConfig)
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    collect: CollectConfig = field(default_factory=CollectConfig)
+    lower: LowerConfig = field(default_factory=LowerConfig)
+    joint: JointConfig = field(default_factory=JointConfig)
+    upper: UpperConfig = field(default_factory=UpperConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def check(self, prefix: str) -> None:
+        if self.engine.name == "vllm":
+            max_len = self.engine.vllm.max_model_len
+            need(self.episode.max_prompt_tokens < max_len, f"{prefix}episode.max_prompt_tokens",
+                 f"must be below {prefix}engine.vllm.max_model_len ({max_len}) with engine.name=vllm: "
+                 "vLLM refuses longer prompts and needs room for the response")
+        need(self.upper.reward != "counterfactual" or self.episode.counterfactual, f"{prefix}upper.reward",
+             "counterfactual needs episode.counterfactual=true (refines scored without their feedback)")

@@ -1,1 +1,0 @@
-"""The hierarchical loop: collect -> train-upper -> train-lower, round after round."""
