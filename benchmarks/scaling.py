@@ -280,7 +280,7 @@ def launch(args, name: str, rep: int, snap: tuple[str, str]) -> dict:
     threads = str(conf["threads"])
     env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, OMP_WAIT_POLICY="PASSIVE",
                TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled", PYTHONPATH=str(REPO))
-    from tosca_mlmt.train.distributed import free_port
+    from tosca_mlmt.parallel import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(conf["nproc"]),
            "--master_port", str(free_port()), str(WORKER), str(out / "spec.json")]

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import typer
 
+from tosca_mlmt.cli.common import err
+
 
 def analyze(
     sources: list[str] = typer.Argument(..., metavar="RUN_OR_SNAPSHOT",
@@ -22,7 +24,6 @@ def analyze(
     """Learning curves, accuracy per turn, correction matrix, strategies, bonus and feedback length.
 
     Offline: reads metrics.jsonl files and snapshots only. Prints the report's path last on stdout."""
-    from tosca_mlmt.cli.main import err
     from tosca_mlmt.pipelines.analyze import analyze as run
 
     res = run(sources, out, root, console=err, verify=not no_verify)

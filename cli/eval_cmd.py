@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from tosca_mlmt.cli.common import err, flag_overrides, parse_sets, print_summary
+
 
 def eval_cmd(
     out: Path = typer.Option(..., "--out", "-o", help="Folder for eval.json and the eval snapshot."),
@@ -26,7 +28,6 @@ def eval_cmd(
     Acc@t1, Acc@final, delta, wrong->right, right->wrong, strategy counts and lengths."""
     import json
 
-    from tosca_mlmt.cli.main import _flag_overrides, _parse_sets, _print_summary, err
     from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.evaluate import adapters_from_run, evaluate
 
@@ -35,8 +36,8 @@ def eval_cmd(
                             "model.writer_adapter": writer}.items() if v is not None}
     if run is not None:
         ov.update(adapters_from_run(run))
-    ov.update(_flag_overrides(no_wandb))
-    ov.update(_parse_sets(set_))
+    ov.update(flag_overrides(no_wandb))
+    ov.update(parse_sets(set_))
     rep = evaluate(load_config(config, ov), out, console=err)
-    _print_summary(f"eval on {rep['task']}/{rep['split']}", {k: v for k, v in rep.items() if isinstance(v, (int, float))})
+    print_summary(f"eval on {rep['task']}/{rep['split']}", {k: v for k, v in rep.items() if isinstance(v, (int, float))})
     print(json.dumps({k: rep[k] for k in ("snapshot_id", "acc_t1", "acc_final", "delta")}))

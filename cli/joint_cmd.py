@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from tosca_mlmt.cli.common import err, flag_overrides, parse_sets, print_summary
+
 
 def train_joint(
     out: Path = typer.Option(..., "--out", "-o", help="Run folder (manifest.json links rounds, snapshots, runs)."),
@@ -22,16 +24,15 @@ def train_joint(
 ):
     """Hierarchical RL: each round collects a snapshot, fits the writer offline on it (plus a replay
     window), then runs online PPO iterations of the solver."""
-    from tosca_mlmt.cli.main import _flag_overrides, _parse_sets, _print_summary, err
     from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.train_joint import train_joint as run
 
     ov = {k: v for k, v in {"joint.rounds": rounds, "engine.name": engine}.items() if v is not None}
-    ov.update(_flag_overrides(no_wandb))
-    ov.update(_parse_sets(set_))
+    ov.update(flag_overrides(no_wandb))
+    ov.update(parse_sets(set_))
     res = run(load_config(config, ov), out, resume=resume, console=err, allow_drift=tuple(allow_drift))
     for rec in res.manifest["rounds"]:
         m = rec.get("collect_metrics", {})
-        _print_summary(f"round {rec['round']}: snapshot {rec.get('snapshot')}", {**m, **{
+        print_summary(f"round {rec['round']}: snapshot {rec.get('snapshot')}", {**m, **{
             f"time/{k}": v for k, v in rec.get("seconds", {}).items()}})
     print(res.run_dir)

@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from tosca_mlmt.cli.common import err, flag_overrides, parse_sets, print_summary
+
 
 def train_lower(
     out: Path = typer.Option(..., "--out", "-o", help="Run folder (checkpoints, metrics, snapshots, final adapter)."),
@@ -26,19 +28,18 @@ def train_lower(
     no_wandb: bool = typer.Option(False, "--no-wandb", help="Do not log to wandb (metrics.jsonl is always written)."),
 ):
     """Train the solver (turn 1 and every refine) with PPO; online unless --snapshot is given."""
-    from tosca_mlmt.cli.main import _flag_overrides, _parse_sets, _print_summary, err
     from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.train_lower import train_lower as run
 
     ov = {k: v for k, v in {"lower.iterations": iterations, "task.name": task, "engine.name": engine}.items()
           if v is not None}
-    ov.update(_flag_overrides(no_wandb))
-    ov.update(_parse_sets(set_))
+    ov.update(flag_overrides(no_wandb))
+    ov.update(parse_sets(set_))
     cfg = load_config(config, ov)
     res = run(cfg, out, snapshot_ids=list(snapshot) or None, snapshot_root=root, resume=resume, console=err,
               allow_drift=tuple(allow_drift), verify=not no_verify)
     keys = ("lower/acc_t1", "lower/acc_final", "lower/kl", "lower/bonus/mean", "lower/entropy", "lower/clipfrac",
             "lower/grad_norm", "lower/iteration_seconds")
-    _print_summary(f"train-lower: {res.iterations} iterations", {k: res.last_metrics[k] for k in keys
-                                                                  if k in res.last_metrics})
+    print_summary(f"train-lower: {res.iterations} iterations", {k: res.last_metrics[k] for k in keys
+                                                                 if k in res.last_metrics})
     print(res.run_dir)

@@ -7,68 +7,33 @@ works. User errors (bad config, bad data, missing snapshot) exit with code 2.
 
 from __future__ import annotations
 
-import functools
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
-from tosca_mlmt import runtime  # noqa: F401  (sets thread/offline env before torch loads)
-from tosca_mlmt.errors import MlmtError
+from tosca_mlmt import runtime
+from tosca_mlmt.cli.analyze_cmd import analyze
+from tosca_mlmt.cli.common import err, flag_overrides, parse_sets, print_summary, user_errors
+from tosca_mlmt.cli.eval_cmd import eval_cmd
+from tosca_mlmt.cli.joint_cmd import train_joint
+from tosca_mlmt.cli.lower_cmd import train_lower
+from tosca_mlmt.cli.upper_cmd import train_upper
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0] if __doc__ else None,
                   pretty_exceptions_enable=False)
 snapshots_app = typer.Typer(no_args_is_help=True, help="List, inspect and verify dataset snapshots.")
 app.add_typer(snapshots_app, name="snapshots")
-err = Console(stderr=True, soft_wrap=True)  # soft_wrap: never break paths in error lines
 
 
-def user_errors(fn):
-    """Turn MlmtError into a one-line message and exit code 2 (no traceback)."""
-
-    @functools.wraps(fn)
-    def wrapper(*a, **kw):
-        try:
-            return fn(*a, **kw)
-        except MlmtError as e:
-            # One line, and the message is text, not markup: a field name or path with
-            # "[/]" in it must not make rich raise instead of reporting.
-            msg = re.sub(r"\s*[\r\n]+\s*", " ", str(e)).strip()
-            err.print(f"[bold red]error:[/] {escape(msg)}", highlight=False)
-            raise typer.Exit(2) from None
-
-    return wrapper
-
-
-def _parse_sets(sets: list[str]) -> dict:
-    from tosca_mlmt.config import parse_override
-
-    return dict(parse_override(s) for s in sets or [])
-
-
-def _flag_overrides(no_wandb: bool = False, no_progress: bool = False) -> dict:
-    """The logging switches every command offers, as config overrides."""
-    ov = {}
-    if no_wandb:
-        ov["logging.wandb"] = False
-    if no_progress:
-        ov["logging.progress"] = False
-    return ov
-
-
-def _print_summary(title: str, summary: dict) -> None:
-    t = Table(title=title, show_header=True)
-    t.add_column("metric")
-    t.add_column("value", justify="right")
-    for k, v in summary.items():
-        t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
-    err.print(t)
+@app.callback()
+def _process() -> None:
+    # Runs before any command, while torch is not loaded yet: libgomp reads OMP_WAIT_POLICY
+    # once, when torch loads, and huggingface_hub reads HF_HUB_OFFLINE when it is imported.
+    runtime.process_env()
 
 
 @app.command()
@@ -108,14 +73,14 @@ def collect(
         ov["task.skip_bad_rows"] = True
     if parent:
         ov["collect.parents"] = list(parent)
-    ov.update(_flag_overrides(no_wandb, no_progress))
-    ov.update(_parse_sets(set_))
+    ov.update(flag_overrides(no_wandb, no_progress))
+    ov.update(parse_sets(set_))
     cfg = load_config(config, ov)
     from tosca_mlmt.pipelines.collect import collect as run_collect
 
     res = run_collect(cfg, console=err)
-    _print_summary(f"snapshot {res.snapshot_id}" + ("" if res.created else " (identical snapshot already existed)"),
-                   res.summary)
+    print_summary(f"snapshot {res.snapshot_id}" + ("" if res.created else " (identical snapshot already existed)"),
+                  res.summary)
     err.print(f"written to {res.path}")
     print(res.snapshot_id)
 
@@ -124,9 +89,9 @@ def collect(
 @user_errors
 def setup(model: str = typer.Option("smollm2-135m", help="Embedded model name or local folder.")):
     """Convert the embedded model once into the cache ($TOSCA_MLMT_CACHE) and print its folder."""
-    from tosca_mlmt.models.loading import resolve_model
+    from tosca_mlmt.pipelines.snapshots import prepare_model
 
-    print(resolve_model(model))
+    print(prepare_model(model))
 
 
 @app.command("config")
@@ -145,32 +110,25 @@ def config_cmd(
         return
     import yaml
 
-    print(yaml.safe_dump(load_config(config, _parse_sets(set_)).to_dict(), sort_keys=False))
+    print(yaml.safe_dump(load_config(config, parse_sets(set_)).to_dict(), sort_keys=False))
 
 
-from tosca_mlmt.cli.lower_cmd import train_lower  # noqa: E402
-
+# Registered here, after the commands above, so that `mlmt --help` lists them in this order.
 app.command("train-lower")(user_errors(train_lower))
-from tosca_mlmt.cli.eval_cmd import eval_cmd  # noqa: E402
-
 app.command("eval")(user_errors(eval_cmd))
-from tosca_mlmt.cli.joint_cmd import train_joint  # noqa: E402
-
 app.command("train-joint")(user_errors(train_joint))
-from tosca_mlmt.cli.analyze_cmd import analyze  # noqa: E402
-
 app.command("analyze")(user_errors(analyze))
-from tosca_mlmt.cli.upper_cmd import train_upper; app.command("train-upper")(user_errors(train_upper))  # noqa: E402,E702
+app.command("train-upper")(user_errors(train_upper))
 
 
 @snapshots_app.command("list")
 @user_errors
 def snapshots_list(root: Path = typer.Option(Path("snapshots"), help="Snapshot root folder.")):
     """One line per snapshot: id, created, task/split, episodes, Acc@t1 -> Acc@final."""
-    from tosca_mlmt.snapshot import list_snapshots, summary_line
+    from tosca_mlmt.pipelines.snapshots import summary_lines
 
-    for m in list_snapshots(root):
-        print(summary_line(m))
+    for line in summary_lines(root):
+        print(line)
 
 
 @snapshots_app.command("show")
@@ -178,10 +136,9 @@ def snapshots_list(root: Path = typer.Option(Path("snapshots"), help="Snapshot r
 def snapshots_show(sid: str = typer.Argument(..., help="Snapshot id."),
                    root: Path = typer.Option(Path("snapshots"), help="Snapshot root folder.")):
     """Print a snapshot's manifest (JSON)."""
-    from tosca_mlmt.snapshot import load_snapshot
+    from tosca_mlmt.pipelines.snapshots import manifest
 
-    # unverified: show is how a damaged snapshot is inspected
-    print(json.dumps(load_snapshot(root, sid, verify=False).manifest, indent=2, sort_keys=True))
+    print(json.dumps(manifest(root, sid), indent=2, sort_keys=True))
 
 
 @snapshots_app.command("verify")
@@ -189,13 +146,11 @@ def snapshots_show(sid: str = typer.Argument(..., help="Snapshot id."),
 def snapshots_verify(sid: str = typer.Argument(..., help="Snapshot id."),
                      root: Path = typer.Option(Path("snapshots"), help="Snapshot root folder.")):
     """Re-hash every file; exit 1 with the list of problems on any mismatch."""
-    from tosca_mlmt.snapshot import read_manifest, snapshot_path, verify_snapshot
+    from tosca_mlmt.pipelines.snapshots import problems
 
-    path = snapshot_path(root, sid)
-    read_manifest(path)  # a manifest that cannot be parsed is an error (exit 2), not a verdict
-    problems = verify_snapshot(path)
-    if problems:
-        for p in problems:
+    bad = problems(root, sid)  # an unparseable manifest raises: exit 2, not a verdict
+    if bad:
+        for p in bad:
             err.print(f"[bold red]corrupt:[/] {sid}: {escape(p)}", highlight=False)
         raise typer.Exit(1)
     print(f"{sid}: ok")

@@ -12,6 +12,8 @@ from typing import Optional
 
 import typer
 
+from tosca_mlmt.cli.common import err, flag_overrides, parse_sets, print_summary
+
 
 def train_upper(
     snapshot: list[str] = typer.Option(..., "--snapshot", "-s", help="Snapshot id to learn from (repeatable)."),
@@ -33,7 +35,6 @@ def train_upper(
     """Fit the feedback writer's strategy Q-values and feedback text from logged snapshots (no rollouts).
 
     Prints the trained writer's folder as the last line of stdout."""
-    from tosca_mlmt.cli.main import _flag_overrides, _parse_sets, _print_summary, err
     from tosca_mlmt.config import load_config
 
     ov: dict = {"upper.snapshots": list(snapshot)}
@@ -43,12 +44,12 @@ def train_upper(
         ov["seed"] = seed
     if deterministic:
         ov["deterministic"] = True
-    ov.update(_flag_overrides(no_wandb, no_progress))
-    ov.update(_parse_sets(set_))
+    ov.update(flag_overrides(no_wandb, no_progress))
+    ov.update(parse_sets(set_))
     cfg = load_config(config, ov)
     from tosca_mlmt.pipelines.train_upper import train_upper as run
 
     res = run(cfg, out, resume=resume, console=err, allow_drift=tuple(allow_drift), verify=not no_verify)
-    _print_summary(f"train-upper {out} (step {res.step})", res.metrics)
+    print_summary(f"train-upper {out} (step {res.step})", res.metrics)
     err.print(f"report: {out / 'report.md'}")
     print(res.writer_dir)

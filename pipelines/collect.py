@@ -16,6 +16,7 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tosca_mlmt import __version__, runtime
+from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
 from tosca_mlmt.engines import make_engine
 from tosca_mlmt.episode import EpisodeRunner, to_params
@@ -24,7 +25,6 @@ from tosca_mlmt.pipelines.rundir import check_writable
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.snapshot import write_snapshot
 from tosca_mlmt.tasks import make_task
-from tosca_mlmt.train import distributed as dist
 
 
 @dataclass

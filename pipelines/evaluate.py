@@ -15,11 +15,11 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.pipelines.collect import collect
 from tosca_mlmt.pipelines.rundir import check_writable
-from tosca_mlmt.train import distributed as dist
 
 
 def adapters_from_run(run: Path) -> dict[str, str]:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import yaml
 
+from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
 from tosca_mlmt.errors import ConfigError, MlmtError
-from tosca_mlmt.train import distributed as dist
 
 ALWAYS_ALLOWED = ("logging",)
 _UPPER_PERIODS = ("upper.save_every", "upper.keep_checkpoints", "upper.log_every", "upper.eval_every")

@@ -25,12 +25,12 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tosca_mlmt import __version__, runtime
+from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
 from tosca_mlmt.errors import MlmtError, SnapshotError
 from tosca_mlmt.metrics import MetricsSink, StageTimer
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.snapshot import load_snapshot
-from tosca_mlmt.train import distributed as dist
 from tosca_mlmt.train.checkpoint import CheckpointManager
 from tosca_mlmt.upper.dataset import build_transitions, check_strategies
 from tosca_mlmt.upper.learner import UpperLearner

@@ -11,7 +11,11 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from tosca_mlmt import runtime
+
+# Tests call the stages directly, not through the CLI: give them its process environment
+# (offline hub, passive OpenMP) before anything loads torch or transformers.
+runtime.process_env()
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 

@@ -11,19 +11,20 @@ SPEC: {"out", "snapshot_root", "snapshot", "stages": ["lower", "upper"], "overri
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from tosca_mlmt import runtime
+
+runtime.process_env()  # as the CLI does: before torch loads
 
 from safetensors.torch import save_file  # noqa: E402
 
+from tosca_mlmt import parallel as dist  # noqa: E402
 from tosca_mlmt.config import load_config  # noqa: E402
 from tosca_mlmt.models.policies import PolicyPair  # noqa: E402
 from tosca_mlmt.pipelines.train_lower import train_lower  # noqa: E402
 from tosca_mlmt.pipelines.train_upper import train_upper  # noqa: E402
-from tosca_mlmt.train import distributed as dist  # noqa: E402
 
 
 def main(spec_path: str) -> None:

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 
 from tosca_mlmt.config import load_config
 from tosca_mlmt.pipelines.collect import collect
-from tosca_mlmt.train.distributed import free_port
+from tosca_mlmt.parallel import free_port
 from conftest import FP32
 
 pytestmark = pytest.mark.slow

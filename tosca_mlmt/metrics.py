@@ -70,10 +70,10 @@ class MetricsSink:
     def __init__(self, folder: str | Path, config: dict, wandb_enabled: bool, wandb_mode: str, project: str,
                  name: str | None = None, enabled: bool | None = None):
         """``enabled`` defaults to "this is rank 0": other ranks log nothing."""
-        from tosca_mlmt.train import distributed
+        from tosca_mlmt import parallel
 
         self.folder = Path(folder)
-        self.enabled = distributed.is_main() if enabled is None else enabled
+        self.enabled = parallel.is_main() if enabled is None else enabled
         self.path = self.folder / "metrics.jsonl"
         self.run = None
         if self.enabled:

@@ -1,4 +1,5 @@
-"""The one place that decides numeric precision: model dtype, bf16 autocast, and the fp32 LM head.
+"""The one place that decides numeric precision: model dtype and bf16 autocast (the LM head always
+runs in fp32: ``tosca_mlmt.tensors.fp32_logits``).
 
 Imports nothing of ours. Every caller that needs to know whether bf16 is native goes through
 ``native_bf16`` so a CPU with and without avx512_bf16/amx_bf16 take the same decision everywhere.
@@ -42,14 +43,3 @@ def use_bf16_autocast(setting: str) -> bool:
     """``lower.autocast``: bf16 | none | auto (= bf16 where native)."""
     return setting == "bf16" or (setting == "auto" and native_bf16())
 
-
-def fp32_logits(hidden: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:
-    """LM-head logits [..., V] computed in fp32 whatever the model or autocast dtype.
-
-    bf16 logits of magnitude 16-32 are spaced 0.125 apart, so a bf16 head puts ~0.06 nats of
-    rounding into every log-prob: enough to make PPO ratios of an unchanged policy differ from 1
-    and to swamp a context bonus. The head is one matmul; doing it in fp32 costs little."""
-    w = lm_head.weight
-    b = getattr(lm_head, "bias", None)
-    with torch.autocast(hidden.device.type, enabled=False):
-        return torch.nn.functional.linear(hidden.float(), w.float(), None if b is None else b.float())

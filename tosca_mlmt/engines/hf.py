@@ -10,7 +10,8 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 from tosca_mlmt.engines.base import Generation, SamplingParams
 from tosca_mlmt.engines.stop import TAIL_TOKENS, apply_stop
 from tosca_mlmt.models.policies import PolicyPair
-from tosca_mlmt.train.distributed import full_parameters
+from tosca_mlmt.parallel import full_parameters
+from tosca_mlmt.tensors import pad_batch
 
 
 class _RawLogprobRecorder(LogitsProcessor):
@@ -96,12 +97,8 @@ class HFEngine:
         tok = self.policies.tokenizer(policy)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         eos_ids = self.policies.eos_ids(policy)
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):  # left padding keeps every prompt's last token aligned
-            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            attn[i, width - len(p) :] = 1
+        ids, attn = pad_batch(prompts, pad_id, left=True)
+        width = ids.shape[1]
         rec = _RawLogprobRecorder(params)
         gc = GenerationConfig(
             max_new_tokens=params.max_new_tokens, do_sample=not params.greedy, temperature=1.0, top_k=0,

@@ -20,7 +20,10 @@ from torch import nn
 
 from tosca_mlmt.config import ModelConfig
 from tosca_mlmt.models.loading import resolve_model, weights_fingerprint
+from tosca_mlmt.parallel import full_parameters, is_main
 from tosca_mlmt.precision import model_dtype
+from tosca_mlmt.seeds import seeded
+from tosca_mlmt.tensors import pad_batch
 
 ROLES = ("solver", "writer")
 Q_HEAD_FILE = "q_head.safetensors"
@@ -54,26 +57,27 @@ class PolicyPair:
         lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                           target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM")
         adapters = {"solver": cfg.solver_adapter, "writer": cfg.writer_adapter}
-        # LoRA A matrices are random: seed them so a fresh pair has a reproducible fingerprint.
-        torch.manual_seed(seed)
+        # LoRA A matrices are random: seed them so a fresh pair has a reproducible fingerprint,
+        # without reseeding the process (what the caller draws next does not depend on us).
         self._models: dict[str, nn.Module] = {}
-        for role in ROLES:
-            if role == "writer" and self.shared_base:
-                pm = self._models["solver"]
+        with seeded(seed):
+            for role in ROLES:
+                if role == "writer" and self.shared_base:
+                    pm = self._models["solver"]
+                    if adapters[role]:
+                        pm.load_adapter(adapters[role], adapter_name=role, is_trainable=True)
+                    else:
+                        pm.add_adapter(role, lora)
+                    self._models[role] = pm
+                    continue
+                base = AutoModelForCausalLM.from_pretrained(self.base_paths[role], dtype=self.dtype)
+                base.generation_config.pad_token_id = self._tok[role].pad_token_id
                 if adapters[role]:
-                    pm.load_adapter(adapters[role], adapter_name=role, is_trainable=True)
+                    pm = PeftModel.from_pretrained(base, adapters[role], adapter_name=role, is_trainable=True)
                 else:
-                    pm.add_adapter(role, lora)
+                    pm = get_peft_model(base, lora, adapter_name=role)
+                pm.eval()
                 self._models[role] = pm
-                continue
-            base = AutoModelForCausalLM.from_pretrained(self.base_paths[role], dtype=self.dtype)
-            base.generation_config.pad_token_id = self._tok[role].pad_token_id
-            if adapters[role]:
-                pm = PeftModel.from_pretrained(base, adapters[role], adapter_name=role, is_trainable=True)
-            else:
-                pm = get_peft_model(base, lora, adapter_name=role)
-            pm.eval()
-            self._models[role] = pm
         self.strategies: list[dict] | None = None
         self.q_head: QHead | None = None
         self.q_decisions = 0  # logged decisions the Q head was fitted on (episode.min_q_decisions gates its use)
@@ -112,8 +116,6 @@ class PolicyPair:
     def adapter_state(self, role: str) -> dict[str, torch.Tensor]:
         from peft import get_peft_model_state_dict
 
-        from tosca_mlmt.train.distributed import full_parameters
-
         with full_parameters(self._models[role]):
             return {k: v.detach().clone() for k, v in
                     get_peft_model_state_dict(self._models[role], adapter_name=role).items()}
@@ -135,8 +137,6 @@ class PolicyPair:
     def full_weights(self):
         """Every model's weights whole for a block (ZeRO-3; else a no-op): wrap rollouts, scoring
         and syncs in it on every rank, so the forwards inside need no collectives."""
-        from tosca_mlmt.train.distributed import full_parameters
-
         return full_parameters(*{id(m): m for m in self._models.values()}.values())
 
     def has_trained_adapter(self, role: str) -> bool:
@@ -150,8 +150,6 @@ class PolicyPair:
 
         Computed into new tensors, never by peft's merge/unmerge: ``w -= delta`` is not exact
         in floating point, so every sync would nudge the frozen base (the reference policy)."""
-        from tosca_mlmt.train.distributed import full_parameters
-
         with full_parameters(self._models[role]):
             return self._merged(role)
 
@@ -181,12 +179,10 @@ class PolicyPair:
         """Write ``role``'s adapter (and, for the writer, its Q head and strategy list) so that
         ``model.solver_adapter`` / ``model.writer_adapter`` can load it. Atomic: built in a
         sibling temp folder and renamed. Every rank calls it."""
-        from tosca_mlmt.train import distributed as dist
-
         folder = Path(folder)
         # Collective under ZeRO-3 (every rank gathers); rank 0 alone writes.
-        with dist.full_parameters(self._models[role]):
-            if dist.is_main():
+        with full_parameters(self._models[role]):
+            if is_main():
                 self._write_role(role, folder)
         return folder
 
@@ -216,8 +212,6 @@ class PolicyPair:
         its Q head and strategies), e.g. when a run resumes."""
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
-
-        from tosca_mlmt.train.distributed import full_parameters
 
         folder = Path(folder)
         with full_parameters(self._models[role], modify=True):
@@ -251,13 +245,7 @@ class PolicyPair:
         m = self._models["writer"]
         pad = self._tok["writer"].pad_token_id or 0
         for i in range(0, len(prompts), batch_size):
-            chunk = prompts[i : i + batch_size]
-            width = max(map(len, chunk))
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            attn = torch.zeros_like(ids)
-            for j, p in enumerate(chunk):
-                ids[j, width - len(p) :] = torch.tensor(p)
-                attn[j, width - len(p) :] = 1
+            ids, attn = pad_batch(prompts[i : i + batch_size], pad, left=True)
             with self.use("writer"):
                 h = m(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states[-1][:, -1]
             out.append(self.q_head(h))

@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tosca_mlmt import parallel as dist
 from tosca_mlmt.errors import MlmtError
 from tosca_mlmt.fsutil import sha256_file
-from tosca_mlmt.train import distributed as dist
 
 COMPLETE = "complete.json"
 CHECKPOINT_FORMAT = 1

@@ -11,116 +11,23 @@ Launch with ``torchrun --nproc_per_node N -m tosca_mlmt.cli.main <command>`` (CP
 * only rank 0 writes files (snapshots, checkpoints, metrics), except DeepSpeed's own
   partitioned optimizer state, which every rank writes into the same checkpoint folder.
 
-Ranks come from torch.distributed, not accelerate's state: under DeepSpeed on CPU
-accelerate reports one process on every rank (accelerate 1.15).
+Rank, world size, collectives and ZeRO-3 gathering live in :mod:`tosca_mlmt.parallel`
+(layers that do not train use them too); this module is the optimiser side only.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import json
 import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from tosca_mlmt.errors import ConfigError, TrainingDiverged
-
-# DeepSpeed JIT-builds its CPU comm op on first start (~30 s); keep the build beside the model cache.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ.get(
-    "TOSCA_MLMT_CACHE", Path.home() / ".cache" / "tosca_mlmt")) / "torch_extensions"))
-
-
-def init(backend: str = "auto", timeout_minutes: int = 30, force: bool = False) -> None:
-    """Join the process group when launched with WORLD_SIZE > 1 (idempotent); ``force`` also
-    for one process (DeepSpeed needs a group)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized() or (int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not force):
-        return
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
-
-
-def free_port() -> int:
-    """A TCP port free on this host now (a launcher's --master_port)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def is_main() -> bool:
-    return rank() == 0
-
-
-def barrier() -> None:
-    if world() > 1:
-        torch.distributed.barrier()
-
-
-def gather(obj: Any) -> list:
-    """Every rank's ``obj``, in rank order, on every rank."""
-    if world() == 1:
-        return [obj]
-    out = [None] * world()
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
-def broadcast(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank."""
-    if world() == 1:
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def shard(n: int) -> list[int]:
-    """This rank's contiguous share of range(n) (sizes differ by at most one)."""
-    w, r = world(), rank()
-    lo, hi = r * n // w, (r + 1) * n // w
-    return list(range(lo, hi))
-
-
-def gather_sharded(items: list, n: int) -> list:
-    """Inverse of ``shard``: each rank passes its items for ``shard(n)``; all get the full list."""
-    out = [x for part in gather(items) for x in part]
-    if len(out) != n:
-        raise RuntimeError(f"gathered {len(out)} items, expected {n}")
-    return out
-
-
-def all_sum(values: dict[str, float]) -> dict[str, float]:
-    """Element-wise sum of a (same-keyed) dict of floats across ranks."""
-    if world() == 1 or not values:
-        return dict(values)
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    torch.distributed.all_reduce(t)
-    return dict(zip(keys, t.tolist()))
+from tosca_mlmt.parallel import free_port, init, is_main, track_zero3_engine, untrack_zero3_engine, world
 
 
 def deepspeed_config_path(configured: str) -> str:
@@ -156,48 +63,17 @@ def fill_deepspeed_config(conf: dict, micro_size: int, local_micros: int, max_gr
     return conf
 
 
-# Live ZeRO-3 engines: their module hooks would re-partition parameters mid-block (see below).
-_ZERO3_ENGINES: list = []
-
-
-@contextlib.contextmanager
-def full_parameters(*modules: nn.Module, modify: bool = False):
-    """Block in which ZeRO-3-partitioned parameters of ``modules`` are whole, for generation,
-    scoring, weight sync and saving; with ``modify`` what rank 0 writes into them is kept and
-    re-partitioned on exit (loading). A no-op for every other engine and for parameters an
-    enclosing block already gathered. Under ZeRO-3 it is a collective: every rank enters it.
-
-    The engines' ZeRO-3 forward hooks are lifted for the block (as TRL does for generation):
-    they would release the gathered weights after each sub-module and re-gather them with
-    collectives, which ranks running different numbers of forwards cannot match."""
-    params = [p for m in modules for p in m.parameters() if hasattr(p, "ds_id")]
-    if params:
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-        params = [p for p in params if p.ds_status != ZeroParamStatus.AVAILABLE]
-    if not params:
-        yield
-        return
-    import deepspeed
-
-    offloads = [e.optimizer.parameter_offload for e in _ZERO3_ENGINES]
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None):
-        for off in offloads:
-            for p in off.module.parameters():
-                p.ds_active_sub_modules.clear()
-            for hook in off.forward_hooks + off.backward_hooks:
-                hook.remove()
-            off.forward_hooks, off.backward_hooks = [], []
-        try:
-            yield
-        finally:
-            for off in offloads:
-                off._register_deepspeed_module(off.module)
-
-
 def saved_world_size(folder: Path) -> int:
     """How many processes wrote the ZeRO checkpoint in ``folder`` (one optimizer shard each)."""
     return len(list((folder / "deepspeed" / "state").glob("zero_pp_rank_*_optim_states.pt")))
+
+
+def _deepspeed_build_dir() -> None:
+    """DeepSpeed JIT-builds its CPU comm op on first start (~30 s); keep the build beside the
+    model cache. Set when an engine starts, not on import: importing must not change the process."""
+    from tosca_mlmt.models.loading import cache_root
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_root() / "torch_extensions"))
 
 
 class Closure(nn.Module):
@@ -237,6 +113,7 @@ class TrainEngine:
         ds_path = deepspeed_config_path(dcfg.deepspeed)
         self.kind = "deepspeed" if ds_path else ("ddp" if self.world > 1 else "single")
         if self.kind == "deepspeed":
+            _deepspeed_build_dir()
             import deepspeed
 
             if not torch.distributed.is_initialized():
@@ -253,7 +130,7 @@ class TrainEngine:
                 model=self.module, optimizer=optimizer, lr_scheduler=scheduler, config=conf,
                 dist_init_required=False)
             if self.zero_stage == 3:
-                _ZERO3_ENGINES.append(self.engine)
+                track_zero3_engine(self.engine)
         elif self.kind == "ddp":
             from accelerate import Accelerator
             from accelerate.utils import DistributedDataParallelKwargs
@@ -382,8 +259,7 @@ class TrainEngine:
     def close(self) -> None:
         """Drop the wrappers so their gradient hooks leave the shared model's parameters."""
         if self.kind == "deepspeed":
-            if self.engine in _ZERO3_ENGINES:
-                _ZERO3_ENGINES.remove(self.engine)
+            untrack_zero3_engine(self.engine)
             self.engine.destroy()
         self.engine = self.module
         if hasattr(self, "acc"):

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
+from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.models.policies import PolicyPair
-from tosca_mlmt.train import distributed as dist
 from tosca_mlmt.train.distributed import TrainEngine
 from tosca_mlmt.upper.critic import StrategyCritic, strategy_token_ids
 from tosca_mlmt.upper.dataset import Transition, batch_indices

@@ -28,7 +28,7 @@ import torch
 from tosca_mlmt.algos.qlearning import (BOOTSTRAPS, awr_weights, cql_penalty, effective_sample_size,
                                         expectile_loss, td_target)
 from tosca_mlmt.strategies import behaviour_distribution
-from tosca_mlmt.train.batching import masked_mean
+from tosca_mlmt.tensors import masked_mean
 from tosca_mlmt.upper.critic import StrategyCritic
 
 

@@ -16,6 +16,7 @@ import torch
 
 from tosca_mlmt.algos.qlearning import hard_update, polyak_update, target_due
 from tosca_mlmt.models.policies import PolicyPair
+from tosca_mlmt.tensors import pad_batch
 from tosca_mlmt.train.batching import build_batch, forward_logprobs
 
 
@@ -58,12 +59,7 @@ class WriterTrunk:
     def states(self, states: list[list[int]], params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """h(s) [B, H] of state prompts, right-padded; ``params`` swaps in other adapter tensors
         (the target adapter) for this call only."""
-        width = max(map(len, states))
-        ids = torch.full((len(states), width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for i, s in enumerate(states):
-            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-            attn[i, : len(s)] = 1
+        ids, attn = pad_batch(states, self.pad_id)
         kw = dict(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1)
         if params is None:
             hidden = self.model(**kw).hidden_states[-1]

@@ -1,0 +1,63 @@
+"""What every ``mlmt`` command shares: the stderr console, user-error handling, the
+``--set`` / logging-switch overrides and the summary table.
+
+Its own module so that the command modules and ``cli/main.py`` (which registers them) both
+import it, instead of the command modules importing back from ``main``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from tosca_mlmt.errors import MlmtError
+
+err = Console(stderr=True, soft_wrap=True)  # soft_wrap: never break paths in error lines
+
+
+def user_errors(fn):
+    """Turn MlmtError into a one-line message and exit code 2 (no traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except MlmtError as e:
+            # One line, and the message is text, not markup: a field name or path with
+            # "[/]" in it must not make rich raise instead of reporting.
+            msg = re.sub(r"\s*[\r\n]+\s*", " ", str(e)).strip()
+            err.print(f"[bold red]error:[/] {escape(msg)}", highlight=False)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def parse_sets(sets: list[str]) -> dict:
+    """``--set a.b=value`` options as config overrides."""
+    from tosca_mlmt.config import parse_override
+
+    return dict(parse_override(s) for s in sets or [])
+
+
+def flag_overrides(no_wandb: bool = False, no_progress: bool = False) -> dict:
+    """The logging switches every command offers, as config overrides."""
+    ov = {}
+    if no_wandb:
+        ov["logging.wandb"] = False
+    if no_progress:
+        ov["logging.progress"] = False
+    return ov
+
+
+def print_summary(title: str, summary: dict) -> None:
+    t = Table(title=title, show_header=True)
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    for k, v in summary.items():
+        t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
+    err.print(t)

@@ -1,0 +1,78 @@
+"""Tensor helpers shared by the RL math, the models and the trainers.
+
+Ground floor: imports nothing of ours. Shapes: B = sequences, T = padded length, V =
+vocabulary, H = hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Mean of ``x`` where ``mask`` is 1; an empty mask gives 0, not NaN."""
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1.0)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
+
+
+def pad_batch(seqs: list[list[int]], pad_id: int, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists -> (ids [B, T], attention mask [B, T]), both long, T the longest length.
+
+    Right padding for training and scoring (token t of every row sits at position t); left
+    padding for generation (every prompt's last token sits at the same, final position)."""
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        cols = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[i, cols] = torch.tensor(s, dtype=torch.long)
+        attn[i, cols] = 1
+    return ids, attn
+
+
+def fp32_logits(hidden: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:
+    """LM-head logits [..., V] computed in fp32 whatever the model or autocast dtype.
+
+    bf16 logits of magnitude 16-32 are spaced 0.125 apart, so a bf16 head puts ~0.06 nats of
+    rounding into every log-prob: enough to make PPO ratios of an unchanged policy differ from 1
+    and to swamp a context bonus. The head is one matmul; doing it in fp32 costs little."""
+    w = lm_head.weight
+    b = getattr(lm_head, "bias", None)
+    with torch.autocast(hidden.device.type, enabled=False):
+        return torch.nn.functional.linear(hidden.float(), w.float(), None if b is None else b.float())
+
+
+def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, input_ids: torch.Tensor,
+                               chunk: int = 256, with_entropy: bool = False):
+    """log pi(x_t | x_<t) for t >= 1, computed from hidden states in chunks of positions.
+
+    hidden [B, T, H] -> logprobs [B, T] (position 0 is 0: it has no context), and with
+    ``with_entropy`` also the entropy [B, T] of pi(. | x_<t). Only one [B, chunk, V] logits
+    block exists at a time, so memory does not scale with T x V; under grad each chunk is
+    checkpointed so the backward pass keeps the same bound.
+    """
+    B, T, _ = hidden.shape
+    lps = [hidden.new_zeros(B, 1, dtype=torch.float32)]
+    ents = [hidden.new_zeros(B, 1, dtype=torch.float32)]
+    targets = input_ids[:, 1:]
+    for s in range(0, T - 1, chunk):
+        e = min(s + chunk, T - 1)
+        h, tgt = hidden[:, s:e], targets[:, s:e]
+        if torch.is_grad_enabled() and h.requires_grad:
+            lps.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, h, tgt, lm_head, use_reentrant=False))
+        elif with_entropy:
+            logp = torch.log_softmax(fp32_logits(h, lm_head), dim=-1)
+            lps.append(logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1))
+            ents.append(-(logp.exp() * logp).sum(-1))
+        else:
+            lps.append(_chunk_logprobs(h, tgt, lm_head))
+    lp = torch.cat(lps, dim=1)
+    if with_entropy:
+        return lp, (torch.cat(ents, dim=1) if len(ents) > 1 else torch.zeros_like(lp))
+    return lp
+
+
+def _chunk_logprobs(h: torch.Tensor, tgt: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:
+    logits = fp32_logits(h, lm_head)  # [B, c, V]
+    return torch.log_softmax(logits, dim=-1).gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
