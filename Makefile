@@ -33,12 +33,16 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/mlmt setup
 	@touch $(STAMP)
 
+# before/after on the same DEMO_PROBLEMS held-out problems: eval the untrained pair, train, eval
+# again with --compare-to (95 % intervals, paired difference, McNemar), then the offline report
+DEMO_PROBLEMS ?= 100
 demo: $(STAMP)
 	rm -rf $(DEMO_OUT)
+	$(VENV)/bin/mlmt eval --config configs/demo.yaml --out $(DEMO_OUT)/eval-before --limit $(DEMO_PROBLEMS)
 	$(VENV)/bin/mlmt train-joint --config configs/demo.yaml --out $(DEMO_OUT)/run
-	$(VENV)/bin/mlmt eval --config configs/demo.yaml --run $(DEMO_OUT)/run --out $(DEMO_OUT)/eval --limit 0
-	$(VENV)/bin/mlmt analyze $(DEMO_OUT)/run $(DEMO_OUT)/eval --out $(DEMO_OUT)/report
-	@echo "run: $(DEMO_OUT)/run   eval: $(DEMO_OUT)/eval/eval.json   report: $(DEMO_OUT)/report/report.md"
+	$(VENV)/bin/mlmt eval --config configs/demo.yaml --run $(DEMO_OUT)/run --out $(DEMO_OUT)/eval \
+		--limit $(DEMO_PROBLEMS) --compare-to $(DEMO_OUT)/eval-before
+	$(VENV)/bin/mlmt analyze $(DEMO_OUT)/run $(DEMO_OUT)/eval-before $(DEMO_OUT)/eval --out $(DEMO_OUT)/report
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15

@@ -23,6 +23,9 @@ def eval_cmd(
     engine: Optional[str] = typer.Option(None, help="hf or vllm."),
     set_: list[str] = typer.Option([], "--set", help="Any config field (repeatable)."),
     no_wandb: bool = typer.Option(False, "--no-wandb", help="Do not log to wandb."),
+    compare_to: Optional[Path] = typer.Option(None, "--compare-to", help="An earlier eval folder on the same "
+                                              "problems (e.g. the untrained pair): print before/after with 95 % "
+                                              "intervals, the paired difference and McNemar's p; saved in eval.json."),
 ):
     """Run solve -> feedback -> refine greedily on held-out problems (no oracle stop) and report
     Acc@t1, Acc@final, delta, wrong->right, right->wrong, strategy counts and lengths."""
@@ -39,5 +42,25 @@ def eval_cmd(
     ov.update(flag_overrides(no_wandb))
     ov.update(parse_sets(set_))
     rep = evaluate(load_config(config, ov), out, console=err)
+    if compare_to is not None:
+        from tosca_mlmt.pipelines.evaluate import compare_evals
+
+        cmp = compare_evals(compare_to, out)
+        (out / "eval.json").write_text(json.dumps({**rep, "compared_to": {"eval": str(compare_to), **cmp}}, indent=2))
+        _print_comparison(cmp)
     print_summary(f"eval on {rep['task']}/{rep['split']}", {k: v for k, v in rep.items() if isinstance(v, (int, float))})
     print(json.dumps({k: rep[k] for k in ("snapshot_id", "acc_t1", "acc_final", "delta")}))
+
+
+def _print_comparison(c: dict) -> None:
+    iv = lambda d: f"{d['mean']:.3f} [{d['lo']:.3f}, {d['hi']:.3f}]"  # noqa: E731
+    err.print(f"before vs after on the same {c['problems']} problems (95 % intervals):", highlight=False)
+    for k, label in (("t1", "Acc@t1"), ("final", "Acc@final")):
+        err.print(f"  {label:9s} before {iv(c[f'before_acc_{k}'])}   after {iv(c[f'after_acc_{k}'])}", highlight=False)
+    d, m = c["final_difference"], c["final_mcnemar"]
+    err.print(f"  Acc@final after - before: {d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] (paired bootstrap), "
+              f"McNemar p = {m['p']:.3g} ({m['a_only']} fixed, {m['b_only']} lost)", highlight=False)
+    envs = {c["before_environment"], c["after_environment"]}
+    if envs != {"honest"}:
+        err.print(f"  environment: {', '.join(sorted(envs))} (privileged: a sanity check, not a result)",
+                  highlight=False)

@@ -51,3 +51,42 @@ def evaluate(cfg: Config, out: str | Path, console=None) -> dict:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "eval.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def eval_outcomes(eval_dir: str | Path) -> dict:
+    """Per-problem 0/1 outcomes of an eval folder, ordered by problem id (so two evals pair up)."""
+    from tosca_mlmt.snapshot import load_snapshot
+
+    eval_dir = Path(eval_dir)
+    try:
+        report = json.loads((eval_dir / "eval.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{eval_dir}: not an eval folder ({e})") from None
+    eps = sorted(load_snapshot(eval_dir / "snapshots", report["snapshot_id"]).episodes(), key=lambda e: e.problem.id)
+    return {"ids": [e.problem.id for e in eps], "report": report,
+            "t1": [int(bool(e.solver_turns[0].correct)) for e in eps],
+            "final": [int(bool(e.solver_turns[-1].correct)) for e in eps]}
+
+
+def compare_evals(before_dir: str | Path, after_dir: str | Path) -> dict:
+    """Before/after on the same problems: each accuracy with its Wilson interval, the paired
+    difference in Acc@final with a bootstrap interval, and an exact McNemar test."""
+    import numpy as np
+
+    from tosca_mlmt.analysis.stats import mcnemar, paired_bootstrap, wilson
+
+    a, b = eval_outcomes(before_dir), eval_outcomes(after_dir)
+    if a["ids"] != b["ids"]:
+        raise ConfigError(f"--compare-to {before_dir}: its problems differ from this eval's "
+                          f"({len(a['ids'])} vs {len(b['ids'])}); run both with the same task, split and --limit")
+    n = len(a["ids"])
+    out = {"problems": n}
+    for name, o in (("before", a), ("after", b)):
+        for k in ("t1", "final"):
+            lo, hi = wilson(sum(o[k]), n)
+            out[f"{name}_acc_{k}"] = {"mean": sum(o[k]) / max(n, 1), "lo": lo, "hi": hi}
+        out[f"{name}_environment"] = o["report"].get("environment", "honest")
+    fa, fb = np.array([a["final"]]), np.array([b["final"]])
+    out["final_difference"] = paired_bootstrap(fb, fa)
+    out["final_mcnemar"] = mcnemar(np.array(b["final"]), np.array(a["final"]))
+    return out

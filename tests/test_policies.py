@@ -62,15 +62,17 @@ def test_saved_writer_with_q_head_drives_strategy_choice(tiny_cfg, policies, tmp
     with torch.no_grad():
         head.proj.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 4.0, 0.0, 0.0]))
     state = copy.deepcopy(policies.adapter_state("writer"))
-    policies.q_head, policies.strategies = head, list(tiny_cfg.episode.strategies)
+    # a head as if fitted on 500 logged decisions: above episode.min_q_decisions, so it steers
+    policies.q_head, policies.strategies, policies.q_decisions = head, list(tiny_cfg.episode.strategies), 500
     try:
         policies.save_role("writer", tmp_path / "writer")
     finally:
-        policies.q_head, policies.strategies = None, None
+        policies.q_head, policies.strategies, policies.q_decisions = None, None, 0
     assert {f.name for f in (tmp_path / "writer").iterdir()} >= {"adapter_model.safetensors", "q_head.safetensors",
                                                                   "strategies.json"}
     cfg = replace(tiny_cfg, model=replace(tiny_cfg.model, writer_adapter=str(tmp_path / "writer")))
     loaded = PolicyPair(cfg.model, seed=0)
+    assert loaded.q_decisions == 500
     for k, v in loaded.adapter_state("writer").items():
         assert torch.equal(v, state[k]), k
     runner = EpisodeRunner(cfg, ArithTask(1), HFEngine(loaded, 8), loaded)
