@@ -59,21 +59,10 @@ ENV_OVERRIDES = {"none": {}, "confidence": {"episode.writer_sees": "confidence"}
                  "verdict": {"episode.writer_sees": "verdict"}}
 
 
-def outcomes(eval_dir: Path, report: dict) -> dict[str, np.ndarray]:
-    """Per-problem 0/1 outcomes of an eval, in the test set's problem order."""
-    from tosca_mlmt.snapshot import load_snapshot
-
-    snap = load_snapshot(eval_dir / "snapshots", report["snapshot_id"])
-    eps = sorted(snap.episodes(), key=lambda e: e.problem.id)
-    t1 = np.array([e.solver_turns[0].correct for e in eps], dtype=float)
-    fin = np.array([e.solver_turns[-1].correct for e in eps], dtype=float)
-    return {"ids": [e.problem.id for e in eps], "t1": t1, "final": fin}
-
-
 def run_method(name: str, preset: Path, extra: dict | None, common: dict, train: dict, seed: int,
                work: Path) -> dict:
     from tosca_mlmt.config import load_config
-    from tosca_mlmt.pipelines.evaluate import adapters_from_run, evaluate
+    from tosca_mlmt.pipelines.evaluate import adapters_from_run, eval_outcomes, evaluate
     from tosca_mlmt.pipelines.train_joint import train_joint
 
     t0 = time.time()
@@ -90,7 +79,8 @@ def run_method(name: str, preset: Path, extra: dict | None, common: dict, train:
     # eval: test split, the same problems and eval seed for every method and training seed
     ecfg = load_config(preset, {**common, **(extra or {}), **adapters, "task.split": "test", "seed": 0})
     report = evaluate(ecfg, folder / "eval")
-    out = outcomes(folder / "eval", report)
+    o = eval_outcomes(folder / "eval")  # per problem, sorted by id: every method pairs up
+    out = {"ids": o["ids"], "t1": np.array(o["t1"], dtype=float), "final": np.array(o["final"], dtype=float)}
     return {"method": name, "seed": seed, "train_seconds": round(train_s, 1),
             "eval_seconds": round(time.time() - t0 - train_s, 1), "used": used,
             "environment": report.get("environment"), **out}
