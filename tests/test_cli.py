@@ -108,7 +108,10 @@ def test_interrupted_collect_leaves_no_snapshot(tmp_path, sig):
     with open(tmp_path / "err.txt", "w") as errf:
         proc = subprocess.Popen([*MLMT, "collect", "--task", "arith", "--limit", "16", "--out", str(out),
                                  "--no-wandb", "--set", "solver_sampling.max_new_tokens=200"],
-                                stdout=subprocess.PIPE, stderr=errf, text=True)
+                                stdout=subprocess.PIPE, stderr=errf, text=True,
+                                # a shell that starts jobs in the background (nohup ... &) hands them
+                                # SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.time() + 900  # start-up only; generous for a loaded machine
         while "problems x" not in (tmp_path / "err.txt").read_text():
             assert proc.poll() is None and time.time() < deadline, (tmp_path / "err.txt").read_text()
