@@ -32,6 +32,7 @@ from tosca_mlmt.lower.scoring import Scores, SolverScorer
 from tosca_mlmt.lower.trajectory import SolverTrajectory, TrajectoryTensors, to_tensors
 from tosca_mlmt.metrics import StageTimer
 from tosca_mlmt.models.policies import PolicyPair
+from tosca_mlmt.seeds import seeded
 from tosca_mlmt.train.distributed import TrainEngine
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -46,11 +47,12 @@ class LowerLearner:
         for n, p in self.model.named_parameters():
             p.requires_grad_(".solver." in n)
         hidden = self.model.get_base_model().config.hidden_size
-        torch.manual_seed(self.cfg.seed + 1)  # the heads' initial weights do not depend on earlier draws
-        self.value_head = nn.Linear(hidden, 1)
-        nn.init.normal_(self.value_head.weight, std=1e-3)
-        nn.init.zeros_(self.value_head.bias)
-        self.critic = archer.UtteranceCritic(hidden)
+        # the heads' initial weights depend on the seed alone, and drawing them leaves the process's RNG as it was
+        with seeded(self.cfg.seed + 1):
+            self.value_head = nn.Linear(hidden, 1)
+            nn.init.normal_(self.value_head.weight, std=1e-3)
+            nn.init.zeros_(self.value_head.bias)
+            self.critic = archer.UtteranceCritic(hidden)
         self.critic_target = archer.make_target(self.critic)
         # Heads the estimator does not read stay frozen: DDP rejects trainable parameters without gradients.
         lo, needs = self.lo, self.estimator.needs
