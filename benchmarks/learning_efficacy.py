@@ -128,16 +128,6 @@ def _unit_key(args) -> dict:
                                           "n_samples", "smoke")}
 
 
-def _git_sha() -> str:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--env", default="none", choices=tuple(ENV_OVERRIDES))
@@ -180,6 +170,8 @@ def main() -> None:
     units = RESULTS / "learning_efficacy" / (f"{args.env}-L{args.level}" + ("-smoke" if args.smoke else ""))
     units.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) / f"{args.env}-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    from tosca_mlmt.runtime import git_sha
+
     t_start = time.time()
     # seed-major: every method's seed 0 before any seed 1, so a budget cut leaves complete pairings
     for seed in args.seeds:
@@ -193,7 +185,7 @@ def main() -> None:
                 print(f"budget spent: {name} seed {seed} not started", flush=True)
                 continue
             r = run_method(name, preset, extra, common, train, seed, work)
-            path.write_text(json.dumps({"key": key, "git_sha": _git_sha(), "date": dt.datetime.now().isoformat(
+            path.write_text(json.dumps({"key": key, "git_sha": git_sha() or "unknown", "date": dt.datetime.now().isoformat(
                 timespec="seconds"), "load_avg": os.getloadavg(), **{k: (v.tolist() if isinstance(v, np.ndarray)
                                                                            else v) for k, v in r.items()}}))
             print(f"{name} seed {seed}: Acc@t1 {r['t1'].mean():.3f} Acc@final {r['final'].mean():.3f} "

@@ -41,13 +41,9 @@ def eval_cmd(
         ov.update(adapters_from_run(run))
     ov.update(flag_overrides(no_wandb))
     ov.update(parse_sets(set_))
-    rep = evaluate(load_config(config, ov), out, console=err)
-    if compare_to is not None:
-        from tosca_mlmt.pipelines.evaluate import compare_evals
-
-        cmp = compare_evals(compare_to, out)
-        (out / "eval.json").write_text(json.dumps({**rep, "compared_to": {"eval": str(compare_to), **cmp}}, indent=2))
-        _print_comparison(cmp)
+    rep = evaluate(load_config(config, ov), out, console=err, compare_to=compare_to)
+    if "compared_to" in rep:
+        _print_comparison(rep["compared_to"])
     print_summary(f"eval on {rep['task']}/{rep['split']}", {k: v for k, v in rep.items() if isinstance(v, (int, float))})
     print(json.dumps({k: rep[k] for k in ("snapshot_id", "acc_t1", "acc_final", "delta")}))
 

@@ -33,10 +33,13 @@ def adapters_from_run(run: Path) -> dict[str, str]:
     return found
 
 
-def evaluate(cfg: Config, out: str | Path, console=None) -> dict:
+def evaluate(cfg: Config, out: str | Path, console=None, compare_to: str | Path | None = None) -> dict:
+    """``compare_to``: an earlier eval folder on the same problems; the before/after comparison
+    (``compare_outcomes``) is added to the report as ``compared_to``."""
     if cfg.task.split != "test":
         raise ConfigError("invalid value for field 'task.split': eval runs on held-out problems only (test)")
     check_writable(out)
+    before = eval_outcomes(compare_to) if compare_to is not None else None  # a bad folder fails before the eval
     cfg = replace(cfg, solver_sampling=replace(cfg.solver_sampling, temperature=0.0),
                   writer_sampling=replace(cfg.writer_sampling, temperature=0.0),
                   # the same selection rule before and after training (episode.strategy_selection, seeded):
@@ -48,36 +51,43 @@ def evaluate(cfg: Config, out: str | Path, console=None) -> dict:
               "solver_adapter": cfg.model.solver_adapter or None, "writer_adapter": cfg.model.writer_adapter or None,
               "strategy_selection": cfg.episode.strategy_selection, "epsilon": cfg.episode.epsilon, **res.summary}
     if dist.is_main():  # under torchrun every rank collected its share; one writes
+        if before is not None:
+            after = _outcomes(Path(out) / "snapshots", res.snapshot_id, report.get("environment", "honest"))
+            report["compared_to"] = {"eval": str(compare_to), **compare_outcomes(before, after, compare_to)}
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "eval.json").write_text(json.dumps(report, indent=2))
     return report
 
 
-def eval_outcomes(eval_dir: str | Path) -> dict:
-    """Per-problem 0/1 outcomes of an eval folder, ordered by problem id (so two evals pair up)."""
+def _outcomes(snapshots: Path, sid: str, environment: str) -> dict:
+    """Per-problem 0/1 outcomes of one eval snapshot, ordered by problem id (so two evals pair up)."""
     from tosca_mlmt.snapshot import load_snapshot
 
+    eps = sorted(load_snapshot(snapshots, sid).episodes(), key=lambda e: e.problem.id)
+    return {"ids": [e.problem.id for e in eps], "environment": environment,
+            "t1": [int(bool(e.solver_turns[0].correct)) for e in eps],
+            "final": [int(bool(e.solver_turns[-1].correct)) for e in eps]}
+
+
+def eval_outcomes(eval_dir: str | Path) -> dict:
+    """``_outcomes`` of an eval folder (its eval.json names the snapshot)."""
     eval_dir = Path(eval_dir)
     try:
         report = json.loads((eval_dir / "eval.json").read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{eval_dir}: not an eval folder ({e})") from None
-    eps = sorted(load_snapshot(eval_dir / "snapshots", report["snapshot_id"]).episodes(), key=lambda e: e.problem.id)
-    return {"ids": [e.problem.id for e in eps], "report": report,
-            "t1": [int(bool(e.solver_turns[0].correct)) for e in eps],
-            "final": [int(bool(e.solver_turns[-1].correct)) for e in eps]}
+    return _outcomes(eval_dir / "snapshots", report["snapshot_id"], report.get("environment", "honest"))
 
 
-def compare_evals(before_dir: str | Path, after_dir: str | Path) -> dict:
-    """Before/after on the same problems: each accuracy with its Wilson interval, the paired
-    difference in Acc@final with a bootstrap interval, and an exact McNemar test."""
+def compare_outcomes(a: dict, b: dict, before_name: str | Path = "the earlier eval") -> dict:
+    """Before (a) / after (b) on the same problems: each accuracy with its Wilson interval, the
+    paired difference in Acc@final with a bootstrap interval, and an exact McNemar test."""
     import numpy as np
 
     from tosca_mlmt.analysis.stats import mcnemar, paired_bootstrap, wilson
 
-    a, b = eval_outcomes(before_dir), eval_outcomes(after_dir)
     if a["ids"] != b["ids"]:
-        raise ConfigError(f"--compare-to {before_dir}: its problems differ from this eval's "
+        raise ConfigError(f"--compare-to {before_name}: its problems differ from this eval's "
                           f"({len(a['ids'])} vs {len(b['ids'])}); run both with the same task, split and --limit")
     n = len(a["ids"])
     out = {"problems": n}
@@ -85,8 +95,8 @@ def compare_evals(before_dir: str | Path, after_dir: str | Path) -> dict:
         for k in ("t1", "final"):
             lo, hi = wilson(sum(o[k]), n)
             out[f"{name}_acc_{k}"] = {"mean": sum(o[k]) / max(n, 1), "lo": lo, "hi": hi}
-        out[f"{name}_environment"] = o["report"].get("environment", "honest")
-    fa, fb = np.array([a["final"]]), np.array([b["final"]])
-    out["final_difference"] = paired_bootstrap(fb, fa)
+        out[f"{name}_environment"] = o["environment"]
+    out["final_difference"] = paired_bootstrap(np.array([b["final"]]), np.array([a["final"]]))
     out["final_mcnemar"] = mcnemar(np.array(b["final"]), np.array(a["final"]))
     return out
+

@@ -183,7 +183,6 @@ def test_cli_rejects_an_argument_that_is_nothing_it_knows(tmp_path):
 
 def test_privileged_snapshots_are_labelled_above_everything_in_the_report():
     from tosca_mlmt.analysis.report import _environment
-    from tosca_mlmt.analysis.tables import Tables
 
     base = {"created_at": "2026-01-01T00:00:01+00:00", "format_version": 2}
     honest = {**base, "id": "h", "summary": {"environment": "honest"}}
@@ -194,9 +193,7 @@ def test_privileged_snapshots_are_labelled_above_everything_in_the_report():
         "h": "honest", "p": "privileged:writer_sees=verdict", "o": "honest"}
 
     def banner(ms):
-        t = Tables.__new__(Tables)
-        t.snapshots = snapshot_index(ms)
-        return "\n".join(_environment(t))
+        return "\n".join(_environment(snapshot_index(ms)))
 
     assert "honest" in banner([honest, old]) and "Privileged" not in banner([honest, old])
     assert "Privileged environment" in banner([priv]) and "mixed" not in banner([priv])

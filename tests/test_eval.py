@@ -35,3 +35,10 @@ def test_eval_uses_only_held_out_problems_and_runs_every_round(tmp_path):
 def test_eval_refuses_the_training_split(tmp_path):
     p = run_mlmt("eval", "--out", tmp_path, "--task", "arith", "--split", "train", "--no-wandb")
     assert p.returncode == 2 and "held-out" in p.stderr
+
+
+def test_compare_to_a_folder_that_is_no_eval_fails_before_the_eval_runs(tmp_path):
+    p = run_mlmt("eval", "--out", tmp_path / "o", "--task", "arith", "--limit", "3", "--no-wandb",
+                 "--compare-to", tmp_path / "missing")
+    assert p.returncode == 2 and "not an eval folder" in p.stderr
+    assert not (tmp_path / "o" / "snapshots").exists()

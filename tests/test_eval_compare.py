@@ -6,10 +6,14 @@ import pytest
 from test_analyze import episode
 
 from tosca_mlmt.errors import ConfigError
-from tosca_mlmt.pipelines.evaluate import compare_evals, eval_outcomes
+from tosca_mlmt.pipelines.evaluate import compare_outcomes, eval_outcomes
 from tosca_mlmt.snapshot import write_snapshot
 
 R, W = True, False
+
+
+def compare_evals(a, b):
+    return compare_outcomes(eval_outcomes(a), eval_outcomes(b), a)
 
 
 def make_eval(folder, patterns, env="honest", prefix="t"):

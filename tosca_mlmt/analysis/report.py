@@ -123,11 +123,11 @@ def _feedback_length(t: Tables, figures: dict[str, str]) -> list[str]:
     return out + [md_table(t.feedback_length), ""]
 
 
-def _environment(t: Tables) -> list[str]:
+def _environment(snapshots: pd.DataFrame) -> list[str]:
     """A privileged environment (the writer saw the verifier's verdict) is a sanity check, not a
     result: say so above everything, and name the snapshots, so its numbers are never read as honest."""
-    env = t.snapshots.get("environment")
-    if env is None or not len(env):
+    env = snapshots["environment"]
+    if not len(env):
         return []
     privileged = sorted(set(e for e in env if e != "honest"))
     if not privileged:
@@ -142,7 +142,7 @@ def _environment(t: Tables) -> list[str]:
 
 
 def render_report(t: Tables, figures: dict[str, str], sources: list[str]) -> str:
-    lines = ["# mlmt analyze", "", "From " + ", ".join(f"`{s}`" for s in sources) + ".", "", *_environment(t),
+    lines = ["# mlmt analyze", "", "From " + ", ".join(f"`{s}`" for s in sources) + ".", "", *_environment(t.snapshots),
              *_inputs(t)]
     for section in (_curves, _accuracy, _correction, _strategies, _bonus, _feedback_length):
         lines += section(t, figures)
