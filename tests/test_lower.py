@@ -221,13 +221,14 @@ def test_update_changes_the_solver_adapter_and_nothing_else(lower_setup, policie
 
 
 @pytest.mark.slow
-def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(tiny_cfg, policies, tmp_path):
+def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(debug_cfg, debug_policies, tmp_path):
     from tosca_mlmt.pipelines.train_lower import train_lower
 
-    cfg = replace(tiny_cfg, deterministic=True,
-                  solver_sampling=replace(tiny_cfg.solver_sampling, max_new_tokens=12),
-                  task=replace(tiny_cfg.task, level=1),
-                  lower=replace(tiny_cfg.lower, iterations=2, problems_per_iteration=1, save_every=1,
+    policies = debug_policies
+    cfg = replace(debug_cfg, deterministic=True,
+                  solver_sampling=replace(debug_cfg.solver_sampling, max_new_tokens=12),
+                  task=replace(debug_cfg.task, level=1),
+                  lower=replace(debug_cfg.lower, iterations=2, problems_per_iteration=1, save_every=1,
                                 minibatch_size=2, lr=1e-2, advantage="gae", keep_snapshots=False))
     model = policies.model("solver")
     init = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -298,12 +298,14 @@ def test_concurrent_processes_writing_one_snapshot_all_succeed(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_lower_resume_skips_a_truncated_adapter_and_ends_like_the_full_run(tiny_cfg, policies, tmp_path):
+def test_train_lower_resume_skips_a_truncated_adapter_and_ends_like_the_full_run(debug_cfg, debug_policies,
+                                                                                 tmp_path):
     from tosca_mlmt.pipelines.train_lower import train_lower
 
-    cfg = replace(tiny_cfg, deterministic=True,
-                  solver_sampling=replace(tiny_cfg.solver_sampling, max_new_tokens=12),
-                  lower=replace(tiny_cfg.lower, iterations=2, problems_per_iteration=1, save_every=1,
+    policies = debug_policies
+    cfg = replace(debug_cfg, deterministic=True,
+                  solver_sampling=replace(debug_cfg.solver_sampling, max_new_tokens=12),
+                  lower=replace(debug_cfg.lower, iterations=2, problems_per_iteration=1, save_every=1,
                                 minibatch_size=2, lr=1e-2, keep_snapshots=False))
     model = policies.model("solver")
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -323,6 +325,7 @@ def test_train_lower_resume_skips_a_truncated_adapter_and_ends_like_the_full_run
     for n, p in model.named_parameters():
         p.data.copy_(init[n])
     assert res.iterations == 2
+    assert any(not torch.equal(full[n], init[n]) for n in full)  # training moved the adapter
     for n in full:
         assert torch.equal(full[n], resumed[n]), n
     steps = [json.loads(line)["step"] for line in (cut / "metrics.jsonl").read_text().splitlines()]

@@ -40,8 +40,25 @@ def _package_dir(package: str) -> Path | None:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+# Random-weight debug bases: the embedded model's tokenizer and chat template on a 2-layer
+# Llama of the same family, built locally (nothing fetched) from a fixed seed. A pipeline runs
+# end to end in seconds, so mechanics (resume, faults, world sizes, ZeRO) are exercised
+# without paying for a real model; they know nothing, so their rewards are noise.
+DEBUG = {
+    "tiny-random": {"base": "smollm2-135m", "seed": 0, "shape": {
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        # head_dim 64 as in the embedded model: vLLM's CPU attention supports it
+        "num_attention_heads": 2, "num_key_value_heads": 1}},
+}
+
+
 def resolve_model(name_or_path: str) -> Path:
-    """Return a local HF model folder for an embedded name (converting once) or a path."""
+    """Return a local HF model folder for an embedded or debug name (built once) or a path."""
+    if name_or_path in DEBUG:
+        target = cache_root() / "models" / name_or_path
+        if (target / "config.json").exists() and (target / "model.safetensors").exists():
+            return target
+        return build_debug(name_or_path, target)
     if name_or_path in EMBEDDED:
         target = cache_root() / "models" / name_or_path
         if (target / "config.json").exists() and (target / "model.safetensors").exists():
@@ -50,7 +67,7 @@ def resolve_model(name_or_path: str) -> Path:
     p = Path(name_or_path).expanduser()
     if not (p / "config.json").exists():
         raise ModelError(
-            f"model '{name_or_path}' is neither an embedded model ({', '.join(EMBEDDED)}) "
+            f"model '{name_or_path}' is neither an embedded model ({', '.join([*EMBEDDED, *DEBUG])}) "
             "nor a local Hugging Face model folder with a config.json"
         )
     return p
@@ -77,6 +94,27 @@ def convert_embedded(name: str, target: Path) -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         (tmp / "tosca_mlmt_source.json").write_text(json.dumps({"gguf": str(gguf), "package": spec["package"]}))
+    return target
+
+
+def build_debug(name: str, target: Path) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from tosca_mlmt.seeds import seeded
+
+    spec = DEBUG[name]
+    base = resolve_model(spec["base"])
+    config = AutoConfig.from_pretrained(base)
+    for k, v in spec["shape"].items():
+        setattr(config, k, v)
+    config.head_dim = config.hidden_size // config.num_attention_heads
+    with seeded(spec["seed"]):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with atomic_dir(target, overwrite=False) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
+        (tmp / "tosca_mlmt_source.json").write_text(json.dumps({"debug": name, **spec}))
     return target
 
 
