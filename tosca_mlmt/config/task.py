@@ -101,7 +101,8 @@ class TaskConfig(Section):
                            "and an answer-format line that fits task.answer_format).",
                        rule=Rule("empty or a template holding '{question}' and no other field", _template_ok))
     test_fraction: float = knob(0.2, "jsonl task, when the data holds no splits (no '{split}' in task.path, not a "
-                                     "DatasetDict): the share of rows, by a hash of the question, in the test split.", min=0.0, max=1.0)
+                                     "DatasetDict): the share of rows, by a hash of the question, in the test split.",
+                                min=0.0, max=1.0)
     # ---- any task
     reward: str = knob("", "A reward function 'module:function' or 'path/to/file.py:function', "
                            "fn(problem, response_text) -> bool | float | Verdict, that replaces the task's score "
