@@ -166,7 +166,7 @@ class JsonlTask:
             # decoding and JSON errors are raised when the row is turned into a problem, so
             # --skip-bad-rows counts them like any other bad row; blank lines are not rows
             if raw.strip():
-                yield line_no, (path, raw)
+                yield line_no, raw
 
     def _dataset_rows(self, path: Path, split: str, per_split: bool) -> tuple[Path, list, bool]:
         try:
@@ -187,8 +187,8 @@ class JsonlTask:
         return path, list(enumerate(data, start=1)), per_split
 
     def _problem(self, source: Path, row_no: int, row: Any, data_split: str | None) -> Problem:
-        if isinstance(row, tuple):  # a jsonl line not yet parsed
-            row = parse_json_line(source, row_no, decode_line(source, row_no, row[1]))
+        if isinstance(row, bytes):  # a jsonl line, parsed here so that a bad one is one bad row
+            row = parse_json_line(source, row_no, decode_line(source, row_no, row))
         if not isinstance(row, dict):
             raise DataError(str(source), row_no, "<row>", f"expected a JSON object, got {short_repr(row)}")
         f = self.fields
