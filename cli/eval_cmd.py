@@ -16,7 +16,9 @@ def eval_cmd(
     solver: Optional[str] = typer.Option(None, help="Solver adapter folder (instead of --run)."),
     writer: Optional[str] = typer.Option(None, help="Writer folder: adapter + Q head + strategies (instead of --run)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config."),
-    task: Optional[str] = typer.Option(None, help="Task: arith, gsm8k, math500, mbpp."),
+    task: Optional[str] = typer.Option(None, help="Task: arith, gsm8k, math500, mbpp, jsonl (with "
+                                                  "--set task.path=FILE), an installed 'tosca_mlmt.tasks' "
+                                                  "entry point, or module:Class."),
     data: Optional[str] = typer.Option(None, help="Data root for gsm8k/math500/mbpp."),
     split: str = typer.Option("test", help="Must be test: eval never touches training problems."),
     limit: Optional[int] = typer.Option(None, help="Number of held-out problems (0 = all)."),

@@ -16,7 +16,9 @@ def train_lower(
     snapshot: list[str] = typer.Option([], "--snapshot", help="Train on these snapshots instead of collecting (repeatable)."),
     root: Path = typer.Option(Path("snapshots"), help="Snapshot root for --snapshot."),
     iterations: Optional[int] = typer.Option(None, help="PPO iterations (lower.iterations)."),
-    task: Optional[str] = typer.Option(None, help="Task: arith, gsm8k, math500, mbpp."),
+    task: Optional[str] = typer.Option(None, help="Task: arith, gsm8k, math500, mbpp, jsonl (with "
+                                                  "--set task.path=FILE), an installed 'tosca_mlmt.tasks' "
+                                                  "entry point, or module:Class."),
     engine: Optional[str] = typer.Option(None, help="Rollout engine: hf or vllm."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its latest checkpoint."),
     allow_drift: list[str] = typer.Option([], "--allow-drift", metavar="FIELD",

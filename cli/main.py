@@ -40,7 +40,9 @@ def _process() -> None:
 @user_errors
 def collect(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (a preset from configs/ or your own)."),
-    task: Optional[str] = typer.Option(None, help="Task: arith, gsm8k, math500, mbpp."),
+    task: Optional[str] = typer.Option(None, help="Task: arith, gsm8k, math500, mbpp, jsonl (with "
+                                                  "--set task.path=FILE), an installed 'tosca_mlmt.tasks' "
+                                                  "entry point, or module:Class."),
     limit: Optional[int] = typer.Option(None, help="Number of problems (0 = whole split)."),
     split: Optional[str] = typer.Option(None, help="train or test."),
     engine: Optional[str] = typer.Option(None, help="Rollout engine: hf or vllm."),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -81,7 +82,8 @@ def collect(cfg: Config, policies: PolicyPair | None = None, engine=None, log_di
     summary = summarize(episodes)
     counts = dist.all_sum({"gen_tokens": runner.gen_tokens, "gen_seconds": runner.gen_seconds,
                            "truncated_prompts": runner.truncated_prompts,
-                           "score_seconds": timer.seconds["episodes"] - runner.gen_seconds})
+                           "score_seconds": timer.seconds["episodes"] - runner.gen_seconds,
+                           "reward_calls": getattr(task, "calls", 0), "reward_errors": getattr(task, "errors", 0)})
     summary.update({
         "gen_tokens": int(counts["gen_tokens"]),
         "gen_seconds": round(counts["gen_seconds"], 3),
@@ -90,6 +92,12 @@ def collect(cfg: Config, policies: PolicyPair | None = None, engine=None, log_di
         "score_seconds": round(counts["score_seconds"], 3),
         "processes": dist.world(),
     })
+    if cfg.task.reward:  # a failing reward function scores 0 and never stops the run: say how often
+        summary.update(reward_calls=int(counts["reward_calls"]), reward_errors=int(counts["reward_errors"]))
+        if summary["reward_errors"] and dist.is_main():
+            warnings.warn(f"task.reward {cfg.task.reward}: {summary['reward_errors']} of {summary['reward_calls']} "
+                          f"call(s) failed and scored 0 (first: {getattr(task, 'first_error', None)})",
+                          stacklevel=2)
     if hasattr(engine, "sync_seconds"):
         summary["weight_sync_seconds"] = round(engine.sync_seconds, 3)
     manifest = {

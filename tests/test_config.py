@@ -88,12 +88,16 @@ def test_allowed_values_are_the_registries():
     from tosca_mlmt.algos.advantages import ADVANTAGES
     from tosca_mlmt.algos.bonus import GATES
     from tosca_mlmt.algos.losses import POLICY_LOSSES
-    from tosca_mlmt.config import ADVANTAGE_ESTIMATORS, BONUS_GATES, POLICY_LOSSES as LOSS_NAMES
+    from tosca_mlmt.config import ADVANTAGE_ESTIMATORS, BONUS_GATES, BUILTIN_TASKS, POLICY_LOSSES as LOSS_NAMES
+    from tosca_mlmt.config import task_names as config_task_names
     from tosca_mlmt.strategies import MODES
+    from tosca_mlmt.tasks import TASKS, task_names
 
     assert set(ADVANTAGES) == set(ADVANTAGE_ESTIMATORS)
     assert set(GATES) == set(BONUS_GATES)
     assert set(POLICY_LOSSES) == set(LOSS_NAMES)
+    # task.name: the built-ins, plus installed entry points (tests/test_byo_task.py installs one)
+    assert tuple(TASKS) == BUILTIN_TASKS and task_names() == config_task_names()
     choices = {name: f.metadata["choices"] for name, f in _knob_fields().items()}
     assert choices["lower.advantage"] == ADVANTAGE_ESTIMATORS and choices["lower.bonus.gate"] == BONUS_GATES
     assert choices["lower.policy_loss"] == LOSS_NAMES and choices["episode.strategy_selection"] == MODES

@@ -122,6 +122,8 @@ def _row_texts(kind: str):
         "math500": st.builds(lambda q, a: {"question": q, "answer": f"so \\boxed{{{a}}}"}, ANY_TEXT, ANY_TEXT),
         "mbpp": st.builds(lambda i, t, c, tests: {"task_id": i, "text": t, "code": c, "test_list": tests},
                           st.integers(0, 1000), ANY_TEXT, ANY_TEXT, st.lists(ANY_TEXT, max_size=3)),
+        "jsonl": st.builds(lambda q, a, extra: {"question": q, "answer": a, "extra": extra}, ANY_TEXT,
+                           st.one_of(ANY_TEXT, st.integers()), VALUES),
     }[kind]
     return st.one_of(
         good.map(lambda r: json.dumps(r).encode()),
@@ -138,13 +140,16 @@ def _row_texts(kind: str):
 
 def _load(kind: str, lines: list[bytes], split: str, skip: bool):
     from tosca_mlmt.tasks.math_tasks import GSM8KTask, Math500Task
+    from tosca_mlmt.tasks.generic import JsonlTask
     from tosca_mlmt.tasks.mbpp import MBPPTask
 
     root = Path(tempfile.mkdtemp(dir=_TMP))
-    file = {"gsm8k": f"gsm8k/{split}.jsonl", "math500": "math500/test.jsonl", "mbpp": "mbpp/mbpp.jsonl"}[kind]
-    (root / file).parent.mkdir(parents=True)
+    file = {"gsm8k": f"gsm8k/{split}.jsonl", "math500": "math500/test.jsonl", "mbpp": "mbpp/mbpp.jsonl",
+            "jsonl": "mine.jsonl"}[kind]
+    (root / file).parent.mkdir(parents=True, exist_ok=True)
     (root / file).write_bytes(b"\n".join(lines))
-    task = {"gsm8k": GSM8KTask, "math500": Math500Task, "mbpp": MBPPTask}[kind](str(root))
+    task = (JsonlTask(str(root / file)) if kind == "jsonl" else
+            {"gsm8k": GSM8KTask, "math500": Math500Task, "mbpp": MBPPTask}[kind](str(root)))
     try:
         res = task.load(split, None, skip)
     except MlmtError as e:
@@ -155,11 +160,12 @@ def _load(kind: str, lines: list[bytes], split: str, skip: bool):
     for p in res.problems:
         (p.question + p.answer).encode("utf-8")  # nothing the tokenizer cannot encode gets through
         task.instruction(p)
+        p.meta_json()  # snapshots store it
     assert len({p.id for p in res.problems}) == len(res.problems)
 
 
 @FUZZ
-@given(st.sampled_from(["gsm8k", "math500", "mbpp"]).flatmap(
+@given(st.sampled_from(["gsm8k", "math500", "mbpp", "jsonl"]).flatmap(
     lambda kind: st.tuples(st.just(kind), st.lists(_row_texts(kind), max_size=6))),
     st.sampled_from(["train", "test"]), st.booleans())
 def test_data_loaders_end_in_problems_or_a_data_error(kind_lines, split, skip):

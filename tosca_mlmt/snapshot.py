@@ -45,8 +45,8 @@ DATA_FILES = ("episodes.parquet", "turns.parquet")
 INFORMATIONAL = ("id", "manifest_sha256", "created_at", "timings", "summary", "tosca_mlmt_version", "git_sha",
                  "packages")
 # Config fields that say where things live or how they are logged, not what the data is.
-LOCATION_FIELDS = ("logging", "collect.out", "upper.snapshot_root", "task.data_path", "model.solver_adapter",
-                   "model.writer_adapter", "distributed")
+LOCATION_FIELDS = ("logging", "collect.out", "upper.snapshot_root", "task.data_path", "task.path",
+                   "model.solver_adapter", "model.writer_adapter", "distributed")
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 EPISODE_SCHEMA = pa.schema([

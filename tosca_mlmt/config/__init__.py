@@ -25,13 +25,14 @@ from tosca_mlmt.config.model import LoraConfig, ModelConfig
 from tosca_mlmt.config.root import Config
 from tosca_mlmt.config.run import CollectConfig, DistributedConfig, LoggingConfig
 from tosca_mlmt.config.section import Section
-from tosca_mlmt.config.task import TaskConfig
+from tosca_mlmt.config.task import ANSWER_FORMATS, BUILTIN_TASKS, ENTRY_POINT_GROUP, TaskConfig, task_names
 from tosca_mlmt.config.upper import UpperConfig
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "BONUS_GATES", "DEFAULT_STRATEGIES", "INT_MAX", "POLICY_LOSSES", "SELECTION_MODES",
+    "ADVANTAGE_ESTIMATORS", "ANSWER_FORMATS", "BONUS_GATES", "BUILTIN_TASKS", "DEFAULT_STRATEGIES",
+    "ENTRY_POINT_GROUP", "INT_MAX", "POLICY_LOSSES", "SELECTION_MODES",
     "CollectConfig", "Config", "ContextBonus", "DistributedConfig", "EngineConfig", "EpisodeConfig", "JointConfig",
     "LoggingConfig", "LoraConfig", "LowerConfig", "ModelConfig", "SamplingConfig", "ScoreShaping", "Section",
     "TaskConfig", "UpperConfig", "VLLMConfig", "describe_fields", "knob", "load_config", "markdown_reference",
-    "parse_override",
+    "parse_override", "task_names",
 ]
