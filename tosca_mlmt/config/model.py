@@ -26,8 +26,8 @@ class LoraConfig(Section):
 
 @dataclass
 class ModelConfig(Section):
-    solver: str = knob("smollm2-135m", "Solver (LL) base model: 'smollm2-135m' (embedded) or a local HF model folder.",
-                       rule=NON_EMPTY)
+    solver: str = knob("smollm2-135m", "Solver (LL) base model: 'smollm2-135m' (embedded), 'tiny-random' "
+                                       "(random-weight debug base) or a local HF model folder.", rule=NON_EMPTY)
     writer: str = knob("", "Feedback-writer (HL) base model; empty = same base as the solver (two adapters, one base).")
     solver_adapter: str = knob("", "Folder of a trained solver adapter to load (empty = fresh, identity adapter).",
                                rule=EXISTING_DIR_OR_EMPTY)
