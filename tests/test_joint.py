@@ -4,12 +4,13 @@ import json
 
 import pytest
 
-from conftest import FP32, run_mlmt
+from conftest import DEBUG_MODEL, FP32, run_mlmt
 
 pytestmark = pytest.mark.slow
 
+# artefacts and their links, not learning: the random-weight debug base runs it ~4x faster
 TINY_JOINT = {
-    "joint.rounds": 2, "joint.collect_problems": 1, "joint.lower_iterations": 1, "joint.upper_steps": 2,
+    **DEBUG_MODEL, "joint.rounds": 2, "joint.collect_problems": 1, "joint.lower_iterations": 1, "joint.upper_steps": 2,
     "upper.batch_size": 2, "upper.warmup_steps": 1, "upper.eval_every": 2, "upper.log_every": 1,
     "upper.save_every": 1, "lower.problems_per_iteration": 1, "lower.minibatch_size": 2, "lower.save_every": 1,
     "solver_sampling.max_new_tokens": 10, "episode.max_feedback_tokens": 8, **FP32,
