@@ -74,8 +74,8 @@ def test_the_page_is_self_contained_and_embeds_every_curated_figure(report):
 def test_captions_say_what_is_plotted_with_n_and_bands(report):
     _, page = report
     assert "95 % percentile bootstrap intervals (1000 resamples of problems" in page
-    assert "held-out evals: 1 snapshot(s), n = 6–6 episodes (6–6 problems) per snapshot" in page
-    assert "training batches: 3 snapshot(s), n = 8–8 episodes (4–4 problems) per snapshot" in page
+    assert "Held-out evals: 1 snapshot(s), n = 6–6 episodes (6–6 problems) per snapshot" in page
+    assert "Training batches: 3 snapshot(s), n = 8–8 episodes (4–4 problems) per snapshot" in page
     assert "all snapshots pooled (n = 30 episodes)" in page
     assert "right → right: 75" in page and "wrong → wrong: 165" in page  # bonus counts summed over 30 steps
     # constant series are named with their value instead of plotted

@@ -55,7 +55,7 @@ def smoothed(ax, x: pd.Series, y: pd.Series, colour=None, label: str | None = No
 def constant_metrics(curves: pd.DataFrame) -> dict[str, float]:
     """Metrics logged at two or more steps that never changed (a fixed learning rate, a
     coefficient): a flat line says nothing, so the panels leave them out and the report lists
-    their value instead. A single point is no evidence of constancy and is kept."""
+    their value instead. A single point is no evidence of constancy (``single_step_metrics``)."""
     g = curves.groupby("metric")["value"]
     flat = (g.size() >= 2) & (g.max() == g.min())
     return {m: float(v) for m, v in g.first()[flat].items()}
@@ -71,10 +71,18 @@ def _grid(n: int, ncols: int, w: float = 3.6, h: float = 2.6):
     return fig, axes[:n]
 
 
+def single_step_metrics(curves: pd.DataFrame) -> list[str]:
+    """Metrics logged at one step only (a one-iteration stage of a joint round): a panel with one
+    dot is no curve, so they are not plotted; the Markdown report's tables hold their values."""
+    n = curves.groupby("metric")["step"].nunique()
+    return sorted(n[n < 2].index)
+
+
 def learning_curves(curves: pd.DataFrame, title: str, path: Path) -> Path | None:
-    """One panel per non-constant metric of one run and level; None when every metric is constant."""
-    flat = constant_metrics(curves)
-    metrics = [(m, g) for m, g in curves.groupby("metric") if m not in flat]
+    """One panel per metric of one run and level that changed over two or more steps; None when
+    there is no such metric."""
+    skip = set(constant_metrics(curves)) | set(single_step_metrics(curves))
+    metrics = [(m, g) for m, g in curves.groupby("metric") if m not in skip]
     if not metrics:
         return None
     fig, axes = _grid(len(metrics), 3)
@@ -83,6 +91,7 @@ def learning_curves(curves: pd.DataFrame, title: str, path: Path) -> Path | None
         smoothed(ax, g["step"], g["value"])
         ax.set_title(metric, fontsize=9)
         ax.set_xlabel(x_label(level), fontsize=8)
+        ax.xaxis.get_major_locator().set_params(integer=True)  # steps and rounds are whole numbers
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
     fig.suptitle(title)
@@ -95,6 +104,7 @@ def _panels_by_source(table: pd.DataFrame, draw, ylabel: str, title: str, path: 
     for ax, ((run, level), g) in zip(axes, groups):
         draw(ax, g)
         ax.set(xlabel=x_label(level), ylabel=ylabel, title=f"{run} ({level})")
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from tosca_mlmt.analysis.curves import MIN_POINTS_TO_SMOOTH, constant_metrics
+from tosca_mlmt.analysis.curves import MIN_POINTS_TO_SMOOTH, constant_metrics, single_step_metrics
 from tosca_mlmt.analysis.report import environment_lines
 from tosca_mlmt.analysis.tables import EVAL, PLURAL, TRAIN, Tables
 
@@ -79,7 +79,7 @@ def _accuracy(t: Tables, out: Path, figures: dict[str, str]) -> str:
         return h + _missing("no snapshots")
     acc = t.accuracy.merge(t.snapshots[["order", "source"]], on="order")
     counts = "; ".join(
-        f"{PLURAL[src]}: {g['order'].nunique()} snapshot(s), "
+        f"{PLURAL[src].capitalize()}: {g['order'].nunique()} snapshot(s), "
         f"n = {g['episodes'].min()}–{g['episodes'].max()} episodes "
         f"({g['problems'].min()}–{g['problems'].max()} problems) per snapshot"
         for src, g in acc[acc["attempt"] == 1].groupby("source"))
@@ -184,11 +184,14 @@ def _more(t: Tables, out: Path, figures: dict[str, str]) -> str:
                              "episodes' final accuracy and mean improvement; n per bucket under each bar."))
     curves = []
     for (run, level), g in t.curves.groupby(["run", "level"]):
-        flat = constant_metrics(g)
+        flat, single = constant_metrics(g), single_step_metrics(g)
         note = ("Constant, not plotted: " + ", ".join(f"<code>{html.escape(m)}</code> = {v:.4g}"
                                                        for m, v in flat.items()) + ". ") if flat else ""
+        if single:
+            note += (f"Logged at one step only, not plotted: {len(single)} metric(s) (values in the learning-curve "
+                     "tables of <code>report.md</code>). ")
         caption = (f"<code>{html.escape(run)}</code>, {level}: every logged learning metric that changed "
-                   f"({g['step'].nunique()} steps). {note}{SMOOTHING}")
+                   f"({g['step'].nunique()} step(s)). {note}{SMOOTHING}")
         curves.append(_figure(out, figures, f"curves:{run}:{level}", f"{run} {level} learning curves", caption)
                       or f"<p>{caption}</p>")
     if curves:
