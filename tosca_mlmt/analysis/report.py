@@ -44,7 +44,8 @@ def _inputs(t: Tables) -> list[str]:
 def _curves(t: Tables, figures: dict[str, str]) -> list[str]:
     out = ["## Learning curves per level", "",
            "Every numeric `lower/*`, `upper/*`, `joint/*` metric per logged step (timings and throughput "
-           "left out); tables show at most 10 evenly spread steps, the figures all of them.", ""]
+           "left out); tables show at most 10 evenly spread steps, the figures all of them, for the metrics "
+           "that changed over two or more steps (constant ones, such as a fixed `lr`, are only in the tables).", ""]
     if not len(t.curves):
         return out + _missing("no lower/upper/joint metrics in the metrics.jsonl files")
     for (run, level), g in t.curves.groupby(["run", "level"]):
