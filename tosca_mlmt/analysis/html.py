@@ -17,9 +17,8 @@ import pandas as pd
 
 from tosca_mlmt.analysis.curves import MIN_POINTS_TO_SMOOTH, constant_metrics, single_step_metrics
 from tosca_mlmt.analysis.report import environment_lines
-from tosca_mlmt.analysis.tables import EVAL, PLURAL, TRAIN, Tables
+from tosca_mlmt.analysis.tables import ACCURACY_BOOTSTRAP, EVAL, PLURAL, TRAIN, Tables
 
-N_BOOT = 1000  # tables.accuracy_per_turn's default: the captions say how the bands were made
 TEXT_LIMIT = 1500  # characters of one turn's text shown; the snapshot has the rest
 
 STYLE = """
@@ -85,7 +84,7 @@ def _accuracy(t: Tables, out: Path, figures: dict[str, str]) -> str:
         for src, g in acc[acc["attempt"] == 1].groupby("source"))
     caption = (f"Accuracy of each solver attempt (attempt 1 = first answer, attempt k+1 = the answer after "
                f"feedback round k) per snapshot, oldest first. Bands and error bars: 95 % percentile bootstrap "
-               f"intervals ({N_BOOT} resamples of problems, the samples of one problem kept together). "
+               f"intervals ({ACCURACY_BOOTSTRAP} resamples of problems, the samples of one problem kept together). "
                f"{PLURAL[TRAIN].capitalize()} (sampled, training problems) and {PLURAL[EVAL]} (greedy, test "
                f"split) are in separate panels: they are not one series. {html.escape(counts)}.")
     table = acc.assign(interval=[f"[{lo:.3f}, {hi:.3f}]" for lo, hi in zip(acc["lo"], acc["hi"])])

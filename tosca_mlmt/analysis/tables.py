@@ -35,6 +35,8 @@ TRAIN, EVAL = "training batch", "held-out eval"
 PLURAL = {TRAIN: "training batches", EVAL: "held-out evals"}
 # lower/bonus/<transition>/mean (lower/stats.py): the four kinds of correction a refine made
 TRANSITIONS = ["right_to_right", "right_to_wrong", "wrong_to_right", "wrong_to_wrong"]
+# resamples per accuracy interval: enough for a figure's band, cheap over hundreds of snapshots
+ACCURACY_BOOTSTRAP = 1000
 
 
 @dataclass
@@ -189,7 +191,7 @@ def sample_episodes(outcomes: pd.DataFrame, snapshots: pd.DataFrame) -> pd.DataF
     return pd.concat(picked, ignore_index=True)[cols]
 
 
-def accuracy_per_turn(turns: pd.DataFrame, n_boot: int = 1000) -> pd.DataFrame:
+def accuracy_per_turn(turns: pd.DataFrame, n_boot: int = ACCURACY_BOOTSTRAP) -> pd.DataFrame:
     """Accuracy of each solver attempt per snapshot: attempt 1 is turn 1 (solve), attempt k+1
     the refine after feedback round k; ``lo``/``hi`` its 95 % bootstrap interval, resampling
     problems (the samples of one problem move together)."""
