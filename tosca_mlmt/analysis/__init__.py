@@ -2,6 +2,9 @@
 
 * ``sources``: find and read run folders, snapshot folders and snapshot ids (read-only).
 * ``tables``: pure functions from DataFrames to the report's tables.
-* ``plots``: one PNG per figure (matplotlib, Agg canvas; no pyplot global state).
+* ``stats``: intervals and tests (bootstrap, McNemar, Wilson) for the tables and the evals.
+* ``plots``, ``curves``: one PNG per figure (matplotlib, Agg canvas; no pyplot global state);
+  ``curves`` holds the figures over logged steps (raw faint, smoothed on top).
 * ``report``: the Markdown report that holds the tables and links the PNGs.
+* ``html``: the self-contained HTML report (figures embedded, captions, sample episodes).
 """

@@ -6,77 +6,75 @@ and no global figure state leaks between calls.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pandas as pd
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from tosca_mlmt.analysis.tables import Tables
+from tosca_mlmt.analysis import curves
+from tosca_mlmt.analysis.curves import TRANSITION_COLOURS, save_png as _save
+from tosca_mlmt.analysis.tables import EVAL, PLURAL, TRAIN, Tables
 
-DPI = 90
 SNAPSHOT_AXIS = "snapshot # (oldest first)"
-
-
-def _save(fig: Figure, path: Path) -> Path:
-    FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=DPI)
-    return path
 
 
 def _integer_x(ax) -> None:
     ax.xaxis.get_major_locator().set_params(integer=True)
 
 
-def learning_curves(curves: pd.DataFrame, title: str, path: Path) -> Path:
-    """One panel per metric of one run and level."""
-    metrics = list(curves.groupby("metric"))
-    ncols = min(4, len(metrics))
-    nrows = math.ceil(len(metrics) / ncols)
-    fig = Figure(figsize=(3.2 * ncols, 2.3 * nrows + 0.4), layout="constrained")
-    axes = list(fig.subplots(nrows, ncols, squeeze=False).flat)
-    for ax, (metric, g) in zip(axes, metrics):
-        ax.plot(g["step"], g["value"], marker="." if len(g) <= 50 else None)
-        ax.set_title(metric, fontsize=9)
-        ax.tick_params(labelsize=7)
+def accuracy_per_turn(acc: pd.DataFrame, snapshots: pd.DataFrame, path: Path) -> Path:
+    """Accuracy per solver attempt with 95 % bootstrap intervals, training batches and held-out
+    evals in separate panels: sampled training episodes and greedy test episodes measure
+    different things, and one line through both would read as a trend that is not there."""
+    acc = acc.merge(snapshots[["order", "source"]], on="order")
+    sources = [s for s in (TRAIN, EVAL) if (acc["source"] == s).any()]
+    fig = Figure(figsize=(5.5 * len(sources) + 0.5, 4), layout="constrained")
+    axes = fig.subplots(1, len(sources), sharey=True, squeeze=False)[0]
+    for ax, source in zip(axes, sources):
+        for attempt, g in acc[acc["source"] == source].groupby("attempt"):
+            line, = ax.plot(g["order"], g["accuracy"], marker="o", label=f"attempt {attempt}")
+            ax.fill_between(g["order"], g["lo"], g["hi"], color=line.get_color(), alpha=0.15, lw=0)
+            ax.errorbar(g["order"], g["accuracy"], yerr=[g["accuracy"] - g["lo"], g["hi"] - g["accuracy"]],
+                        fmt="none", ecolor=line.get_color(), capsize=3, lw=1)
+        orders = acc.loc[acc["source"] == source, "order"]
+        n = int(orders.nunique())
+        if n == 1:  # one eval: centre it instead of a hair-thin autoscaled axis
+            ax.set_xlim(orders.iloc[0] - 1, orders.iloc[0] + 1)
+        ax.set(xlabel=SNAPSHOT_AXIS, title=f"{PLURAL[source]} ({n} snapshot{'s' * (n != 1)})", ylim=(-0.02, 1.02))
         _integer_x(ax)
-    for ax in axes[len(metrics):]:
-        ax.set_visible(False)
-    fig.suptitle(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("accuracy (95 % bootstrap interval)")
     return _save(fig, path)
 
 
-def accuracy_per_turn(acc: pd.DataFrame, path: Path) -> Path:
-    fig = Figure(figsize=(6.5, 4), layout="constrained")
-    ax = fig.subplots()
-    for attempt, g in acc.groupby("attempt"):
-        ax.plot(g["order"], g["accuracy"], marker="o", label=f"attempt {attempt}")
-    ax.set(xlabel=SNAPSHOT_AXIS, ylabel="accuracy", ylim=(-0.02, 1.02), title="Accuracy per solver attempt")
-    _integer_x(ax)
-    ax.legend()
-    return _save(fig, path)
-
-
-def correction_matrix(pooled: pd.DataFrame, per_snapshot: pd.DataFrame, path: Path) -> Path:
-    """Left: the pooled 2x2 matrix; right: the two off-diagonal rates per snapshot."""
-    fig = Figure(figsize=(10, 4), layout="constrained")
-    left, right = fig.subplots(1, 2, width_ratios=[1, 1.6])
+def correction_matrix(pooled: pd.DataFrame, per_snapshot: pd.DataFrame, snapshots: pd.DataFrame, path: Path) -> Path:
+    """Left: the pooled 2x2 matrix; right: the four cells' rates per snapshot, stacked to 1."""
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    left, right = fig.subplots(1, 2, width_ratios=[1, 1.8])
     cells = pooled.set_index(["turn1", "final"])
     labels = ["right", "wrong"]
     left.imshow([[cells.at[(a, b), "count"] for b in labels] for a in labels], cmap="Blues")
     for i, a in enumerate(labels):
         for j, b in enumerate(labels):
             left.text(j, i, f"{cells.at[(a, b), 'count']}\n({cells.at[(a, b), 'rate']:.1%})", ha="center",
-                      va="center")
+                      va="center", bbox={"facecolor": "white", "alpha": 0.7, "lw": 0})
     left.set(xticks=[0, 1], yticks=[0, 1], xticklabels=labels, yticklabels=labels,
              xlabel="final", ylabel="turn 1", title="All snapshots")
-    for (a, b), g in per_snapshot.groupby(["turn1", "final"]):
-        if a != b:
-            right.plot(g["order"], g["rate"], marker="o", label=f"{a} -> {b}")
-    right.set(xlabel=SNAPSHOT_AXIS, ylabel="fraction of episodes", title="Corrections per snapshot")
-    _integer_x(right)
-    right.legend()
+    rates = per_snapshot.assign(cell=per_snapshot["turn1"] + "_to_" + per_snapshot["final"]).pivot(
+        index="order", columns="cell", values="rate")
+    bottom = pd.Series(0.0, index=rates.index)
+    # right->right at the bottom, wrong->wrong on top: the two middle bands are the corrections
+    for cell in ("right_to_right", "wrong_to_right", "right_to_wrong", "wrong_to_wrong"):
+        right.bar(rates.index, rates[cell], bottom=bottom, color=TRANSITION_COLOURS[cell],
+                  label=cell.replace("_to_", " → "))
+        bottom += rates[cell]
+    source = snapshots.set_index("order")["source"]
+    right.set_xticks(rates.index, [f"{o}\n{'eval' if source[o] == EVAL else 'train'}" for o in rates.index],
+                     fontsize=7 if len(rates) > 12 else 9)
+    right.set(xlabel=SNAPSHOT_AXIS, ylabel="fraction of episodes", ylim=(0, 1),
+              title="Turn 1 → final per snapshot")
+    right.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, path)
 
 
@@ -131,15 +129,24 @@ def feedback_length(fl: pd.DataFrame, path: Path) -> Path:
 
 def draw_all(t: Tables, out: Path) -> dict[str, str]:
     """Every figure whose table has rows, drawn into ``out``. Returns file names by report
-    key: ``curves:<run>:<level>``, ``accuracy``, ``correction``, ``strategies``, ``bonus``,
+    key: ``curves:<run>:<level>`` (absent when all its metrics are constant), ``accuracy``,
+    ``correction``, ``q_values``, ``bonus_transitions``, ``strategies``, ``bonus``,
     ``feedback_length``."""
     files: dict[str, str] = {}
     for i, ((run, level), g) in enumerate(t.curves.groupby(["run", "level"])):
-        files[f"curves:{run}:{level}"] = learning_curves(g, f"{run}: {level}", out / f"curves-{i:02d}-{level}.png").name
+        drawn = curves.learning_curves(g, f"{run}: {level}", out / f"curves-{i:02d}-{level}.png")
+        if drawn is not None:
+            files[f"curves:{run}:{level}"] = drawn.name
     if len(t.accuracy):
-        files["accuracy"] = accuracy_per_turn(t.accuracy, out / "accuracy_per_turn.png").name
+        files["accuracy"] = accuracy_per_turn(t.accuracy, t.snapshots, out / "accuracy_per_turn.png").name
     if len(t.correction):
-        files["correction"] = correction_matrix(t.correction_all, t.correction, out / "correction_matrix.png").name
+        files["correction"] = correction_matrix(t.correction_all, t.correction, t.snapshots,
+                                                out / "correction_matrix.png").name
+    if len(t.q_values):
+        files["q_values"] = curves.q_per_strategy(t.q_values, out / "q_per_strategy.png").name
+    if len(t.bonus_transitions):
+        files["bonus_transitions"] = curves.bonus_per_transition(t.bonus_transitions,
+                                                                 out / "bonus_per_transition.png").name
     if len(t.strategies):
         files["strategies"] = strategies(t.strategies, out / "strategies.png").name
     if len(t.bonus):

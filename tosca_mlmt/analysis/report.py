@@ -1,5 +1,6 @@
 """The Markdown report of ``mlmt analyze``: every table inline, every figure linked by a
-relative path, so the output folder can be moved or shared as a whole."""
+relative path, so the output folder can be moved or shared as a whole. ``html`` renders the
+curated, self-contained page next to it."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def _inputs(t: Tables) -> list[str]:
 def _curves(t: Tables, figures: dict[str, str]) -> list[str]:
     out = ["## Learning curves per level", "",
            "Every numeric `lower/*`, `upper/*`, `joint/*` metric per logged step (timings and throughput "
-           "left out); tables show at most 10 evenly spread steps, the figures all of them.", ""]
+           "left out); tables show at most 10 evenly spread steps, the figures all of them, for the metrics "
+           "that changed over two or more steps (constant ones, such as a fixed `lr`, are only in the tables).", ""]
     if not len(t.curves):
         return out + _missing("no lower/upper/joint metrics in the metrics.jsonl files")
     for (run, level), g in t.curves.groupby(["run", "level"]):
@@ -103,6 +105,16 @@ def _strategies(t: Tables, figures: dict[str, str]) -> list[str]:
     return out + [md_table(t.strategies.rename(columns={"order": "#"})), ""]
 
 
+def _q_and_transitions(t: Tables, figures: dict[str, str]) -> list[str]:
+    out = ["## Q per strategy and bonus per transition", "",
+           "`q/<strategy>` of the upper level (a joint run: after each round) and `lower/bonus/<transition>/mean` "
+           "per step, raw faint and smoothed; the values are in the learning-curve tables above.", ""]
+    if not len(t.q_values) and not len(t.bonus_transitions):
+        return out + _missing("no q/* or bonus/<transition>/* metrics in the metrics.jsonl files")
+    return out + _figure(figures, "q_values", "Q per strategy") + _figure(figures, "bonus_transitions",
+                                                                          "bonus per transition")
+
+
 def _bonus(t: Tables, figures: dict[str, str]) -> list[str]:
     out = ["## Context-dependency bonus vs correctness", "",
            "`lower/bonus/mean` (the solver's bonus for depending on the feedback) and "
@@ -123,7 +135,7 @@ def _feedback_length(t: Tables, figures: dict[str, str]) -> list[str]:
     return out + [md_table(t.feedback_length), ""]
 
 
-def _environment(snapshots: pd.DataFrame) -> list[str]:
+def environment_lines(snapshots: pd.DataFrame) -> list[str]:
     """A privileged environment (the writer saw the verifier's verdict) is a sanity check, not a
     result: say so above everything, and name the snapshots, so its numbers are never read as honest."""
     env = snapshots["environment"]
@@ -142,8 +154,10 @@ def _environment(snapshots: pd.DataFrame) -> list[str]:
 
 
 def render_report(t: Tables, figures: dict[str, str], sources: list[str]) -> str:
-    lines = ["# mlmt analyze", "", "From " + ", ".join(f"`{s}`" for s in sources) + ".", "", *_environment(t.snapshots),
+    lines = ["# mlmt analyze", "", "From " + ", ".join(f"`{s}`" for s in sources) + ". The curated figures, with "
+             "captions and sample episodes, are in `report.html` (one self-contained file).", "",
+             *environment_lines(t.snapshots),
              *_inputs(t)]
-    for section in (_curves, _accuracy, _correction, _strategies, _bonus, _feedback_length):
+    for section in (_curves, _accuracy, _correction, _strategies, _q_and_transitions, _bonus, _feedback_length):
         lines += section(t, figures)
     return "\n".join(lines).rstrip() + "\n"

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from tosca_mlmt.errors import MlmtError, SnapshotError
 from tosca_mlmt.snapshot import read_manifest
 
-TURN_COLUMNS = ["snapshot", "episode_id", "turn_index", "round", "role", "kind", "reward", "correct",
+TURN_COLUMNS = ["snapshot", "episode_id", "problem_id", "turn_index", "round", "role", "kind", "reward", "correct",
                 "response_len", "strategy_name"]
 
 
@@ -103,7 +103,8 @@ def read_metrics(runs: dict[str, Path]) -> pd.DataFrame:
 
 
 def _turns_v1(folder: Path) -> pd.DataFrame:
-    cols = ["episode_id", "turn_index", "round", "role", "kind", "response_ids", "reward", "correct", "strategy_name"]
+    cols = ["episode_id", "problem_id", "turn_index", "round", "role", "kind", "response_ids", "reward", "correct",
+            "strategy_name"]
     t = pq.read_table(folder / "turns.parquet", columns=cols)
     # Lengths only: the token ids themselves are the bulk of a snapshot and are not needed.
     t = t.append_column("response_len", pc.fill_null(pc.list_value_length(t["response_ids"]), 0))
@@ -129,3 +130,24 @@ def read_turns(snapshots: dict[str, tuple[Path, dict]]) -> pd.DataFrame:
         except (OSError, pa.ArrowException) as e:
             raise SnapshotError(f"{folder}: unreadable snapshot data ({e})") from None
     return pd.concat(frames, ignore_index=True)[TURN_COLUMNS] if frames else pd.DataFrame(columns=TURN_COLUMNS)
+
+
+def read_episode_texts(snapshots: dict[str, tuple[Path, dict]], picks: list[tuple[str, str]]) -> list[dict]:
+    """The problem and every turn's text of the (snapshot id, episode id) pairs in ``picks``, for
+    the report's sample episodes: {"snapshot", "episode_id", "question", "answer", "turns": [{"role",
+    "kind", "round", "strategy_name", "correct", "text"}]}. Only these episodes' rows are kept."""
+    out = []
+    for sid, eid in picks:
+        folder = snapshots[sid][0]
+        try:
+            ep = pq.read_table(folder / "episodes.parquet", columns=["episode_id", "question", "answer"],
+                               filters=[("episode_id", "=", eid)]).to_pylist()
+            turns = pq.read_table(folder / "turns.parquet", filters=[("episode_id", "=", eid)],
+                                  columns=["turn_index", "round", "role", "kind", "strategy_name", "correct",
+                                           "text"]).to_pylist()
+        except (OSError, pa.ArrowException) as e:
+            raise SnapshotError(f"{folder}: unreadable snapshot data ({e})") from None
+        if ep:
+            out.append({"snapshot": sid, "episode_id": eid, "question": ep[0]["question"], "answer": ep[0]["answer"],
+                        "turns": sorted(turns, key=lambda t: t["turn_index"])})
+    return out

@@ -1,4 +1,5 @@
-"""Statistics for learning claims: paired bootstrap over seeds x problems, McNemar, Wilson.
+"""Statistics for learning claims: paired bootstrap over seeds x problems, McNemar, Wilson, and
+the (clustered) bootstrap interval of a mean that the report's accuracy bands use.
 
 Every method is evaluated on the same test problems with the same seeds, so comparisons are
 paired: ``correct[s, i]`` is 1 when seed s's run got problem i right. Resampling seeds and
@@ -55,3 +56,29 @@ def mcnemar(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
     k = min(n10, n01)
     tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n if n else 1.0
     return {"a_only": n10, "b_only": n01, "p": min(1.0, 2 * tail)}
+
+
+def bootstrap_mean(values, groups=None, n_boot: int = 2000, seed: int = 0,
+                   level: float = 0.95) -> tuple[float, float, float]:
+    """Mean of ``values`` [N] with a percentile-bootstrap interval: (mean, lo, hi).
+
+    ``groups`` [N] (optional) names the cluster of each value, e.g. the problem an episode was
+    sampled for: samples of one problem are not independent, so whole clusters are resampled and
+    each replicate is sum(values) / count over the drawn clusters. Without groups every value is
+    its own cluster (the ordinary bootstrap). An empty input gives (nan, nan, nan)."""
+    x = np.asarray(values, dtype=float)
+    if x.ndim != 1:
+        raise ValueError(f"expected a 1-d array, got shape {x.shape}")
+    if not len(x):
+        return (math.nan, math.nan, math.nan)
+    if groups is None:
+        sums, counts = x, np.ones_like(x)
+    else:
+        _, inv = np.unique(np.asarray(groups), return_inverse=True)
+        sums, counts = np.bincount(inv, weights=x), np.bincount(inv).astype(float)
+    rng = np.random.default_rng(seed)
+    # all replicates at once: n_boot x G indices (G is at most a few thousand problems here)
+    idx = rng.integers(0, len(sums), (n_boot, len(sums)))
+    means = sums[idx].sum(1) / counts[idx].sum(1)
+    lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return (float(x.mean()), float(lo), float(hi))

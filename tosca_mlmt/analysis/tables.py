@@ -6,7 +6,7 @@ Inputs (``sources`` reads them):
   ``step`` and every logged key as a column.
 * ``manifests``: snapshot manifests (dicts).
 * ``turns``: one row per turn of every snapshot, the same columns whatever the snapshot's
-  format version: ``snapshot``, ``episode_id``, ``turn_index``, ``round``, ``role``,
+  format version: ``snapshot``, ``episode_id``, ``problem_id``, ``turn_index``, ``round``, ``role``,
   ``kind``, ``reward``, ``correct`` (bool), ``response_len``, ``strategy_name``.
   ``compute_tables`` adds ``order``, the snapshot's position oldest first, and every
   per-snapshot table is sorted by it.
@@ -20,20 +20,33 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from tosca_mlmt.analysis.stats import bootstrap_mean
+
 LEVELS = ("lower", "upper", "joint")
-# Clocks, throughput and the iteration counter describe the machine or the x axis, not learning.
-_BOOKKEEPING = re.compile(r"(^|/)time/|_seconds$|_per_s$|^iteration$")
+# Clocks, throughput and the iteration and round counters describe the machine or the x axis, not learning.
+_BOOKKEEPING = re.compile(r"(^|/)time/|_seconds$|_per_s$|^iteration$|^round$")
 CURVE_COLUMNS = ["run", "level", "metric", "step", "value"]
 BONUS_METRICS = ["bonus/mean", "bonus/corr_correct", "acc_t1", "acc_final"]
 CELLS = [("right", "right"), ("right", "wrong"), ("wrong", "right"), ("wrong", "wrong")]
 SNAPSHOT_KEYS = ["order", "snapshot", "episode_id"]
+# What a snapshot's episodes are: held-out evals (mlmt eval, greedy, the test split) answer a
+# different question than the sampled batches training collects, so no figure puts them on one line.
+TRAIN, EVAL = "training batch", "held-out eval"
+PLURAL = {TRAIN: "training batches", EVAL: "held-out evals"}
+# lower/bonus/<transition>/mean (lower/stats.py): the four kinds of correction a refine made
+TRANSITIONS = ["right_to_right", "right_to_wrong", "wrong_to_right", "wrong_to_wrong"]
+# resamples per accuracy interval: enough for a figure's band, cheap over hundreds of snapshots
+ACCURACY_BOOTSTRAP = 1000
 
 
 @dataclass
 class Tables:
     runs: pd.DataFrame  # run, records
     snapshots: pd.DataFrame  # snapshot_index
+    outcomes: pd.DataFrame  # episode_outcomes (order added)
     curves: pd.DataFrame  # learning_curves
+    q_values: pd.DataFrame  # metric_family(curves, "q/")
+    bonus_transitions: pd.DataFrame  # bonus_per_transition
     bonus: pd.DataFrame  # bonus_vs_correctness
     accuracy: pd.DataFrame  # accuracy_per_turn
     correction: pd.DataFrame  # correction_matrix per snapshot
@@ -49,7 +62,8 @@ def compute_tables(records: pd.DataFrame, manifests: list[dict], turns: pd.DataF
     curves = learning_curves(records)
     return Tables(
         runs=records.groupby("run", sort=False).size().rename("records").reset_index(),
-        snapshots=snapshots, curves=curves, bonus=bonus_vs_correctness(curves),
+        snapshots=snapshots, outcomes=outcomes, curves=curves, q_values=metric_family(curves, "q/"),
+        bonus_transitions=bonus_per_transition(curves), bonus=bonus_vs_correctness(curves),
         accuracy=accuracy_per_turn(turns), correction=correction_matrix(outcomes),
         correction_all=correction_matrix(outcomes.assign(order=0, snapshot="all")),
         strategies=strategy_over_time(turns, outcomes), feedback_length=feedback_length_outcome(turns, outcomes))
@@ -100,6 +114,37 @@ def bonus_vs_correctness(curves: pd.DataFrame) -> pd.DataFrame:
     return wide.dropna(subset=["bonus/mean"]).reset_index(drop=True)
 
 
+def _nested_in_joint(run: str, joint_runs: set[str]) -> bool:
+    return any(run.startswith(j + "/") for j in joint_runs)
+
+
+def metric_family(curves: pd.DataFrame, prefix: str, levels=("upper", "joint")) -> pd.DataFrame:
+    """The curves whose metric starts with ``prefix`` (``q/`` gives one row per strategy and
+    step), with ``name`` = the rest of the metric. A joint run logs each round's final value
+    under ``joint/``; its rounds' nested stage runs restart their steps every round, so they are
+    left out where the joint run has the family: one line per name across the whole run."""
+    fam = curves[curves["level"].isin(levels) & curves["metric"].str.startswith(prefix)]
+    fam = fam.assign(name=fam["metric"].str[len(prefix):])
+    joint = set(fam.loc[fam["level"] == "joint", "run"])
+    keep = [(lvl == "joint" or not _nested_in_joint(r, joint)) for r, lvl in zip(fam["run"], fam["level"])]
+    return fam[keep].reset_index(drop=True)
+
+
+def bonus_per_transition(curves: pd.DataFrame) -> pd.DataFrame:
+    """``bonus/<transition>/mean`` and ``/count`` per run, level and step: the context bonus the
+    refines of each kind of correction earned (NaN mean where a step had none of that kind)."""
+    fam = metric_family(curves, "bonus/", levels=("lower", "joint"))
+    parts = fam["name"].str.split("/", expand=True) if len(fam) else pd.DataFrame(columns=[0, 1])
+    fam = fam.assign(transition=parts[0], stat=parts[1] if 1 in parts else None)
+    fam = fam[fam["transition"].isin(TRANSITIONS) & fam["stat"].isin(["mean", "count"])]
+    cols = ["run", "level", "step", "transition", "mean", "count"]
+    if not len(fam):
+        return pd.DataFrame(columns=cols)
+    wide = fam.pivot_table(index=["run", "level", "step", "transition"], columns="stat", values="value",
+                           aggfunc="last", dropna=False).reindex(columns=["mean", "count"])
+    return wide.rename_axis(columns=None).reset_index()[cols].dropna(subset=["count"]).reset_index(drop=True)
+
+
 # ---------------------------------------------------------------------- snapshots
 
 
@@ -110,10 +155,11 @@ def snapshot_index(manifests: list[dict]) -> pd.DataFrame:
         "snapshot": m["id"], "created_at": m.get("created_at", ""), "iteration": m.get("iteration"),
         "kind": m.get("kind", ""), "format_version": m["format_version"],
         "episodes": m.get("rows", {}).get("episodes"),
+        "source": EVAL if (m.get("task") or {}).get("split") == "test" else TRAIN,
         # "privileged:..." when the writer saw the verifier (episode.writer_sees/feedback: verdict);
         # snapshots from before the label existed were all honest
         "environment": (m.get("summary") or {}).get("environment", "honest")} for m in manifests],
-        columns=["snapshot", "created_at", "iteration", "kind", "format_version", "episodes", "environment"])
+        columns=["snapshot", "created_at", "iteration", "kind", "format_version", "episodes", "source", "environment"])
     df["iteration"] = df["iteration"].astype("Int64")
     df = df.sort_values(["created_at", "iteration", "snapshot"], na_position="last").reset_index(drop=True)
     return df.rename_axis("order").reset_index()
@@ -128,12 +174,34 @@ def episode_outcomes(turns: pd.DataFrame) -> pd.DataFrame:
                          "r1": first["reward"], "r_final": last["reward"]}).reset_index()
 
 
-def accuracy_per_turn(turns: pd.DataFrame) -> pd.DataFrame:
+def sample_episodes(outcomes: pd.DataFrame, snapshots: pd.DataFrame) -> pd.DataFrame:
+    """A few episodes worth reading: from the newest held-out eval (else the newest snapshot),
+    the first episode (by id) of each correction cell, the corrections first. Rows: order,
+    snapshot, episode_id, cell."""
+    cols = ["order", "snapshot", "episode_id", "cell"]
+    if not len(outcomes):
+        return pd.DataFrame(columns=cols)
+    evals = snapshots.loc[snapshots["source"] == EVAL, "order"]
+    newest = evals.max() if len(evals) else outcomes["order"].max()
+    eps = outcomes[outcomes["order"] == newest].sort_values("episode_id")
+    eps = eps.assign(cell=np.where(eps["correct_t1"], "right", "wrong") + " → "
+                     + np.where(eps["correct_final"], "right", "wrong"))
+    picked = [eps[eps["cell"] == c].head(1) for c in ("wrong → right", "right → wrong", "wrong → wrong",
+                                                        "right → right")]
+    return pd.concat(picked, ignore_index=True)[cols]
+
+
+def accuracy_per_turn(turns: pd.DataFrame, n_boot: int = ACCURACY_BOOTSTRAP) -> pd.DataFrame:
     """Accuracy of each solver attempt per snapshot: attempt 1 is turn 1 (solve), attempt k+1
-    the refine after feedback round k."""
+    the refine after feedback round k; ``lo``/``hi`` its 95 % bootstrap interval, resampling
+    problems (the samples of one problem move together)."""
     solver = turns[turns["role"] == "solver"]
-    return (solver.assign(attempt=solver["round"] + 1).groupby(["order", "snapshot", "attempt"])["correct"]
-            .agg(episodes="size", accuracy="mean").reset_index())
+    rows = []
+    attempts = solver.assign(attempt=solver["round"] + 1)
+    for (order, snap, attempt), g in attempts.groupby(["order", "snapshot", "attempt"]):
+        acc, lo, hi = bootstrap_mean(g["correct"].to_numpy(float), g["problem_id"].to_numpy(), n_boot=n_boot)
+        rows.append((order, snap, attempt, len(g), g["problem_id"].nunique(), acc, lo, hi))
+    return pd.DataFrame(rows, columns=["order", "snapshot", "attempt", "episodes", "problems", "accuracy", "lo", "hi"])
 
 
 def correction_matrix(outcomes: pd.DataFrame) -> pd.DataFrame:
