@@ -1,4 +1,4 @@
-"""``mlmt analyze``: offline report (PNG figures + report.md) from runs and snapshots.
+"""``mlmt analyze``: offline report (report.html, report.md, PNG figures) from runs and snapshots.
 
 Registered in ``cli/main.py``. Messages go to stderr; stdout's last line is the report's
 path. pandas and matplotlib load only when the command runs, not with every ``mlmt`` call.
@@ -16,7 +16,7 @@ from tosca_mlmt.cli.common import err
 def analyze(
     sources: list[str] = typer.Argument(..., metavar="RUN_OR_SNAPSHOT",
                                         help="Run folders, snapshot folders or snapshot ids (under --root)."),
-    out: Path = typer.Option(..., "--out", "-o", help="Output folder for report.md and the PNG figures."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output folder for report.html (self-contained), report.md and the PNG figures."),
     root: Path = typer.Option(Path("snapshots"), help="Snapshot root for arguments given as snapshot ids."),
     no_verify: bool = typer.Option(False, "--no-verify",
                                    help="Read snapshots without checking their sizes, hashes and id."),
@@ -27,5 +27,5 @@ def analyze(
     from tosca_mlmt.pipelines.analyze import analyze as run
 
     res = run(sources, out, root, console=err, verify=not no_verify)
-    err.print(f"analyze: {len(res.figures)} figure(s) in {out}", highlight=False)
+    err.print(f"analyze: {len(res.figures)} figure(s) in {out}; open {res.html} in a browser", highlight=False)
     print(res.report)
