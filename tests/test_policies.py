@@ -52,9 +52,9 @@ def test_merged_state_dict_is_base_plus_delta_and_leaves_the_model_untouched(pol
 def test_saved_writer_with_q_head_drives_strategy_choice(tiny_cfg, policies, tmp_path):
     from dataclasses import replace
 
-    from tosca_mlmt.engines.hf import HFEngine
-    from tosca_mlmt.episode import EpisodeRunner
     from tosca_mlmt.models.policies import PolicyPair, QHead
+    from tosca_mlmt.rollout.engines.hf import HFEngine
+    from tosca_mlmt.rollout.runner import EpisodeRunner
     from tosca_mlmt.tasks.arith import ArithTask
 
     hidden = policies.model("writer").get_base_model().config.hidden_size

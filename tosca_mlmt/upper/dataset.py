@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tosca_mlmt.episode import Episode
+from tosca_mlmt.records import Episode
 from tosca_mlmt.errors import SnapshotError
 
 
