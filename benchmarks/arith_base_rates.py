@@ -35,8 +35,8 @@ def main() -> None:
 
     from tosca_mlmt.analysis.stats import wilson
     from tosca_mlmt.config import load_config
-    from tosca_mlmt.engines.hf import HFEngine
-    from tosca_mlmt.episode import EpisodeRunner
+    from tosca_mlmt.rollout.engines.hf import HFEngine
+    from tosca_mlmt.rollout.runner import EpisodeRunner
     from tosca_mlmt.metrics import summarize
     from tosca_mlmt.models.policies import PolicyPair
     from tosca_mlmt.runtime import package_versions
@@ -47,7 +47,7 @@ def main() -> None:
                                   "episode.max_prompt_tokens": 768, "engine.vllm.max_model_len": 1024})
     policies = PolicyPair(base.model, seed=args.seed)
     if args.engine == "vllm":
-        from tosca_mlmt.engines.vllm_engine import VLLMEngine
+        from tosca_mlmt.rollout.engines.vllm_engine import VLLMEngine
         engine = VLLMEngine(policies, base.engine.vllm, seed=args.seed)
     else:
         engine = HFEngine(policies, base.engine.batch_size)

@@ -186,8 +186,8 @@ def main(argv=None) -> int:
     # ---------------------------------------------------------------- hf first: vLLM's in-process
     # CPU worker disables torch.set_num_threads for the rest of the process.
     if "hf" in engines:
-        from tosca_mlmt.engines.hf import HFEngine
-        from tosca_mlmt.engines.base import SamplingParams
+        from tosca_mlmt.rollout.engines.hf import HFEngine
+        from tosca_mlmt.rollout.engines.base import SamplingParams
 
         hf = HFEngine(policies, batch_size=base_cfg.engine.batch_size)
         hf.generate(p1[:2], SamplingParams(max_new_tokens=4), "solver")  # warm-up
@@ -199,8 +199,8 @@ def main(argv=None) -> int:
     if "vllm" in engines or args.raw_runs > 0:  # raw vLLM is the baseline of every ratio
         from vllm.inputs import TokensPrompt
 
-        from tosca_mlmt.engines.base import SamplingParams
-        from tosca_mlmt.engines.vllm_engine import VLLMEngine
+        from tosca_mlmt.rollout.engines.base import SamplingParams
+        from tosca_mlmt.rollout.engines.vllm_engine import VLLMEngine
 
         t = time.perf_counter()
         engine = VLLMEngine(policies, cfgs["vllm"].engine.vllm, seed=args.seed)

@@ -24,8 +24,8 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def evaluate(cfg, policies, n: int) -> dict:
-    from tosca_mlmt.engines.hf import HFEngine
-    from tosca_mlmt.episode import EpisodeRunner
+    from tosca_mlmt.rollout.engines.hf import HFEngine
+    from tosca_mlmt.rollout.runner import EpisodeRunner
     from tosca_mlmt.metrics import summarize
     from tosca_mlmt.tasks import make_task
 

@@ -19,11 +19,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tosca_mlmt import __version__, runtime
 from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
-from tosca_mlmt.engines import make_engine
-from tosca_mlmt.episode import EpisodeRunner, to_params
 from tosca_mlmt.metrics import MetricsSink, StageTimer, summarize
 from tosca_mlmt.pipelines.rundir import check_writable
 from tosca_mlmt.models.policies import PolicyPair
+from tosca_mlmt.rollout.engines import make_engine
+from tosca_mlmt.rollout.runner import EpisodeRunner, to_params
 from tosca_mlmt.snapshot import write_snapshot
 from tosca_mlmt.tasks import make_task
 

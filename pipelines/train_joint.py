@@ -33,11 +33,11 @@ from tosca_mlmt.pipelines.train_upper import train_upper
 from tosca_mlmt import __version__, runtime
 from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
-from tosca_mlmt.engines import make_engine
 from tosca_mlmt.errors import MlmtError
 from tosca_mlmt.fsutil import atomic_dir
 from tosca_mlmt.metrics import MetricsSink, StageTimer
 from tosca_mlmt.models.policies import PolicyPair
+from tosca_mlmt.rollout.engines import make_engine
 from tosca_mlmt.train.checkpoint import CheckpointManager
 
 STEPS = ("collect", "upper", "lower")

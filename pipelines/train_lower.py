@@ -21,13 +21,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tosca_mlmt import __version__, runtime
 from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
-from tosca_mlmt.engines import make_engine
-from tosca_mlmt.episode import EpisodeRunner
 from tosca_mlmt.errors import MlmtError
 from tosca_mlmt.lower.learner import LowerLearner
 from tosca_mlmt.lower.trajectory import episode_to_trajectory
 from tosca_mlmt.metrics import MetricsSink, StageTimer, summarize
 from tosca_mlmt.models.policies import PolicyPair
+from tosca_mlmt.rollout.engines import make_engine
+from tosca_mlmt.rollout.runner import EpisodeRunner
 from tosca_mlmt.snapshot import load_snapshot, write_snapshot
 from tosca_mlmt.tasks import make_task
 from tosca_mlmt.train.checkpoint import CheckpointManager

@@ -100,9 +100,9 @@ def vllm_session(overrides: dict):
     except Exception as e:  # noqa: BLE001 -- a broken install (e.g. CUDA-built torchvision) must skip, not error
         pytest.skip(f"import vllm failed: {type(e).__name__}: {e}")
     from tosca_mlmt.config import load_config
-    from tosca_mlmt.engines.vllm_engine import VLLMEngine
     from tosca_mlmt.errors import ModelError
     from tosca_mlmt.models.policies import PolicyPair
+    from tosca_mlmt.rollout.engines.vllm_engine import VLLMEngine
 
     cfg = load_config(overrides=overrides)
     set_threads, threads = torch.set_num_threads, torch.get_num_threads()

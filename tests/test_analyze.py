@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from tosca_mlmt.analysis.sources import TURN_READERS, read_metrics, read_turns, resolve
 from tosca_mlmt.analysis.tables import compute_tables, snapshot_index
 from tosca_mlmt.cli.main import app
-from tosca_mlmt.episode import Episode, Turn
+from tosca_mlmt.records import Episode, Turn
 from tosca_mlmt.snapshot import SUPPORTED_VERSIONS, write_snapshot
 from tosca_mlmt.tasks.base import Problem
 

@@ -24,6 +24,8 @@ GROUND = {"errors", "fsutil", "parallel", "tensors", "precision", "seeds", "__in
 TOP = {"pipelines", "cli"}
 # Besides train/ itself, the only rooms that drive an optimiser.
 TRAIN_USERS = {"lower", "upper", "pipelines"}
+# The learners train from logged records (records.py, snapshots), never by running episodes.
+LEARNERS = {"lower", "upper", "train"}
 # What cli/ may reach: the stages, the config, and the process set-up it runs before torch loads.
 CLI_MAY_IMPORT = {"pipelines", "config", "runtime"} | GROUND
 
@@ -118,7 +120,8 @@ def _violations(graph, rooms, allowed) -> list[str]:
 def test_graph_sees_every_room(graph):
     """Guards the test itself: a mapping mistake would make every rule below pass vacuously."""
     rooms = {room(m) for m in graph}
-    assert {"algos", "lower", "upper", "train", "cli", "pipelines", "parallel", "tensors", "config"} <= rooms
+    assert {"algos", "lower", "upper", "train", "cli", "pipelines", "parallel", "tensors", "config", "records",
+            "rollout"} <= rooms
     lazy = [e for e in graph["tosca_mlmt.cli.main"] if e.target.startswith("tosca_mlmt.pipelines")]
     assert lazy, "imports inside functions (cli/main.py's commands) are not being read"
 
@@ -149,6 +152,12 @@ def test_library_does_not_import_pipelines_or_cli(graph):
 def test_only_lower_upper_and_pipelines_import_train(graph):
     bad = [f"{e} (only {', '.join(sorted(TRAIN_USERS))} may import train/)" for m, edges in graph.items()
            if room(m) not in TRAIN_USERS | {"train"} for e in edges if room(e.target) == "train"]
+    assert not bad, "\n".join(bad)
+
+
+def test_learners_do_not_import_rollout(graph):
+    bad = [f"{e} ({room(m)}/ trains from records; only the stages run rollouts)" for m, edges in graph.items()
+           if room(m) in LEARNERS for e in edges if room(e.target) == "rollout"]
     assert not bad, "\n".join(bad)
 
 

@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from tosca_mlmt.engines.hf import HFEngine
-from tosca_mlmt.episode import EpisodeRunner
+from tosca_mlmt.lower.trajectory import episode_to_trajectory
+from tosca_mlmt.rollout.engines.base import Generation
+from tosca_mlmt.rollout.engines.hf import HFEngine
+from tosca_mlmt.rollout.runner import EpisodeRunner
 from tosca_mlmt.tasks.arith import ArithTask
 
 pytestmark = pytest.mark.slow
@@ -61,8 +63,9 @@ def test_token_exact_contexts(run):
         assert ref2.prompt_ids[: len(t2)] == t2
         # the feedback ids sit verbatim inside the refine prompt; the attempt inside the writer prompt
         fb_ids = runner.fmt["writer"].strip_eos(fb1.response_ids)
-        a, b = ref1.info["feedback_span"]
-        assert ref1.prompt_ids[a:b] == fb_ids
+        assert not any(t.truncated for t in ep.turns)
+        span = ref1.feedback_span
+        assert ref1.prompt_ids[span.start:span.end] == fb_ids and "feedback_span" not in ref1.info
         z = runner.fmt["solver"].strip_eos(solve.response_ids)
         assert _contains(fb1.prompt_ids[: fb1.state_len], z)
         # round-2 writer state holds both attempts and the first feedback
@@ -121,8 +124,7 @@ def test_writer_sees_its_signal_and_the_strategy_prefix_opens_g(tiny_cfg, polici
             lp = float(np.mean(z.logprobs))
             lo, hi = cfg.episode.confidence_edges
             assert f"confidence in this attempt: {'low' if lp < lo else 'medium' if lp < hi else 'high'}." in state
-        a, b = ref.info["feedback_span"]
-        g = stok.decode(ref.prompt_ids[a:b])
+        g = stok.decode(ref.prompt_ids[ref.feedback_span.start:ref.feedback_span.end])
         prefix = cfg.episode.strategies[fb.strategy]["prefix"]
         assert g.startswith(prefix) and g.endswith(fb.text.strip()[-10:])
     want = "privileged:writer_sees_verdict" if sees == "verdict" else "honest"
@@ -145,3 +147,52 @@ def test_verdict_feedback_is_labelled_and_counterfactual_refines_are_scored(tiny
         cf = ref.info["counterfactual_reward"]
         assert cf in (0.0, 1.0) and (cf == 1.0) == (ref.info["counterfactual_extracted"] == ep.problem.answer)
     assert summarize(episodes)["environment"] == "privileged:verdict_feedback"
+
+
+class ScriptedEngine:
+    """Answers every prompt with fixed tokens and keeps what it was given."""
+
+    name = "scripted"
+
+    def __init__(self, replies: dict[str, list[int]]):
+        self.replies, self.given = replies, []
+
+    def generate(self, prompts, params, policy):
+        self.given += [list(p) for p in prompts]
+        g = Generation(tuple(self.replies[policy]), (-0.5,) * len(self.replies[policy]), "stop")
+        return [[g] * params.n for _ in prompts]
+
+
+def test_a_cut_prompt_is_recorded_as_the_engine_saw_it(tiny_cfg, policies):
+    """episode.max_prompt_tokens keeps a prompt's end: the turn records those ids, says it was cut,
+    and its feedback span and writer state are counted in them; train-lower skips the episode."""
+    from dataclasses import replace
+
+    task = ArithTask(1)
+    problems = task.load("train", 1).problems
+    eos = policies.eos_ids("solver")[0]
+    replies = {"solver": policies.tokenizer("solver").encode("The answer is 3.") + [eos],
+               "writer": policies.tokenizer("writer").encode("Check the sum once more, digit by digit.") + [eos]}
+
+    def run(limit):
+        cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=1, n_samples=1, max_prompt_tokens=limit))
+        engine = ScriptedEngine(replies)
+        runner = EpisodeRunner(cfg, task, engine, policies)
+        return runner.run(problems)[0], engine, runner
+
+    full, _, _ = run(10**6)
+    full_z, full_fb, full_ref = full.turns
+    cut = 3
+    limit = len(full_ref.prompt_ids) - cut
+    assert len(full_z.prompt_ids) < limit and full_ref.feedback_span.start >= cut
+    ep, engine, runner = run(limit)
+    z, fb, ref = ep.turns
+    assert engine.given == [t.prompt_ids for t in ep.turns]  # each turn holds exactly what the engine got
+    assert not z.truncated and z.prompt_ids == full_z.prompt_ids
+    assert ref.truncated and ref.prompt_ids == full_ref.prompt_ids[cut:]
+    assert (ref.feedback_span.start, ref.feedback_span.end) == (full_ref.feedback_span.start - cut,
+                                                                 full_ref.feedback_span.end - cut)
+    w = len(full_fb.prompt_ids) - len(fb.prompt_ids)
+    assert fb.truncated == (w > 0) and fb.prompt_ids[: fb.state_len] == full_fb.prompt_ids[w: full_fb.state_len]
+    assert runner.truncated_prompts == 1 + (w > 0)
+    assert episode_to_trajectory(ep) is None and episode_to_trajectory(full) is not None

@@ -9,6 +9,7 @@ import torch
 
 from test_snapshot import make_episodes
 from tosca_mlmt.lower.trajectory import episode_to_trajectory, no_feedback_sequences, shaped_turn_rewards, to_tensors
+from tosca_mlmt.records import FeedbackSpan
 
 
 def test_loss_mask_covers_exactly_the_solver_generated_tokens():
@@ -17,7 +18,7 @@ def test_loss_mask_covers_exactly_the_solver_generated_tokens():
     solve, fb, ref = ep.turns
     ctx = solve.prompt_ids + solve.response_ids
     ref.prompt_ids = ctx + [4, 4] + fb.response_ids[:-1] + [5, 5]
-    ref.info = {"feedback_span": [len(ctx) + 2, len(ctx) + 2 + len(fb.response_ids) - 1]}
+    ref.feedback_span = FeedbackSpan(len(ctx) + 2, len(ctx) + 2 + len(fb.response_ids) - 1)
     traj = episode_to_trajectory(ep)
     tt = to_tensors([traj], pad_id=0)
     seq = tt.input_ids[0].tolist()
@@ -25,7 +26,7 @@ def test_loss_mask_covers_exactly_the_solver_generated_tokens():
     want = list(range(len(solve.prompt_ids), len(ctx))) + list(range(len(ref.prompt_ids), len(ref.prompt_ids) + 2))
     assert on == want
     assert [seq[i] for i in on] == solve.response_ids + ref.response_ids
-    a, b = ref.info["feedback_span"]
+    a, b = ref.feedback_span.start, ref.feedback_span.end
     assert tt.mask[0, a:b].sum() == 0 and tt.mask[0, : len(solve.prompt_ids)].sum() == 0
     assert tt.turn_ids[0, on].tolist() == [0] * len(solve.response_ids) + [1, 1]
     # the bonus context is the same sequence with only g cut out
@@ -37,6 +38,10 @@ def test_loss_mask_covers_exactly_the_solver_generated_tokens():
 def test_truncated_prompt_is_not_trained_on():
     ep = make_episodes(1)[0]
     ep.turns[2].prompt_ids = [9] + ep.turns[2].prompt_ids[1:]  # prefix property broken
+    assert episode_to_trajectory(ep) is None
+    ep = make_episodes(1)[0]
+    assert episode_to_trajectory(ep) is not None
+    ep.turns[2].truncated = True  # cut by the runner: the engine's log-probs are of another context
     assert episode_to_trajectory(ep) is None
 
 
@@ -57,8 +62,8 @@ def test_score_shaping_stages():
 # ---------------------------------------------------------------- with the embedded model
 
 def _lower_setup(cfg, policies):
-    from tosca_mlmt.engines.hf import HFEngine
-    from tosca_mlmt.episode import EpisodeRunner
+    from tosca_mlmt.rollout.engines.hf import HFEngine
+    from tosca_mlmt.rollout.runner import EpisodeRunner
     from tosca_mlmt.tasks.arith import ArithTask
 
     cfg = replace(cfg, lower=replace(cfg.lower, minibatch_size=4, lr=5e-3, kl_coef=0.05,
@@ -255,8 +260,8 @@ def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(debug_cfg, debu
 
 @pytest.mark.slow
 def test_training_from_an_off_policy_snapshot_warns_and_uses_behaviour_logprobs(lower_setup, policies, tmp_path):
-    from tosca_mlmt.engines.hf import HFEngine
-    from tosca_mlmt.episode import EpisodeRunner
+    from tosca_mlmt.rollout.engines.hf import HFEngine
+    from tosca_mlmt.rollout.runner import EpisodeRunner
     from tosca_mlmt.pipelines.train_lower import train_lower
     from tosca_mlmt.snapshot import write_snapshot
     from tosca_mlmt.tasks.arith import ArithTask

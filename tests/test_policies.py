@@ -52,9 +52,9 @@ def test_merged_state_dict_is_base_plus_delta_and_leaves_the_model_untouched(pol
 def test_saved_writer_with_q_head_drives_strategy_choice(tiny_cfg, policies, tmp_path):
     from dataclasses import replace
 
-    from tosca_mlmt.engines.hf import HFEngine
-    from tosca_mlmt.episode import EpisodeRunner
     from tosca_mlmt.models.policies import PolicyPair, QHead
+    from tosca_mlmt.rollout.engines.hf import HFEngine
+    from tosca_mlmt.rollout.runner import EpisodeRunner
     from tosca_mlmt.tasks.arith import ArithTask
 
     hidden = policies.model("writer").get_base_model().config.hidden_size
@@ -85,3 +85,44 @@ def test_saved_writer_with_q_head_drives_strategy_choice(tiny_cfg, policies, tmp
         np.testing.assert_allclose(fb.behaviour_probs, want, rtol=1e-5)
         np.testing.assert_allclose(fb.q_values, [0, 0, 0, 4, 0, 0], atol=1e-5)
         assert fb.behaviour_prob == pytest.approx(want[fb.strategy])
+
+
+@pytest.mark.slow
+def test_collect_time_q_reads_the_training_trunks_features(policies):
+    """One h(s): the Q that picks a strategy at collection is the Q head on exactly the features
+    train-upper fits it on (WriterTrunk.states), for states of different lengths in one batch."""
+    from tosca_mlmt.models.policies import QHead
+    from tosca_mlmt.upper.trunk import WriterTrunk
+
+    tok = policies.tokenizer("writer")
+    states = [tok.encode(t) for t in ("What is 2 + 3? The student answered 6.",
+                                      "What is 12 - 4?\nStudent's attempt 1:\nThe answer is 8.\n\n",
+                                      "7 + 1")]
+    assert len({len(s) for s in states}) == 3  # padding is exercised
+    trunk = WriterTrunk(policies)
+    head = QHead(trunk.hidden_size, 6)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        head.proj.weight.copy_(torch.randn(head.proj.weight.shape, generator=g))
+        head.proj.bias.copy_(torch.randn(6, generator=g))
+    lora_b = {n: p for n, p in policies.model("writer").named_parameters() if "lora_B.writer" in n}
+    before = {n: p.detach().clone() for n, p in lora_b.items()}
+    policies.q_head = head
+    try:
+        with torch.no_grad():  # a writer adapter that is not the base, so the adapter is read too
+            for p in lora_b.values():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.01)
+        q_collect = policies.q_values(states)
+        with trunk.training(), torch.no_grad():
+            q_train = head(trunk.states(states))
+        with torch.no_grad(), policies.use("writer") as m:  # each state alone: no padding at all
+            alone = torch.stack([m(input_ids=torch.tensor([s]), output_hidden_states=True).hidden_states[-1][0, -1]
+                                 for s in states])
+    finally:
+        policies.q_head = None
+        with torch.no_grad():
+            for n, p in lora_b.items():
+                p.copy_(before[n])
+    assert q_collect.dtype == torch.float32 and q_collect.shape == (3, 6)
+    torch.testing.assert_close(q_collect, q_train, atol=1e-6, rtol=0)
+    torch.testing.assert_close(q_collect, head(alone), atol=1e-4, rtol=1e-4)

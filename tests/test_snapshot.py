@@ -7,8 +7,8 @@ import re
 import pyarrow.parquet as pq
 import pytest
 
-from tosca_mlmt.episode import Episode, Turn
 from tosca_mlmt.errors import SnapshotError
+from tosca_mlmt.records import Episode, FeedbackSpan, Turn
 from tosca_mlmt.snapshot import (clean_stale_tmp, list_snapshots, load_snapshot, verify_snapshot,
                                  write_snapshot)
 from tosca_mlmt.tasks.base import Problem
@@ -33,6 +33,8 @@ def make_episodes(n=3, reward_shift=0.0):
 
 def test_round_trip_preserves_every_field(tmp_path):
     eps = make_episodes()
+    eps[0].turns[2].feedback_span = FeedbackSpan(7, 8)
+    eps[1].turns[1].truncated = True
     sid, created = write_snapshot(tmp_path, eps, {"task": {"name": "arith", "split": "train"}})
     assert created and sid.startswith("snap-")
     snap = load_snapshot(tmp_path, sid)
@@ -41,7 +43,8 @@ def test_round_trip_preserves_every_field(tmp_path):
     for a, b in zip(back, eps):
         assert a.problem == b.problem
         for ta, tb in zip(a.turns, b.turns):
-            for f in ("prompt_ids", "response_ids", "kind", "role", "reward", "strategy", "state_len", "info"):
+            for f in ("prompt_ids", "response_ids", "kind", "role", "reward", "strategy", "state_len", "info",
+                      "feedback_span", "truncated"):
                 assert getattr(ta, f) == getattr(tb, f), f
             assert ta.logprobs == pytest.approx(tb.logprobs, abs=1e-6)
     assert snap.manifest["rows"] == {"episodes": 3, "turns": 9}
@@ -236,3 +239,30 @@ def test_a_snapshot_id_that_is_a_path_is_refused(tmp_path):
     for sid in ("../x", "/etc", ".tmp-1-a", ""):
         with pytest.raises(SnapshotError, match="is not a snapshot id"):
             load_snapshot(tmp_path, sid)
+
+
+def test_turns_written_before_the_typed_feedback_span_are_read(tmp_path):
+    """Older turns files lack the feedback_span and truncated columns and carry the span in info."""
+    import pyarrow as pa
+
+    from tosca_mlmt.snapshot import build_manifest, episodes_to_tables, sha256_file
+
+    build = tmp_path / "build"
+    build.mkdir()
+    ep_t, turn_t = episodes_to_tables(make_episodes())
+    turn_t = turn_t.drop_columns(["feedback_span", "truncated"])
+    info = [json.dumps({**json.loads(i), "feedback_span": [7, 8]}, sort_keys=True) if k == "refine" else i
+            for i, k in zip(turn_t["info"].to_pylist(), turn_t["kind"].to_pylist())]
+    turn_t = turn_t.set_column(turn_t.schema.get_field_index("info"), "info", pa.array(info, pa.string()))
+    pq.write_table(ep_t, build / "episodes.parquet")
+    pq.write_table(turn_t, build / "turns.parquet")
+    files = {f: {"sha256": sha256_file(build / f), "bytes": (build / f).stat().st_size}
+             for f in ("episodes.parquet", "turns.parquet")}
+    m = build_manifest({}, files, {"episodes": 3, "turns": 9})
+    (build / "manifest.json").write_text(json.dumps(m))
+    build.rename(tmp_path / m["id"])
+    assert verify_snapshot(tmp_path / m["id"]) == []
+    back = load_snapshot(tmp_path, m["id"]).episodes()
+    solve, fb, ref = back[0].turns
+    assert ref.feedback_span == FeedbackSpan(7, 8) and ref.info == {"pass_rate": 1.0}
+    assert solve.feedback_span is None and not any(t.truncated for t in back[0].turns)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tosca_mlmt.engines.base import Generation
-from tosca_mlmt.engines.stop import apply_stop, stop_index
+from tosca_mlmt.rollout.engines.base import Generation
+from tosca_mlmt.rollout.engines.stop import apply_stop, stop_index
 from tosca_mlmt.tasks.arith import ArithTask
 from tosca_mlmt.tasks.mathverify import ANSWER_FORMAT, ANSWER_LINE
 
@@ -48,9 +48,9 @@ def test_a_template_echo_scores_wrong_and_the_format_has_no_readable_answer():
 def test_hf_engine_stops_at_the_answer_line_token_exactly(policies):
     """Greedy decoding with and without the stop rule: each stopped turn is exactly the prefix of
     the unstopped one that ends at its first answer line, logprobs included."""
-    from tosca_mlmt.engines.base import SamplingParams
-    from tosca_mlmt.engines.hf import HFEngine
     from tosca_mlmt.prompts import ChatFormat
+    from tosca_mlmt.rollout.engines.base import SamplingParams
+    from tosca_mlmt.rollout.engines.hf import HFEngine
 
     tok = policies.tokenizer("solver")
     fmt = ChatFormat(tok, policies.eos_ids("solver"))

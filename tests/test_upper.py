@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tosca_mlmt.config import UpperConfig, load_config
-from tosca_mlmt.episode import Episode, Turn
+from tosca_mlmt.records import Episode, Turn
 from tosca_mlmt.errors import ConfigError, SnapshotError
 from tosca_mlmt.tasks.base import Problem
 from tosca_mlmt.upper.critic import StrategyCritic

@@ -246,7 +246,7 @@ def test_explain_defaults_are_the_resolved_ones_and_the_readme_table_is_generate
 
 
 def test_feedback_token_limit_means_what_it_says():
-    from tosca_mlmt.episode import to_params
+    from tosca_mlmt.rollout.runner import to_params
 
     # an `or` here once turned an explicit limit of 0 into the writer's 64
     assert to_params(SamplingConfig(max_new_tokens=64), seed=0, max_new_tokens=0).max_new_tokens == 0

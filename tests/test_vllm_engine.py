@@ -30,8 +30,8 @@ import torch  # noqa: E402
 
 from conftest import FP32, VLLM_MARKS, vllm_session  # noqa: E402
 from tosca_mlmt.config import load_config  # noqa: E402
-from tosca_mlmt.engines.base import SamplingParams  # noqa: E402
 from tosca_mlmt.prompts import ChatFormat  # noqa: E402
+from tosca_mlmt.rollout.engines.base import SamplingParams  # noqa: E402
 
 pytestmark = VLLM_MARKS
 
@@ -58,7 +58,7 @@ def _overrides(**extra) -> dict:
 @pytest.fixture(scope="module")
 def env():
     """(cfg, PolicyPair, VLLMEngine, HFEngine, ChatFormat), built once for the module."""
-    from tosca_mlmt.engines.hf import HFEngine
+    from tosca_mlmt.rollout.engines.hf import HFEngine
 
     with vllm_session(_overrides()) as (cfg, policies, engine):
         hf = HFEngine(policies, batch_size=8)
@@ -92,8 +92,8 @@ def _shared_prefix(a, b) -> int:
 
 
 def test_stop_rule_cuts_vllm_turns_like_hf(env):
-    """engines/stop.py on vLLM: the same cut, finish reason and logprobs as the HF engine."""
-    from tosca_mlmt.engines.stop import stop_index
+    """rollout/engines/stop.py on vLLM: the same cut, finish reason and logprobs as the HF engine."""
+    from tosca_mlmt.rollout.engines.stop import stop_index
 
     _, policies, engine, hf, fmt = env
     prompts = _prompts(fmt, [f"Count from {a} to {a + 9}, separated by commas." for a in (1, 2, 11, 21)])
@@ -250,7 +250,7 @@ def test_seeded_batch_larger_than_one_prefill_step(env):
 
 # ----------------------------------------------------------------------------- (d)
 def test_episode_runner_on_vllm(env):
-    from tosca_mlmt.episode import EpisodeRunner
+    from tosca_mlmt.rollout.runner import EpisodeRunner
     from tosca_mlmt.tasks import make_task
 
     _, policies, engine, _, _ = env

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tosca_mlmt.episode import Episode
+from tosca_mlmt.records import Episode
 
 
 def environment(episodes: list[Episode]) -> str:

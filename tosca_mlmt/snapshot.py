@@ -32,7 +32,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tosca_mlmt.episode import Episode, Turn
+from tosca_mlmt.records import Episode, FeedbackSpan, Turn
 from tosca_mlmt.errors import SnapshotError
 from tosca_mlmt.fsutil import sha256_file
 from tosca_mlmt.tasks.base import Problem
@@ -63,8 +63,13 @@ TURN_SCHEMA = pa.schema([
     ("info", pa.string()), ("strategy", pa.int32()), ("strategy_name", pa.string()),
     ("behaviour_prob", pa.float64()), ("behaviour_probs", pa.list_(pa.float64())),
     ("q_values", pa.list_(pa.float64())), ("state_len", pa.int32()),
+    ("feedback_span", pa.list_(pa.int32())), ("truncated", pa.bool_()),
 ])
-_TURN_FIELDS = [f.name for f in TURN_SCHEMA if f.name not in ("episode_id", "problem_id", "turn_index", "info")]
+# Columns added after format 2 was first written: older files lack them and read as these
+# defaults (their feedback span is still in ``info``, where the runner used to put it).
+LATE_TURN_COLUMNS = {"feedback_span": None, "truncated": False}
+_TURN_FIELDS = [f.name for f in TURN_SCHEMA
+                if f.name not in ("episode_id", "problem_id", "turn_index", "info", "feedback_span")]
 
 
 def _canonical(obj) -> bytes:
@@ -116,8 +121,10 @@ def episodes_to_tables(episodes: list[Episode]) -> tuple[pa.Table, pa.Table]:
             strategy_names=[t.strategy_name for t in fbs], n_turns=len(ep.turns)))
         for t in ep.turns:
             row = {k: getattr(t, k) for k in _TURN_FIELDS}
+            span = t.feedback_span
             row.update(episode_id=ep.episode_id, problem_id=p.id, turn_index=t.index,
-                       info=json.dumps(t.info, sort_keys=True, default=str))
+                       info=json.dumps(t.info, sort_keys=True, default=str),
+                       feedback_span=None if span is None else [span.start, span.end])
             turn_rows.append(row)
     return (pa.Table.from_pylist(ep_rows, schema=EPISODE_SCHEMA),
             pa.Table.from_pylist(turn_rows, schema=TURN_SCHEMA))
@@ -128,7 +135,10 @@ def tables_to_episodes(ep_table: pa.Table, turn_table: pa.Table) -> list[Episode
     for r in turn_table.to_pylist():
         info = json.loads(r.pop("info") or "{}")
         eid, _pid, idx = r.pop("episode_id"), r.pop("problem_id"), r.pop("turn_index")
-        by_ep.setdefault(eid, []).append(Turn(index=idx, info=info, **r))
+        span = r.pop("feedback_span", None) or info.pop("feedback_span", None)
+        r["truncated"] = bool(r.get("truncated"))
+        by_ep.setdefault(eid, []).append(Turn(index=idx, info=info, feedback_span=None if span is None else
+                                              FeedbackSpan(*map(int, span)), **r))
     out = []
     for r in ep_table.to_pylist():
         p = Problem(r["task"], r["problem_id"], r["question"], r["answer"], r["split"], json.loads(r["problem_meta"]))
@@ -332,7 +342,7 @@ class Snapshot:
     def tables(self) -> tuple[pa.Table, pa.Table]:
         try:
             return (pq.read_table(self.path / "episodes.parquet").cast(EPISODE_SCHEMA),
-                    pq.read_table(self.path / "turns.parquet").cast(TURN_SCHEMA))
+                    _with_late_columns(pq.read_table(self.path / "turns.parquet")).cast(TURN_SCHEMA))
         except (OSError, pa.ArrowException, ValueError) as e:
             raise SnapshotError(f"snapshot {self.path.name}: unreadable data ({type(e).__name__}: {e})") from None
 
@@ -342,6 +352,15 @@ class Snapshot:
             return tables_to_episodes(*tables)
         except (KeyError, TypeError, ValueError, AttributeError) as e:  # a forged or foreign file
             raise SnapshotError(f"snapshot {self.path.name}: malformed rows ({type(e).__name__}: {e})") from None
+
+
+def _with_late_columns(turns: pa.Table) -> pa.Table:
+    """A turns table written before LATE_TURN_COLUMNS existed, with them added (defaults)."""
+    for name, default in LATE_TURN_COLUMNS.items():
+        if name not in turns.column_names:
+            typ = TURN_SCHEMA.field(name).type
+            turns = turns.append_column(name, pa.array([default] * turns.num_rows, type=typ))
+    return turns
 
 
 def load_snapshot(root: str | Path, sid: str, verify: bool = True) -> Snapshot:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from tosca_mlmt.config import LowerConfig
-from tosca_mlmt.episode import Episode
+from tosca_mlmt.records import Episode
+from tosca_mlmt.tensors import pad_batch
 
 
 @dataclass
@@ -36,8 +37,11 @@ class SolverTrajectory:
 
 
 def episode_to_trajectory(ep: Episode) -> SolverTrajectory | None:
-    """None when a prompt was truncated (the prefix property no longer holds)."""
+    """None when a prompt was truncated or does not extend the earlier turns (the prefix property
+    no longer holds, and the engine's log-probs were taken in another context than this sequence)."""
     turns = ep.solver_turns
+    if any(t.truncated for t in turns):
+        return None
     last = turns[-1]
     ids = list(last.prompt_ids) + list(last.response_ids)
     spans, fbs = [], []
@@ -46,8 +50,8 @@ def episode_to_trajectory(ep: Episode) -> SolverTrajectory | None:
         if ids[:start] != list(t.prompt_ids) or ids[start:start + len(t.response_ids)] != list(t.response_ids):
             return None
         spans.append((start, start + len(t.response_ids)))
-        fb = t.info.get("feedback_span")
-        fbs.append(tuple(fb) if fb else None)
+        fb = t.feedback_span
+        fbs.append(None if fb is None else (fb.start, fb.end))
     return SolverTrajectory(ep.episode_id, ep.problem.id, ids, spans, [float(t.reward) for t in turns],
                             [list(t.logprobs) for t in turns], fbs)
 
@@ -72,18 +76,14 @@ class TrajectoryTensors:
 
 
 def to_tensors(trajs: list[SolverTrajectory], pad_id: int) -> TrajectoryTensors:
-    width = max(len(t.ids) for t in trajs)
+    ids, attn = pad_batch([t.ids for t in trajs], pad_id)
     n_turns = max(len(t.turn_spans) for t in trajs)
-    B = len(trajs)
-    ids = torch.full((B, width), pad_id, dtype=torch.long)
-    attn = torch.zeros(B, width, dtype=torch.long)
+    B, width = ids.shape
     mask = torch.zeros(B, width)
     turn_ids = torch.full((B, width), -1, dtype=torch.long)
     blp = torch.zeros(B, width)
     group_of = {pid: i for i, pid in enumerate(dict.fromkeys(t.problem_id for t in trajs))}
     for b, t in enumerate(trajs):
-        ids[b, : len(t.ids)] = torch.tensor(t.ids)
-        attn[b, : len(t.ids)] = 1
         for k, (s, e) in enumerate(t.turn_spans):
             mask[b, s:e] = 1.0
             turn_ids[b, s:e] = k

@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from tosca_mlmt.config import ModelConfig
+from tosca_mlmt.models.features import writer_state_features
 from tosca_mlmt.models.loading import resolve_model, weights_fingerprint
 from tosca_mlmt.parallel import full_parameters, is_main
 from tosca_mlmt.precision import model_dtype
 from tosca_mlmt.seeds import seeded
-from tosca_mlmt.tensors import pad_batch
 
 ROLES = ("solver", "writer")
 Q_HEAD_FILE = "q_head.safetensors"
@@ -102,6 +102,10 @@ class PolicyPair:
             yield m
         finally:
             m.set_adapter(prev)
+
+    def pad_id(self, role: str) -> int:
+        pad = self._tok[role].pad_token_id
+        return 0 if pad is None else pad
 
     def eos_ids(self, role: str) -> list[int]:
         m = self._models[role]
@@ -238,15 +242,10 @@ class PolicyPair:
 
     @torch.no_grad()
     def q_values(self, prompts: list[list[int]], batch_size: int = 16) -> torch.Tensor | None:
-        """Q(s, .) for writer states given as token ids; None when the writer has no Q head."""
+        """Q(s, .) for writer states given as token ids; None when the writer has no Q head. The
+        features are the trainer's (models/features.py), so this is the Q train-upper fitted."""
         if self.q_head is None:
             return None
-        out = []
-        m = self._models["writer"]
-        pad = self._tok["writer"].pad_token_id or 0
-        for i in range(0, len(prompts), batch_size):
-            ids, attn = pad_batch(prompts[i : i + batch_size], pad, left=True)
-            with self.use("writer"):
-                h = m(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states[-1][:, -1]
-            out.append(self.q_head(h))
-        return torch.cat(out)
+        with self.use("writer") as m:
+            h = writer_state_features(m, prompts, self.pad_id("writer"), batch_size=batch_size)
+        return self.q_head(h)

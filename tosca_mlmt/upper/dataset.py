@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tosca_mlmt.episode import Episode
+from tosca_mlmt.records import Episode
 from tosca_mlmt.errors import SnapshotError
 
 
@@ -32,7 +32,7 @@ class Transition:
     episode_id: str
     round: int  # 1-based feedback round
     task_type: str  # e.g. "arith/L2": the report groups by it
-    prompt_ids: list[int]  # full writer prompt; prompt_ids[:state_len] is the state s
+    prompt_ids: list[int]  # the writer prompt as the engine got it; prompt_ids[:state_len] is the state s
     state_len: int
     response_ids: list[int]  # the logged feedback tokens (the only tokens the text loss sees)
     action: int

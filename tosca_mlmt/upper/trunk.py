@@ -3,9 +3,8 @@
 One forward over [writer prompt + logged feedback] yields both things the upper level
 needs: the state features h(s) (the prompt's first ``state_len`` tokens *are* the state,
 and a causal model's hidden state at position state_len - 1 only sees them) and the
-log-probs of the feedback tokens. Right padding keeps positions 0..L-1 exact; collection
-left-pads, which under RoPE shifts every position equally and so gives the same h(s) up to
-float rounding.
+log-probs of the feedback tokens. States alone go through ``writer_state_features``, the
+reading collection's Q uses too.
 """
 
 from __future__ import annotations
@@ -15,8 +14,8 @@ import contextlib
 import torch
 
 from tosca_mlmt.algos.qlearning import hard_update, polyak_update, target_due
+from tosca_mlmt.models.features import writer_state_features
 from tosca_mlmt.models.policies import PolicyPair
-from tosca_mlmt.tensors import pad_batch
 from tosca_mlmt.train.batching import build_batch, forward_logprobs
 
 
@@ -24,8 +23,7 @@ class WriterTrunk:
     def __init__(self, policies: PolicyPair, logprob_chunk: int = 256):
         self.policies = policies
         self.model = policies.model("writer")
-        tok = policies.tokenizer("writer")
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        self.pad_id = policies.pad_id("writer")
         self.chunk = logprob_chunk
         # The writer adapter's LoRA tensors, in a fixed (name) order: optimizer and checkpoints rely on it.
         self.params = dict(sorted((n, p) for n, p in self.model.named_parameters() if ".writer." in n))
@@ -57,15 +55,9 @@ class WriterTrunk:
         return h, logp, batch.loss_mask
 
     def states(self, states: list[list[int]], params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """h(s) [B, H] of state prompts, right-padded; ``params`` swaps in other adapter tensors
+        """h(s) [B, H] of state prompts in one forward; ``params`` swaps in other adapter tensors
         (the target adapter) for this call only."""
-        ids, attn = pad_batch(states, self.pad_id)
-        kw = dict(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1)
-        if params is None:
-            hidden = self.model(**kw).hidden_states[-1]
-        else:
-            hidden = torch.func.functional_call(self.model, params, args=(), kwargs=kw).hidden_states[-1]
-        return hidden[torch.arange(len(states)), attn.sum(1) - 1]
+        return writer_state_features(self.model, states, self.pad_id, params=params)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.params.items()}

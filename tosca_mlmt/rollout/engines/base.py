@@ -23,7 +23,7 @@ class SamplingParams:
     top_k: int = 0
     n: int = 1  # samples per prompt
     seed: int = 0
-    stop_regex: str | None = None  # end the turn at the first match (engines/stop.py), finish_reason "answer"
+    stop_regex: str | None = None  # end the turn at the first match (rollout/engines/stop.py), finish_reason "answer"
 
     @property
     def greedy(self) -> bool:
@@ -34,7 +34,7 @@ class SamplingParams:
 class Generation:
     token_ids: tuple[int, ...]  # includes the stop token when finish_reason == "stop"
     logprobs: tuple[float, ...]  # one per token in token_ids
-    finish_reason: str  # "stop" (eos), "length", or "answer" (cut after the answer line: engines/stop.py)
+    finish_reason: str  # "stop" (eos), "length", or "answer" (cut after the answer line: rollout/engines/stop.py)
 
 
 class Engine(Protocol):

@@ -22,9 +22,9 @@ import time
 import torch
 
 from tosca_mlmt.config import VLLMConfig
-from tosca_mlmt.engines.base import Generation, SamplingParams
-from tosca_mlmt.engines.stop import apply_stop
 from tosca_mlmt.models.loading import weights_fingerprint
+from tosca_mlmt.rollout.engines.base import Generation, SamplingParams
+from tosca_mlmt.rollout.engines.stop import apply_stop
 
 
 def configure_cpu_env(cfg: VLLMConfig) -> None:

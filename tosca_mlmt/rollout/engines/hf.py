@@ -7,10 +7,10 @@ import re
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from tosca_mlmt.engines.base import Generation, SamplingParams
-from tosca_mlmt.engines.stop import TAIL_TOKENS, apply_stop
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.parallel import full_parameters
+from tosca_mlmt.rollout.engines.base import Generation, SamplingParams
+from tosca_mlmt.rollout.engines.stop import TAIL_TOKENS, apply_stop
 from tosca_mlmt.tensors import pad_batch
 
 

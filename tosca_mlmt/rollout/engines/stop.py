@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from tosca_mlmt.engines.base import Generation
+from tosca_mlmt.rollout.engines.base import Generation
 
 # Decoding the last few tokens is enough to see a whole answer line appear.
 TAIL_TOKENS = 32
