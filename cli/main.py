@@ -87,7 +87,8 @@ def collect(
 
 @app.command()
 @user_errors
-def setup(model: str = typer.Option("smollm2-135m", help="Embedded model name or local folder.")):
+def setup(model: str = typer.Option("smollm2-135m", help="Embedded model name, local folder, or org/name hub id "
+                                                         "already in the local HF cache.")):
     """Convert the embedded model once into the cache ($TOSCA_MLMT_CACHE) and print its folder."""
     from tosca_mlmt.pipelines.snapshots import prepare_model
 
