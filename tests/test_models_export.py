@@ -213,7 +213,8 @@ def test_export_cli_takes_the_writer_of_a_run_folder_and_refuses_a_wrong_role(tr
     p = run_mlmt("export", "--adapter", run, "--role", "writer", "--out", tmp_path / "w")
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip().splitlines()[-1] == str(tmp_path / "w")
-    assert (tmp_path / "w" / "strategies.json").exists() and "# tosca-mlmt writer model" in (tmp_path / "w" / "README.md").read_text()
+    assert (tmp_path / "w" / "strategies.json").exists()
+    assert "# tosca-mlmt writer model" in (tmp_path / "w" / "README.md").read_text()
     with pytest.raises(ModelError, match="holds a solver adapter"):
         export_merged(run / "solver", tmp_path / "x", role="writer")
     p = run_mlmt("export", "--adapter", run / "solver", "--out", tmp_path / "w")  # not empty: refused

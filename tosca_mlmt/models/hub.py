@@ -74,9 +74,10 @@ def resolve_hub_id(name: str) -> Path:
         commit = _commit(repo_dir, rev or "main") if repo_dir.is_dir() else None
         if commit and _complete(repo_dir / "snapshots" / commit):
             return repo_dir / "snapshots" / commit
-    hint = "" if rev is None else f" at revision '{rev}'"
-    raise ModelError(f"model '{name}': no local folder of that name and not in the local Hugging Face cache{hint} (looked in {', '.join(looked)}; "
-                     "a snapshot needs config.json and weights); nothing is downloaded at run time: fetch it on a "
+    at = "" if rev is None else f" at revision '{rev}'"
+    raise ModelError(f"model '{name}': no local folder of that name and not in the local Hugging Face cache{at} "
+                     f"(looked in {', '.join(looked)}; a snapshot needs config.json and weights); nothing is "
+                     "downloaded at run time: fetch it on a "
                      f"machine with network (`huggingface-cli download {repo}`) and point HF_HUB_CACHE or HF_HOME "
                      "at that cache")
 

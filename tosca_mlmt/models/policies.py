@@ -146,7 +146,8 @@ class PolicyPair:
 
     def fingerprint(self, role: str) -> dict[str, str]:
         path = self.base_paths[role]
-        fp = {"base": str(path), "base_sha": self.base_sha(role), "adapter_sha": weights_fingerprint(self.adapter_state(role))}
+        fp = {"base": str(path), "base_sha": self.base_sha(role),
+              "adapter_sha": weights_fingerprint(self.adapter_state(role))}
         if role == "writer" and self.q_head is not None:
             fp["q_head_sha"] = weights_fingerprint(self.q_head.state_dict())
         return fp
