@@ -19,6 +19,7 @@ from tosca_mlmt import runtime
 from tosca_mlmt.cli.analyze_cmd import analyze
 from tosca_mlmt.cli.common import err, flag_overrides, parse_sets, print_summary, user_errors
 from tosca_mlmt.cli.eval_cmd import eval_cmd
+from tosca_mlmt.cli.export_cmd import export
 from tosca_mlmt.cli.joint_cmd import train_joint
 from tosca_mlmt.cli.lower_cmd import train_lower
 from tosca_mlmt.cli.upper_cmd import train_upper
@@ -89,7 +90,8 @@ def collect(
 
 @app.command()
 @user_errors
-def setup(model: str = typer.Option("smollm2-135m", help="Embedded model name or local folder.")):
+def setup(model: str = typer.Option("smollm2-135m", help="Embedded model name, local folder, or org/name hub id "
+                                                         "already in the local HF cache.")):
     """Convert the embedded model once into the cache ($TOSCA_MLMT_CACHE) and print its folder."""
     from tosca_mlmt.pipelines.snapshots import prepare_model
 
@@ -121,6 +123,7 @@ app.command("eval")(user_errors(eval_cmd))
 app.command("train-joint")(user_errors(train_joint))
 app.command("analyze")(user_errors(analyze))
 app.command("train-upper")(user_errors(train_upper))
+app.command("export")(user_errors(export))
 
 
 @snapshots_app.command("list")

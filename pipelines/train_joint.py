@@ -100,6 +100,8 @@ def train_joint(cfg: Config, run_dir: str | Path, resume: bool = False, console=
     # Lines logged after the manifest's last update belong to a step that runs again.
     rewind_metrics(run, manifest.get("metrics_bytes"))
     policies = policies or PolicyPair(cfg.model, seed=cfg.seed)
+    for role in ("solver", "writer"):  # the model cards of what the rounds save say whose step they were
+        policies.describe(role, within="train-joint")
     if manifest["solver"]:
         policies.load_role("solver", run / manifest["solver"])
     if manifest["writer"]:

@@ -110,6 +110,7 @@ def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None
     with timer("load_models"):
         policies = policies or PolicyPair(cfg.model, seed=cfg.seed)
         trainer = LowerLearner(cfg, policies)
+    policies.describe("solver", stage="train-lower", config=cfg, snapshots=list(snapshot_ids or []))
     start = 0
     if latest is not None:
         trainer.load(latest)
@@ -196,11 +197,21 @@ def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None
             if stop_after is not None and done >= stop_after:
                 break
     if done == lo.iterations:
+        _describe_final(policies, run, snapshot_ids, metrics, done)
         policies.save_role("solver", run / "solver")  # every rank: a collective under ZeRO-3
     trainer.close()
     sink.close()
     dist.barrier()
     return LowerResult(run, done, metrics)
+
+
+def _describe_final(policies: PolicyPair, run: Path, snapshot_ids, metrics: dict, done: int) -> None:
+    """The final solver's card: its source snapshots (online: the batches this run kept) and
+    the last iteration's accuracies, labelled as what they are."""
+    kept = sorted(p.name for p in (run / "snapshots").glob("snap-*")) if (run / "snapshots").is_dir() else []
+    acc = {k: metrics[f"lower/{k}"] for k in ("acc_t1", "acc_final", "delta") if f"lower/{k}" in metrics}
+    policies.describe("solver", snapshots=list(snapshot_ids or kept), eval=acc,
+                      eval_source=f"the sampled training episodes of iteration {done} (not a held-out eval)")
 
 
 def _load_offline(ids: list[str], root, verify: bool) -> list[tuple]:

@@ -78,6 +78,7 @@ def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies
             raise SnapshotError("the loaded writer (model.writer_adapter) was trained on a different strategy set "
                                 "than the snapshots")
         learner = UpperLearner(cfg, policies, transitions, strategies)
+    policies.describe("writer", stage="train-upper", config=cfg, snapshots=list(uc.snapshots))
 
     write_config(run_dir, cfg)
     prov = _provenance(cfg, snaps, policies, transitions, strategies)
@@ -128,6 +129,8 @@ def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies
         if last_q is None:
             last_q = learner.q_all()  # resumed at the very end: nothing was evaluated in this process
             last_eval = evaluate_q(last_q, transitions, strategies, learner.policy)
+        policies.describe("writer", eval={k: v for k, v in last_eval.items() if isinstance(v, (int, float))},
+                          eval_source="off-policy evaluation on the training snapshots (see report.md)")
         with timer("save_writer"):
             writer_dir = learner.export_writer(run_dir / "writer")
         with timer("report"):

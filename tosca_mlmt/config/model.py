@@ -26,10 +26,14 @@ class LoraConfig(Section):
 
 @dataclass
 class ModelConfig(Section):
-    solver: str = knob("smollm2-135m", "Solver (LL) base model: 'smollm2-135m' (embedded), 'tiny-random' "
-                                       "(random-weight debug base) or a local HF model folder.", rule=NON_EMPTY)
-    writer: str = knob("", "Feedback-writer (HL) base model; empty = same base as the solver (two adapters, one base).")
-    solver_adapter: str = knob("", "Folder of a trained solver adapter to load (empty = fresh, identity adapter).",
+    solver: str = knob("smollm2-135m", "Solver (LL) base model: 'smollm2-135m' (embedded), 'tiny-random' (random "
+                                       "2-layer debug base), a local HF model folder, or a hub id 'org/name' or "
+                                       "'org/name@revision' already in the local HF cache (HF_HUB_CACHE / HF_HOME; "
+                                       "nothing is downloaded).", rule=NON_EMPTY)
+    writer: str = knob("", "Feedback-writer (HL) base model, same forms as model.solver; empty = same base as the "
+                           "solver (two adapters, one base).")
+    solver_adapter: str = knob("", "Folder of a trained solver adapter to load, e.g. RUN/solver (empty = fresh, "
+                                   "identity adapter); it must belong to model.solver's base.",
                                rule=EXISTING_DIR_OR_EMPTY)
     writer_adapter: str = knob("", "Folder of a trained writer (adapter + Q head + strategies) to load.",
                                rule=EXISTING_DIR_OR_EMPTY)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tosca_mlmt.errors import ModelError
 from tosca_mlmt.fsutil import atomic_dir
+from tosca_mlmt.models.hub import resolve_hub_id, split_id
 
 EMBEDDED = {
     "smollm2-135m": {
@@ -53,7 +54,8 @@ DEBUG = {
 
 
 def resolve_model(name_or_path: str) -> Path:
-    """Return a local HF model folder for an embedded or debug name (built once) or a path."""
+    """Return a local HF model folder for an embedded or debug name (built once), a local
+    folder, or a hub id (``org/name[@revision]``) already in the local HF cache."""
     if name_or_path in DEBUG:
         target = cache_root() / "models" / name_or_path
         if (target / "config.json").exists() and (target / "model.safetensors").exists():
@@ -65,12 +67,14 @@ def resolve_model(name_or_path: str) -> Path:
             return target
         return convert_embedded(name_or_path, target)
     p = Path(name_or_path).expanduser()
-    if not (p / "config.json").exists():
-        raise ModelError(
-            f"model '{name_or_path}' is neither an embedded model ({', '.join([*EMBEDDED, *DEBUG])}) "
-            "nor a local Hugging Face model folder with a config.json"
-        )
-    return p
+    if (p / "config.json").exists():  # a local folder wins over a hub id of the same spelling, as in transformers
+        return p
+    if split_id(name_or_path) is not None and not p.exists():
+        return resolve_hub_id(name_or_path)
+    raise ModelError(
+        f"model '{name_or_path}' is neither an embedded model ({', '.join([*EMBEDDED, *DEBUG])}), "
+        "a local Hugging Face model folder with a config.json, nor a hub id (org/name) in the local HF cache"
+    )
 
 
 def convert_embedded(name: str, target: Path) -> Path:

@@ -20,6 +20,7 @@ from torch import nn
 
 from tosca_mlmt.config import ModelConfig
 from tosca_mlmt.models.features import writer_state_features
+from tosca_mlmt.models.artefacts import check_base
 from tosca_mlmt.models.loading import resolve_model, weights_fingerprint
 from tosca_mlmt.parallel import full_parameters, is_main
 from tosca_mlmt.precision import model_dtype
@@ -50,6 +51,8 @@ class PolicyPair:
 
         self.cfg = cfg
         self.dtype = dtype or model_dtype(cfg.dtype)
+        # as configured (embedded name, hub id or folder): saved adapters record it, not the path
+        self.base_names = {"solver": cfg.solver, "writer": cfg.writer or cfg.solver}
         self.base_paths = {"solver": resolve_model(cfg.solver)}
         self.base_paths["writer"] = resolve_model(cfg.writer) if cfg.writer else self.base_paths["solver"]
         self.shared_base = self.base_paths["writer"] == self.base_paths["solver"]
@@ -78,12 +81,21 @@ class PolicyPair:
                     pm = get_peft_model(base, lora, adapter_name=role)
                 pm.eval()
                 self._models[role] = pm
+        for role in ROLES:
+            if adapters[role]:
+                check_base(Path(adapters[role]), self.base_names[role], self.base_paths[role])
+            # A loaded adapter's config names its base portably ("tiny-random", "org/name"); peft
+            # reads that name when saving to check the vocabulary, and for a name that is no folder
+            # it asks the hub. Point it at the local folder; the saved file gets the portable name.
+            self._models[role].peft_config[role].base_model_name_or_path = str(self.base_paths[role])
         self.strategies: list[dict] | None = None
         self.q_head: QHead | None = None
         self.q_decisions = 0  # logged decisions the Q head was fitted on (episode.min_q_decisions gates its use)
         if cfg.writer_adapter:
             self._load_writer_extras(Path(cfg.writer_adapter))
         self._base_fp: dict[Path, str] = {}
+        # provenance a stage hands over (describe) for the model card of what save_role writes
+        self.card_info: dict[str, dict] = {r: {} for r in ROLES}
 
     # ------------------------------------------------------------------ access
     def tokenizer(self, role: str):
@@ -124,7 +136,8 @@ class PolicyPair:
             return {k: v.detach().clone() for k, v in
                     get_peft_model_state_dict(self._models[role], adapter_name=role).items()}
 
-    def fingerprint(self, role: str) -> dict[str, str]:
+    def base_sha(self, role: str) -> str:
+        """Fingerprint of ``role``'s base weights as stored (computed once per base)."""
         path = self.base_paths[role]
         if path not in self._base_fp:
             from safetensors.torch import load_file
@@ -133,7 +146,12 @@ class PolicyPair:
             for f in sorted(path.glob("*.safetensors")):
                 sd.update(load_file(f))
             self._base_fp[path] = weights_fingerprint(sd)
-        fp = {"base": str(path), "base_sha": self._base_fp[path], "adapter_sha": weights_fingerprint(self.adapter_state(role))}
+        return self._base_fp[path]
+
+    def fingerprint(self, role: str) -> dict[str, str]:
+        path = self.base_paths[role]
+        fp = {"base": str(path), "base_sha": self.base_sha(role),
+              "adapter_sha": weights_fingerprint(self.adapter_state(role))}
         if role == "writer" and self.q_head is not None:
             fp["q_head_sha"] = weights_fingerprint(self.q_head.state_dict())
         return fp
@@ -179,10 +197,16 @@ class PolicyPair:
         return sd
 
     # ------------------------------------------------------------------ saving
+    def describe(self, role: str, **info) -> None:
+        """Record provenance for ``role``'s model card (stage, config, snapshots, eval,
+        eval_source, within); later calls add to or replace earlier keys."""
+        self.card_info[role].update(info)
+
     def save_role(self, role: str, folder: str | Path) -> Path:
         """Write ``role``'s adapter (and, for the writer, its Q head and strategy list) so that
-        ``model.solver_adapter`` / ``model.writer_adapter`` can load it. Atomic: built in a
-        sibling temp folder and renamed. Every rank calls it."""
+        ``model.solver_adapter`` / ``model.writer_adapter`` can load it, with its tokenizer,
+        metadata and model card (models/artefacts.py). Atomic: built in a sibling temp folder
+        and renamed. Every rank calls it."""
         folder = Path(folder)
         # Collective under ZeRO-3 (every rank gathers); rank 0 alone writes.
         with full_parameters(self._models[role]):
@@ -196,7 +220,11 @@ class PolicyPair:
         from safetensors.torch import save_file
 
         from tosca_mlmt.fsutil import atomic_dir
+        from tosca_mlmt.models.artefacts import finish_adapter_folder
 
+        pc = self._models[role].peft_config[role]  # the live adapter's shape: a loaded one keeps its own
+        lora = {"r": pc.r, "alpha": pc.lora_alpha, "modules": len(pc.target_modules)
+                if isinstance(pc.target_modules, (set, list, tuple)) else pc.target_modules}
         with atomic_dir(folder) as tmp:
             self._models[role].save_pretrained(tmp, selected_adapters=[role])
             # peft nests non-"default" adapters in a subfolder named after the adapter
@@ -210,6 +238,10 @@ class PolicyPair:
                 if self.q_head is not None:
                     save_file({k: v.contiguous() for k, v in self.q_head.state_dict().items()}, tmp / Q_HEAD_FILE,
                               metadata={"decisions": str(self.q_decisions)})
+            finish_adapter_folder(tmp, folder, role=role, base_name=self.base_names[role],
+                                  base_path=self.base_paths[role], tokenizer=self._tok[role],
+                                  lora=lora,
+                                  base_sha=self.base_sha(role), info=self.card_info[role])
 
     def load_role(self, role: str, folder: str | Path) -> None:
         """Load weights written by :meth:`save_role` into the live adapter (and, for the writer,
