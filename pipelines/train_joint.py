@@ -177,7 +177,7 @@ def _collect(cfg, rec, manifest, snap_root, policies, engine, r, console) -> Non
     res = collect(ccfg, policies=policies, engine=engine, console=console, problems=chosen)
     rec["snapshot"] = res.snapshot_id
     rec["collect_metrics"] = {k: res.summary[k] for k in ("acc_t1", "acc_final", "delta", "wrong_to_right",
-                                                          "right_to_wrong") if k in res.summary}
+                                                          "right_to_wrong", "leak_rate") if k in res.summary}
 
 
 def _upper(cfg, rec, manifest, run, rdir, snap_root, policies, console, r) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from tosca_mlmt.episode import Episode
+from tosca_mlmt.leak import leak_rate
 
 
 def environment(episodes: list[Episode]) -> str:
@@ -58,6 +59,9 @@ def summarize(episodes: list[Episode]) -> dict[str, float]:
             by_kind.setdefault(t.kind, []).append(len(t.response_ids))
     for kind, lens in sorted(by_kind.items()):
         out[f"len_{kind}"] = float(np.mean(lens))
+    leaks = leak_rate(episodes)  # feedback that gives the gold answer away; absent when unmeasured (code tasks)
+    if leaks is not None:
+        out["leak_rate"] = leaks
     strat = Counter(t.strategy_name for ep in episodes for t in ep.turns if t.kind == "feedback")
     for name, n in sorted(strat.items()):
         out[f"strategy_count/{name}"] = n
