@@ -236,3 +236,21 @@ def test_a_snapshot_id_that_is_a_path_is_refused(tmp_path):
     for sid in ("../x", "/etc", ".tmp-1-a", ""):
         with pytest.raises(SnapshotError, match="is not a snapshot id"):
             load_snapshot(tmp_path, sid)
+
+
+def test_loaded_tables_carry_the_snapshot_id_and_the_files_stay_as_hashed(tmp_path):
+    import pyarrow as pa
+
+    from tosca_mlmt.analysis.sources import read_turns
+
+    sid, _ = write_snapshot(tmp_path, make_episodes(), {})
+    other, _ = write_snapshot(tmp_path, make_episodes(reward_shift=0.5), {})
+    eps, turns = load_snapshot(tmp_path, sid).tables()
+    assert set(eps["snapshot_id"].to_pylist()) == {sid} and turns["snapshot_id"].to_pylist() == [sid] * 9
+    both = pa.concat_tables([load_snapshot(tmp_path, s).tables()[1] for s in (sid, other)])
+    assert both["snapshot_id"].to_pylist() == [sid] * 9 + [other] * 9  # rows still say where they came from
+    # the column is added on read: the data files (and so the id) are untouched, episodes() still works
+    assert "snapshot_id" not in pq.read_table(tmp_path / sid / "turns.parquet").column_names
+    assert verify_snapshot(tmp_path / sid) == [] and len(load_snapshot(tmp_path, sid).episodes()) == 3
+    snaps = {s: (tmp_path / s, json.loads((tmp_path / s / "manifest.json").read_text())) for s in (sid, other)}
+    assert set(read_turns(snaps)["snapshot_id"]) == {sid, other}
