@@ -98,6 +98,16 @@ class MetricsSink:
         if self.run is not None:
             self.run.log(metrics, step=step)
 
+    def log_table(self, key: str, rows: list[dict], step: int | None = None) -> None:
+        """Log ``rows`` (dicts with the same keys) as a wandb.Table under ``key``; wandb only,
+        as metrics.jsonl holds numbers: sample episodes are for reading beside the curves."""
+        if self.run is None or not rows:
+            return
+        import wandb
+
+        columns = list(rows[0])
+        self.run.log({key: wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])}, step=step)
+
     def close(self) -> None:
         if self.run is not None:
             self.run.finish()
