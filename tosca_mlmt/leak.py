@@ -15,6 +15,7 @@ Rules:
   quoting the student's own line would match the reference too and count as a leak; nor
   when the gold already appears in the question (mentioning a number the question gives,
   as "reread_question" asks, gives nothing away); nor for an empty gold.
+Quoting a right attempt back ("your 15 is right") counts too: it tells the solver the answer.
 Rates are taken over measured feedback turns only.
 """
 
