@@ -7,13 +7,11 @@ works. User errors (bad config, bad data, missing snapshot) exit with code 2.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.markup import escape
 
 from tosca_mlmt import runtime
 from tosca_mlmt.cli.analyze_cmd import analyze
@@ -22,11 +20,11 @@ from tosca_mlmt.cli.eval_cmd import eval_cmd
 from tosca_mlmt.cli.export_cmd import export
 from tosca_mlmt.cli.joint_cmd import train_joint
 from tosca_mlmt.cli.lower_cmd import train_lower
+from tosca_mlmt.cli.snapshots_cmd import snapshots_app
 from tosca_mlmt.cli.upper_cmd import train_upper
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0] if __doc__ else None,
                   pretty_exceptions_enable=False)
-snapshots_app = typer.Typer(no_args_is_help=True, help="List, inspect and verify dataset snapshots.")
 app.add_typer(snapshots_app, name="snapshots")
 
 
@@ -124,41 +122,6 @@ app.command("train-joint")(user_errors(train_joint))
 app.command("analyze")(user_errors(analyze))
 app.command("train-upper")(user_errors(train_upper))
 app.command("export")(user_errors(export))
-
-
-@snapshots_app.command("list")
-@user_errors
-def snapshots_list(root: Path = typer.Option(Path("snapshots"), help="Snapshot root folder.")):
-    """One line per snapshot: id, created, task/split, episodes, Acc@t1 -> Acc@final."""
-    from tosca_mlmt.pipelines.snapshots import summary_lines
-
-    for line in summary_lines(root):
-        print(line)
-
-
-@snapshots_app.command("show")
-@user_errors
-def snapshots_show(sid: str = typer.Argument(..., help="Snapshot id."),
-                   root: Path = typer.Option(Path("snapshots"), help="Snapshot root folder.")):
-    """Print a snapshot's manifest (JSON)."""
-    from tosca_mlmt.pipelines.snapshots import manifest
-
-    print(json.dumps(manifest(root, sid), indent=2, sort_keys=True))
-
-
-@snapshots_app.command("verify")
-@user_errors
-def snapshots_verify(sid: str = typer.Argument(..., help="Snapshot id."),
-                     root: Path = typer.Option(Path("snapshots"), help="Snapshot root folder.")):
-    """Re-hash every file; exit 1 with the list of problems on any mismatch."""
-    from tosca_mlmt.pipelines.snapshots import problems
-
-    bad = problems(root, sid)  # an unparseable manifest raises: exit 2, not a verdict
-    if bad:
-        for p in bad:
-            err.print(f"[bold red]corrupt:[/] {sid}: {escape(p)}", highlight=False)
-        raise typer.Exit(1)
-    print(f"{sid}: ok")
 
 
 def main() -> None:  # pragma: no cover - console entry point

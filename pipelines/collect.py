@@ -11,7 +11,7 @@ import datetime as _dt
 import os
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -24,6 +24,7 @@ from tosca_mlmt.pipelines.rundir import check_writable
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.rollout.engines import make_engine
 from tosca_mlmt.rollout.runner import EpisodeRunner, to_params
+from tosca_mlmt.samples import sample_rows
 from tosca_mlmt.snapshot import write_snapshot
 from tosca_mlmt.tasks import make_task
 
@@ -34,6 +35,7 @@ class CollectResult:
     created: bool
     path: Path
     summary: dict
+    samples: list[dict] = field(default_factory=list)  # a few episodes, readable (samples.sample_rows)
 
 
 def collect(cfg: Config, policies: PolicyPair | None = None, engine=None, log_dir: str | None = None,
@@ -127,10 +129,12 @@ def collect(cfg: Config, policies: PolicyPair | None = None, engine=None, log_di
     sink = MetricsSink(log_dir or Path(cfg.collect.out) / "_logs" / f"collect-{_stamp()}-{os.getpid()}",
                        cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_mode, cfg.logging.project, name=sid)
     sink.log({"collect/" + k: v for k, v in summary.items()} | {"snapshot_id": sid})
+    samples = sample_rows(episodes)
+    sink.log_table("collect/samples", samples)
     sink.close()
     if own_engine:
         engine.close()
-    return CollectResult(sid, created, Path(cfg.collect.out) / sid, summary)
+    return CollectResult(sid, created, Path(cfg.collect.out) / sid, summary, samples)
 
 
 def _stamp() -> str:

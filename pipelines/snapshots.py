@@ -1,13 +1,17 @@
 """``mlmt snapshots`` and ``mlmt setup``: the small commands that inspect snapshots or prepare
-the model cache, kept here so that the CLI reaches the library only through pipelines/."""
+the model cache, kept here so that the CLI reaches the library only through pipelines/.
+
+Snapshots are found at any depth under ``--root`` and named by a unique id prefix
+(tosca_mlmt/snapshot_index.py), so a run folder can be given as the root."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from tosca_mlmt.models.loading import resolve_model
-from tosca_mlmt.snapshot import (list_snapshots, load_snapshot, read_manifest, snapshot_path, summary_line,
-                                 verify_snapshot)
+from tosca_mlmt.samples import episode_record, select
+from tosca_mlmt.snapshot import load_snapshot, read_manifest, verify_snapshot
+from tosca_mlmt.snapshot_index import environment_of, resolve_snapshot, row_line, snapshot_rows
 
 
 def prepare_model(name: str) -> Path:
@@ -16,18 +20,29 @@ def prepare_model(name: str) -> Path:
 
 
 def summary_lines(root: Path) -> list[str]:
-    """One line per snapshot under ``root``: id, created, task/split, episodes, accuracies."""
-    return [summary_line(m) for m in list_snapshots(root)]
+    """One line per snapshot at any depth under ``root``: id, kind, environment, episodes, created, folder."""
+    return [row_line(r) for r in snapshot_rows(root)]
 
 
-def manifest(root: Path, sid: str) -> dict:
+def manifest(root: Path, ref: str) -> dict:
     """The snapshot's manifest, unverified: this is how a damaged snapshot is inspected."""
-    return load_snapshot(root, sid, verify=False).manifest
+    path = resolve_snapshot(root, ref)
+    return load_snapshot(path.parent, path.name, verify=False).manifest
 
 
-def problems(root: Path, sid: str) -> list[str]:
-    """Every size/hash/id mismatch of the snapshot (empty when it is whole). A manifest that
-    cannot be parsed raises instead: that is an error, not a verdict."""
-    path = snapshot_path(root, sid)
+def problems(root: Path, ref: str) -> tuple[str, list[str]]:
+    """The snapshot's full id and every size/hash/id mismatch (empty when it is whole). A
+    manifest that cannot be parsed raises instead: that is an error, not a verdict."""
+    path = resolve_snapshot(root, ref)
     read_manifest(path)
-    return verify_snapshot(path)
+    return path.name, verify_snapshot(path)
+
+
+def episode_records(root: Path, ref: str, n: int, which: str | None = None,
+                    verify: bool = True) -> tuple[dict, list[dict]]:
+    """The snapshot's id, kind and environment, and its first ``n`` episodes passing ``which``
+    (samples.FILTERS), decoded for reading (samples.episode_record)."""
+    path = resolve_snapshot(root, ref)
+    snap = load_snapshot(path.parent, path.name, verify=verify)
+    head = {"id": snap.id, "kind": str(snap.manifest.get("kind") or "?"), "environment": environment_of(snap.manifest)}
+    return head, [episode_record(ep) for ep in select(snap.episodes(), n, which)]

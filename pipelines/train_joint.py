@@ -127,9 +127,10 @@ def train_joint(cfg: Config, run_dir: str | Path, resume: bool = False, console=
                 if step in rec["done"]:
                     continue
                 sync0 = getattr(engine, "sync_seconds", 0.0)
+                samples: list[dict] = []
                 with timer(step):
                     if step == "collect":
-                        _collect(cfg, rec, manifest, snap_root, policies, engine, r, console)
+                        samples = _collect(cfg, rec, manifest, snap_root, policies, engine, r, console)
                     elif step == "upper":
                         _upper(cfg, rec, manifest, run, rdir, snap_root, policies, console, r)
                     else:
@@ -144,6 +145,7 @@ def train_joint(cfg: Config, run_dir: str | Path, resume: bool = False, console=
                 manifest["seconds_used"] = round(time.perf_counter() - t_start, 3)
                 sink.log({f"joint/time/{step}": timer.seconds[step], "joint/round": r,
                           **{f"joint/{k}": v for k, v in rec.get(f"{step}_metrics", {}).items()}}, step=r)
+                sink.log_table("joint/samples", samples, step=r)  # the round's episodes, to read (wandb only)
                 manifest["metrics_bytes"] = dist.broadcast(metrics_size(run))
                 _write_json(man_path, manifest)
                 if stop_after == (r, step):
@@ -158,12 +160,13 @@ def train_joint(cfg: Config, run_dir: str | Path, resume: bool = False, console=
     return JointResult(run, manifest)
 
 
-def _collect(cfg, rec, manifest, snap_root, policies, engine, r, console) -> None:
+def _collect(cfg, rec, manifest, snap_root, policies, engine, r, console) -> list[dict]:
+    """Runs the round's collect; returns its sample rows (samples.sample_rows) for the wandb table."""
     if cfg.joint.freeze_writer:
         # the round's snapshot is the writer's training data only: a frozen writer spends no episodes
         # on it (equal compute is counted in episodes; the solver's PPO batches collect their own)
         rec["snapshot"] = None
-        return
+        return []
     prev = manifest["rounds"][r - 1].get("snapshot") if r > 0 else None
     parents = [prev] if prev else []
     ccfg = replace(cfg, seed=cfg.seed + 1000 * r,
@@ -179,7 +182,8 @@ def _collect(cfg, rec, manifest, snap_root, policies, engine, r, console) -> Non
     res = collect(ccfg, policies=policies, engine=engine, console=console, problems=chosen)
     rec["snapshot"] = res.snapshot_id
     rec["collect_metrics"] = {k: res.summary[k] for k in ("acc_t1", "acc_final", "delta", "wrong_to_right",
-                                                          "right_to_wrong") if k in res.summary}
+                                                          "right_to_wrong", "leak_rate") if k in res.summary}
+    return res.samples
 
 
 def _upper(cfg, rec, manifest, run, rdir, snap_root, policies, console, r) -> None:

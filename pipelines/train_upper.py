@@ -69,7 +69,8 @@ def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies
         snaps = _load_snapshots(cfg, verify)
     with timer("build_dataset"):
         strategies = check_strategies([s.manifest for s in snaps])
-        transitions = build_transitions([(s.id, s.episodes()) for s in snaps], uc.reward, uc.break_penalty, uc.gamma)
+        transitions = build_transitions([(s.id, s.episodes()) for s in snaps], uc.reward, uc.break_penalty, uc.gamma,
+                                        cfg.episode.leak_penalty)
         if not transitions:
             raise SnapshotError(f"snapshots {', '.join(uc.snapshots)} hold no feedback turns to learn from")
     with timer("load_models"):

@@ -41,6 +41,10 @@ def test_collect_prints_id_last_and_writes_full_provenance(greedy_snapshot):
     metrics = list((out / "_logs").glob("*/metrics.jsonl"))
     assert metrics and "collect/acc_t1" in metrics[0].read_text()
     assert list((out / "_logs").glob("*/wandb/offline-run-*"))
+    # the sample episodes to read beside the curves, and the leak rate (arith's gold is a number)
+    tables = list((out / "_logs").glob("*/wandb/offline-run-*/files/media/table/collect/samples_*.table.json"))
+    assert tables and len(json.loads(tables[0].read_text())["data"]) == 2
+    assert 0.0 <= m["summary"]["leak_rate"] <= 1.0
 
 
 def test_same_config_and_seed_greedy_gives_the_same_snapshot_id(greedy_snapshot, tmp_path):

@@ -266,3 +266,21 @@ def test_turns_written_before_the_typed_feedback_span_are_read(tmp_path):
     solve, fb, ref = back[0].turns
     assert ref.feedback_span == FeedbackSpan(7, 8) and ref.info == {"pass_rate": 1.0}
     assert solve.feedback_span is None and not any(t.truncated for t in back[0].turns)
+
+
+def test_loaded_tables_carry_the_snapshot_id_and_the_files_stay_as_hashed(tmp_path):
+    import pyarrow as pa
+
+    from tosca_mlmt.analysis.sources import read_turns
+
+    sid, _ = write_snapshot(tmp_path, make_episodes(), {})
+    other, _ = write_snapshot(tmp_path, make_episodes(reward_shift=0.5), {})
+    eps, turns = load_snapshot(tmp_path, sid).tables()
+    assert set(eps["snapshot_id"].to_pylist()) == {sid} and turns["snapshot_id"].to_pylist() == [sid] * 9
+    both = pa.concat_tables([load_snapshot(tmp_path, s).tables()[1] for s in (sid, other)])
+    assert both["snapshot_id"].to_pylist() == [sid] * 9 + [other] * 9  # rows still say where they came from
+    # the column is added on read: the data files (and so the id) are untouched, episodes() still works
+    assert "snapshot_id" not in pq.read_table(tmp_path / sid / "turns.parquet").column_names
+    assert verify_snapshot(tmp_path / sid) == [] and len(load_snapshot(tmp_path, sid).episodes()) == 3
+    snaps = {s: (tmp_path / s, json.loads((tmp_path / s / "manifest.json").read_text())) for s in (sid, other)}
+    assert set(read_turns(snaps)["snapshot_id"]) == {sid, other}

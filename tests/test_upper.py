@@ -66,6 +66,20 @@ def test_counterfactual_reward_credits_only_what_the_feedback_caused():
         build_transitions([("snap-b", [_episode("f", [0.0, 1.0], [2])])], reward_mode="counterfactual")
 
 
+def test_leak_penalty_changes_only_the_leaking_decision():
+    # round 1's feedback gives the gold answer away; round 2's does not
+    assert round_rewards([0.0, 1.0, 1.0], [False, True, True], "improvement", 0.5, None, [True, False], 0.3) == \
+        pytest.approx([0.7, 0.0])
+    # nothing leaked (or not measured): the penalty changes nothing
+    assert round_rewards([0.0, 1.0], [False, True], "improvement", 0.5, None, [False], 0.3) == [1.0]
+    assert round_rewards([0.0, 1.0], [False, True], "improvement", 0.5, None, [None], 0.3) == [1.0]
+    ep = _episode("e", [0.0, 1.0, 1.0], actions=[0, 1])
+    ep.turns[1].text = "The answer is 2."  # the problem asks 1 + 1
+    assert [t.reward for t in build_transitions([("snap-a", [ep])], "improvement", leak_penalty=0.3)] == \
+        pytest.approx([0.7, 0.0])
+    assert [t.reward for t in build_transitions([("snap-a", [ep])], "improvement")] == [1.0, 0.0]  # default: 0
+
+
 def test_improved_bc_clones_only_feedback_that_fixed_the_answer():
     rewards = torch.tensor([1.0, 0.0, -1.5, 0.5])
     w = text_weights("improved_bc", torch.zeros(4), torch.zeros(4), 1.0, 20.0, None, rewards)

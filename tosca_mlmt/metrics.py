@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from tosca_mlmt.records import Episode
+from tosca_mlmt.leak import leak_rate
 
 
 def environment(episodes: list[Episode]) -> str:
@@ -58,6 +59,9 @@ def summarize(episodes: list[Episode]) -> dict[str, float]:
             by_kind.setdefault(t.kind, []).append(len(t.response_ids))
     for kind, lens in sorted(by_kind.items()):
         out[f"len_{kind}"] = float(np.mean(lens))
+    leaks = leak_rate(episodes)  # feedback that gives the gold answer away; absent when unmeasured (code tasks)
+    if leaks is not None:
+        out["leak_rate"] = leaks
     strat = Counter(t.strategy_name for ep in episodes for t in ep.turns if t.kind == "feedback")
     for name, n in sorted(strat.items()):
         out[f"strategy_count/{name}"] = n
@@ -93,6 +97,16 @@ class MetricsSink:
             f.write(json.dumps(rec, default=float) + "\n")
         if self.run is not None:
             self.run.log(metrics, step=step)
+
+    def log_table(self, key: str, rows: list[dict], step: int | None = None) -> None:
+        """Log ``rows`` (dicts with the same keys) as a wandb.Table under ``key``; wandb only,
+        as metrics.jsonl holds numbers: sample episodes are for reading beside the curves."""
+        if self.run is None or not rows:
+            return
+        import wandb
+
+        columns = list(rows[0])
+        self.run.log({key: wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])}, step=step)
 
     def close(self) -> None:
         if self.run is not None:

@@ -130,7 +130,14 @@ def episodes_to_tables(episodes: list[Episode]) -> tuple[pa.Table, pa.Table]:
             pa.Table.from_pylist(turn_rows, schema=TURN_SCHEMA))
 
 
+def with_snapshot_id(table: pa.Table, sid: str) -> pa.Table:
+    """``table`` with a constant ``snapshot_id`` (string) column appended."""
+    return table.append_column("snapshot_id", pa.array([sid] * table.num_rows, pa.string()))
+
+
 def tables_to_episodes(ep_table: pa.Table, turn_table: pa.Table) -> list[Episode]:
+    if "snapshot_id" in turn_table.column_names:  # added on read (Snapshot.tables), not an Episode field
+        turn_table = turn_table.drop_columns(["snapshot_id"])
     by_ep: dict[str, list[Turn]] = {}
     for r in turn_table.to_pylist():
         info = json.loads(r.pop("info") or "{}")
@@ -340,11 +347,16 @@ class Snapshot:
         return self.manifest["id"]
 
     def tables(self) -> tuple[pa.Table, pa.Table]:
+        """Episodes and turns, each with a last ``snapshot_id`` column. The id is a hash over the
+        data files, so it cannot be written inside them (a file holding its own hash cannot be
+        hashed); it is added here, on read, so rows concatenated from several snapshots still
+        say where they came from, and existing snapshots keep their bytes and ids."""
         try:
-            return (pq.read_table(self.path / "episodes.parquet").cast(EPISODE_SCHEMA),
-                    _with_late_columns(pq.read_table(self.path / "turns.parquet")).cast(TURN_SCHEMA))
+            tables = (pq.read_table(self.path / "episodes.parquet").cast(EPISODE_SCHEMA),
+                      _with_late_columns(pq.read_table(self.path / "turns.parquet")).cast(TURN_SCHEMA))
         except (OSError, pa.ArrowException, ValueError) as e:
             raise SnapshotError(f"snapshot {self.path.name}: unreadable data ({type(e).__name__}: {e})") from None
+        return tuple(with_snapshot_id(t, self.id) for t in tables)
 
     def episodes(self) -> list[Episode]:
         tables = self.tables()

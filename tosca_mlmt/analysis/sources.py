@@ -20,8 +20,10 @@ import pyarrow.parquet as pq
 from tosca_mlmt.errors import MlmtError, SnapshotError
 from tosca_mlmt.snapshot import read_manifest
 
+# ``snapshot_id`` is the name Snapshot.tables() gives the id (added on read: see there);
+# ``snapshot`` holds the same id, under the name the report's tables group by.
 TURN_COLUMNS = ["snapshot", "episode_id", "problem_id", "turn_index", "round", "role", "kind", "reward", "correct",
-                "response_len", "strategy_name"]
+                "response_len", "strategy_name", "snapshot_id"]
 
 
 @dataclass
@@ -114,7 +116,7 @@ def _turns_v1(folder: Path) -> pd.DataFrame:
 
 
 # One reader per supported snapshot format version, each returning TURN_COLUMNS (less
-# ``snapshot``); tests check that every version in snapshot.SUPPORTED_VERSIONS has one.
+# ``snapshot`` and ``snapshot_id``); tests check that every version in snapshot.SUPPORTED_VERSIONS has one.
 TURN_READERS = {1: _turns_v1, 2: _turns_v1}  # format 2 changed the manifest, not the tables
 
 
@@ -126,7 +128,7 @@ def read_turns(snapshots: dict[str, tuple[Path, dict]]) -> pd.DataFrame:
             raise SnapshotError(f"{folder}: mlmt analyze cannot read snapshot format version "
                                 f"{m['format_version']!r} yet (it reads {', '.join(map(str, TURN_READERS))})")
         try:
-            frames.append(reader(folder).assign(snapshot=sid))
+            frames.append(reader(folder).assign(snapshot=sid, snapshot_id=sid))
         except (OSError, pa.ArrowException) as e:
             raise SnapshotError(f"{folder}: unreadable snapshot data ({e})") from None
     return pd.concat(frames, ignore_index=True)[TURN_COLUMNS] if frames else pd.DataFrame(columns=TURN_COLUMNS)

@@ -70,6 +70,9 @@ class EpisodeConfig(Section):
     max_prompt_tokens: int = knob(1536, "Prompts longer than this are left-truncated (counted in metrics).", min=1)
     counterfactual: bool = knob(False, "Also sample each refine with the feedback cut out of its context and score it "
                                        "(one more solver turn per round), for upper.reward=counterfactual.")
+    leak_penalty: float = knob(0.0, "Subtracted from the writer's reward for a decision whose feedback gives the gold "
+                                    "answer away ('The answer is 15.'; see tosca_mlmt/leak.py); collect logs the "
+                                    "share of such feedback as leak_rate. 0 = measure only.", min=0.0)
     stop_at_answer: bool = knob(True, "End each solver turn at its first complete 'The answer is: N' line (tasks with "
                                       "an answer line: arith, gsm8k); finish_reason 'answer'.")
 

@@ -7,7 +7,8 @@ One transition per writer turn (feedback round k = 1..K of an episode):
 * reward r_k  = ``final``: r_final at the last round, 0 before it; ``improvement``:
   r(attempt k) - r(attempt k-1), which sums to r_final - r1 over the rounds; or
   ``counterfactual``: r(attempt k) - r(attempt k written without g_k); minus
-  ``break_penalty`` when round k turns a correct attempt wrong;
+  ``break_penalty`` when round k turns a correct attempt wrong, and minus
+  ``episode.leak_penalty`` when g_k gives the gold answer away (tosca_mlmt/leak.py);
 * next state  = the writer state of round k + 1 (an index into the same list), terminal
   after the last round; G_k = r_k + gamma * G_{k+1} is the logged return-to-go.
 
@@ -24,6 +25,7 @@ import torch
 
 from tosca_mlmt.records import Episode
 from tosca_mlmt.errors import SnapshotError
+from tosca_mlmt.leak import episode_leaks
 
 
 @dataclass
@@ -60,12 +62,15 @@ def task_type(ep: Episode) -> str:
 
 
 def round_rewards(solver_rewards: list[float], solver_correct: list[bool], mode: str,
-                  break_penalty: float, counterfactual: list[float | None] | None = None) -> list[float]:
+                  break_penalty: float, counterfactual: list[float | None] | None = None,
+                  leaked: list[bool | None] | None = None, leak_penalty: float = 0.0) -> list[float]:
     """Per-round rewards r_1..r_K from the K + 1 solver attempts' rewards (pure).
 
     ``counterfactual[k - 1]`` is the reward of the refine the same solver wrote at round k with
     the feedback cut out of its context (mode ``counterfactual``): r_k = r(y_k) - r(y_k without g_k),
-    the part of the outcome the feedback itself caused."""
+    the part of the outcome the feedback itself caused. ``leaked[k - 1]`` is True when g_k gave
+    the gold answer away: that decision's reward loses ``leak_penalty``, whatever the outcome,
+    because a refine that copied the answer says nothing about the strategy (None = not measured)."""
     K = len(solver_rewards) - 1
     out = []
     for k in range(1, K + 1):
@@ -82,6 +87,8 @@ def round_rewards(solver_rewards: list[float], solver_correct: list[bool], mode:
             raise ValueError(f"unknown reward mode {mode!r}")
         if solver_correct[k - 1] and not solver_correct[k]:
             r -= break_penalty
+        if leaked is not None and leaked[k - 1]:
+            r -= leak_penalty
         out.append(float(r))
     return out
 
@@ -96,7 +103,7 @@ def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
 
 
 def episode_transitions(ep: Episode, snapshot_id: str, reward_mode: str, break_penalty: float,
-                        gamma: float, offset: int) -> list[Transition]:
+                        gamma: float, offset: int, leak_penalty: float = 0.0) -> list[Transition]:
     """Transitions of one episode; ``offset`` is the index its first transition will get."""
     writer = [t for t in ep.turns if t.role == "writer" and t.kind == "feedback"]
     solver = ep.solver_turns
@@ -110,9 +117,10 @@ def episode_transitions(ep: Episode, snapshot_id: str, reward_mode: str, break_p
             raise SnapshotError(f"{snapshot_id}: episode {ep.episode_id} round {t.round} lacks the logged strategy "
                                 "decision (strategy, state_len, behaviour_probs); re-collect with this version")
     cf = [t.info.get("counterfactual_reward") for t in solver[1:]]
+    leaked = episode_leaks(ep) if leak_penalty else None  # measured from the texts: old snapshots work too
     try:
         rewards = round_rewards([float(s.reward or 0.0) for s in solver], [bool(s.correct) for s in solver],
-                                reward_mode, break_penalty, cf)
+                                reward_mode, break_penalty, cf, leaked, leak_penalty)
     except ValueError as e:
         raise SnapshotError(f"{snapshot_id}: episode {ep.episode_id}: {e}") from None
     returns = discounted_returns(rewards, gamma)
@@ -129,12 +137,13 @@ def episode_transitions(ep: Episode, snapshot_id: str, reward_mode: str, break_p
 
 
 def build_transitions(sources: list[tuple[str, list[Episode]]], reward_mode: str = "final",
-                      break_penalty: float = 0.0, gamma: float = 1.0) -> list[Transition]:
+                      break_penalty: float = 0.0, gamma: float = 1.0, leak_penalty: float = 0.0) -> list[Transition]:
     """All transitions of several snapshots, ``sources`` = [(snapshot id, episodes)], in order."""
     out: list[Transition] = []
     for sid, episodes in sources:
         for ep in episodes:
-            out += episode_transitions(ep, sid, reward_mode, break_penalty, gamma, offset=len(out))
+            out += episode_transitions(ep, sid, reward_mode, break_penalty, gamma, offset=len(out),
+                                       leak_penalty=leak_penalty)
     return out
 
 

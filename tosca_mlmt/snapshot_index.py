@@ -1,0 +1,100 @@
+"""Finding snapshots anywhere under a folder, and naming them by a unique id prefix.
+
+Runs keep their snapshots at several depths (``<run>/snapshots/``, ``<run>/rounds/003/lower/
+snapshots/``, a collect's ``--out``), so a folder is searched recursively: a snapshot is a
+folder named ``snap-*`` holding ``manifest.json`` (a run folder has a ``manifest.json`` too,
+hence the name test). Hidden folders are skipped: ``.tmp-*`` are builds in progress.
+
+The same id in two places is the same content (ids are content hashes), so it is listed and
+resolved once, from its first folder in sorted order.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tosca_mlmt.errors import SnapshotError
+from tosca_mlmt.snapshot import read_manifest
+
+
+def _is_snapshot(path: Path) -> bool:
+    return path.name.startswith("snap-") and (path / "manifest.json").is_file()
+
+
+def find_snapshot_dirs(root: str | Path) -> dict[str, Path]:
+    """Snapshot id (its folder name) -> folder, for every snapshot at any depth under ``root``."""
+    root = Path(root)
+    if _is_snapshot(root):
+        return {root.name: root}
+    found: dict[str, Path] = {}
+    for here, dirs, _files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for d in list(dirs):
+            p = Path(here) / d
+            if _is_snapshot(p):
+                found.setdefault(d, p)
+                dirs.remove(d)  # a snapshot holds no snapshots
+    return found
+
+
+def resolve_snapshot(root: str | Path, ref: str) -> Path:
+    """The folder of the snapshot ``ref`` names under ``root``: a full id, or a prefix of
+    exactly one id ("snap-3f2a", or "3f2a" without the "snap-"). No match or several
+    matches raise SnapshotError (the latter listing the candidates)."""
+    if not isinstance(ref, str) or not ref or "/" in ref or ref.startswith("."):
+        raise SnapshotError(f"{ref!r} is not a snapshot id")
+    found = find_snapshot_dirs(root)
+    if ref in found:
+        return found[ref]
+    want = ref if ref.startswith("snap-") or "snap-".startswith(ref) else "snap-" + ref
+    hits = sorted(sid for sid in found if sid.startswith(want))
+    if not hits:
+        raise SnapshotError(f"no snapshot '{ref}' under {root}")
+    if len(hits) > 1:
+        shown = ", ".join(hits[:10]) + (f" and {len(hits) - 10} more" if len(hits) > 10 else "")
+        raise SnapshotError(f"snapshot id prefix '{ref}' is ambiguous under {root}: it matches {shown}; "
+                            "give more characters")
+    return found[hits[0]]
+
+
+def environment_of(m: dict) -> str:
+    """"honest" or "privileged:<what>", as metrics.environment labels episodes (the writer saw
+    the verifier's verdict, or the feedback was the verdict). From the manifest's summary when
+    the writer recorded one (collect), else from its config (train-lower batches have none)."""
+    env = (m.get("summary") or {}).get("environment") if isinstance(m.get("summary"), dict) else None
+    if isinstance(env, str):
+        return env
+    ep = (m.get("config") or {}).get("episode") if isinstance(m.get("config"), dict) else None
+    ep = ep if isinstance(ep, dict) else {}
+    if ep.get("writer_sees") == "verdict":
+        return "privileged:writer_sees_verdict"
+    if ep.get("feedback") == "verdict":
+        return "privileged:verdict_feedback"
+    return "honest"
+
+
+def snapshot_rows(root: str | Path) -> list[dict]:
+    """One row per snapshot under ``root``, oldest first: id, kind, environment, episodes,
+    created, where (its folder relative to ``root``); ``error`` for an unreadable manifest."""
+    root = Path(root)
+    rows = []
+    for sid, folder in find_snapshot_dirs(root).items():
+        where = str(folder.relative_to(root)) if folder != root else "."
+        try:
+            m = read_manifest(folder)
+        except SnapshotError as e:
+            rows.append({"id": sid, "where": where, "error": str(e)})
+            continue
+        rows_ = m.get("rows") if isinstance(m.get("rows"), dict) else {}
+        rows.append({"id": m["id"], "kind": str(m.get("kind") or "?"), "environment": environment_of(m),
+                     "episodes": rows_.get("episodes", "?"), "created": str(m.get("created_at") or "?"),
+                     "where": where})
+    return sorted(rows, key=lambda r: (r.get("created", ""), r["id"]))
+
+
+def row_line(r: dict) -> str:
+    """A row as one line, id first (so ``awk '{print $1}'`` gives the ids)."""
+    if "error" in r:
+        return f"{r['id']}  ERROR {r['error']}  ({r['where']})"
+    return f"{r['id']}  {r['kind']:<17} {r['environment']:<30} episodes={r['episodes']:<6} {r['created']}  {r['where']}"
