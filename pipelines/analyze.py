@@ -17,7 +17,7 @@ from tosca_mlmt.analysis import plots
 from tosca_mlmt.analysis.report import render_report
 from tosca_mlmt.analysis.sources import read_metrics, read_turns, resolve
 from tosca_mlmt.analysis.tables import Tables, compute_tables
-from tosca_mlmt.pipelines.rundir import check_writable
+from tosca_mlmt.pipelines.rundir import RunDir
 from tosca_mlmt.snapshot import check_snapshot
 
 
@@ -28,22 +28,19 @@ class AnalyzeResult:
     tables: Tables
 
 
-def analyze(sources: list[str], out: str | Path, root: str | Path = "snapshots", console=None,
-            verify: bool = True) -> AnalyzeResult:
-    """``verify``: check every snapshot's sizes, hashes and id before reading it."""
-    out = Path(out)
-    check_writable(out)
+def analyze(sources: list[str], out: str | Path, *, console=None, verify: bool = True,
+            root: str | Path = "snapshots") -> AnalyzeResult:
+    """Like every stage but with run folders and snapshots in place of a config (nothing is
+    trained or sampled). ``verify``: check every snapshot's sizes, hashes and id before reading it."""
+    rd = RunDir(out, "analyze", console)
     src = resolve(sources, Path(root))
     if verify:
         for folder, _ in src.snapshots.values():
             check_snapshot(folder)
-    if console is not None:
-        console.print(f"analyze: {len(src.metrics)} metrics file(s), {len(src.snapshots)} snapshot(s)",
-                      highlight=False)
+    rd.say(f"analyze: {len(src.metrics)} metrics file(s), {len(src.snapshots)} snapshot(s)")
     tables = compute_tables(read_metrics(src.metrics), [m for _, m in src.snapshots.values()],
                             read_turns(src.snapshots))
-    out.mkdir(parents=True, exist_ok=True)
-    figures = plots.draw_all(tables, out)
-    report = out / "report.md"
-    report.write_text(render_report(tables, figures, sources))
-    return AnalyzeResult(report, [out / f for f in figures.values()], tables)
+    rd.path.mkdir(parents=True, exist_ok=True)
+    figures = plots.draw_all(tables, rd.path)
+    report = rd.write_text("report.md", render_report(tables, figures, sources))
+    return AnalyzeResult(report, [rd.path / f for f in figures.values()], tables)
