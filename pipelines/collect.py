@@ -96,7 +96,7 @@ def collect(cfg: Config, out: str | Path | None = None, *, console=None, policie
                                  strategies=runner.strategies, summary=summary, timings=timer.as_metrics(""),
                                  parents=cfg.collect.parents)
     with timer("write_snapshot"):
-        sid, created = write_snapshot(cfg.collect.out, episodes, manifest) if dist.is_main() else (None, False)
+        sid, created = write_snapshot(cfg.collect.out, episodes, manifest.to_dict()) if dist.is_main() else (None, False)
         sid, created = dist.broadcast((sid, created))  # readers on every rank may open it now
     summary.update(timer.as_metrics())
     sink = rd.sink(cfg, log_dir or rd.path / "_logs" / f"collect-{_stamp()}-{os.getpid()}", name=sid)

@@ -4,12 +4,43 @@ provenance.json and manifest.json, and the manifest of every snapshot a stage wr
 from __future__ import annotations
 
 import datetime as _dt
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
 from tosca_mlmt import __version__, runtime
 from tosca_mlmt.config import Config
 from tosca_mlmt.episode import to_params
-from tosca_mlmt.snapshot import Manifest
+
+
+@dataclass
+class Manifest:
+    """A snapshot's provenance, whoever writes it (collect, train-lower's batches): the same
+    fields everywhere, so any stage can read any snapshot. ``write_snapshot`` adds the
+    format's own fields (files, rows, id); ``snapshot.INFORMATIONAL`` ones stay out of the id."""
+
+    kind: str
+    config: dict
+    models: dict  # role -> fingerprint
+    task: dict
+    seeds: dict
+    sampling: dict  # role -> sampling parameters
+    strategies: list
+    engine: str
+    parents: list = field(default_factory=list)
+    iteration: int | None = None  # train-lower's batch: the iteration it was sampled for
+    tosca_mlmt_version: str | None = None
+    git_sha: str | None = None
+    packages: dict = field(default_factory=dict)
+    summary: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = {"kind": self.kind, "parents": list(self.parents), "tosca_mlmt_version": self.tosca_mlmt_version,
+             "git_sha": self.git_sha, "config": self.config, "models": self.models, "task": self.task,
+             "seeds": self.seeds, "sampling": self.sampling, "strategies": self.strategies, "engine": self.engine,
+             "packages": self.packages, "summary": self.summary, "timings": self.timings}
+        if self.iteration is not None:
+            d["iteration"] = self.iteration
+        return d
 
 
 def now() -> str:

@@ -143,7 +143,7 @@ def train_lower(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
                             models={r: policies.fingerprint(r) for r in ("solver", "writer")},
                             summary=summarize(episodes), timings=it_timer.as_metrics(""))
                         if dist.is_main():
-                            sid, _ = write_snapshot(run / "snapshots", episodes, manifest)
+                            sid, _ = write_snapshot(run / "snapshots", episodes, manifest.to_dict())
             else:
                 per = lo.problems_per_iteration * cfg.episode.n_samples
                 episodes = [offline[(it * per + j) % len(offline)] for j in range(per)]

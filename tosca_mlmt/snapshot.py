@@ -26,7 +26,7 @@ import os
 import re
 import shutil
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -99,39 +99,6 @@ def _snapshot_id_v1(file_hashes: dict[str, str]) -> str:
 
 def _manifest_sha(manifest: dict) -> str:
     return hashlib.sha256(_canonical({k: v for k, v in manifest.items() if k != "manifest_sha256"})).hexdigest()
-
-
-@dataclass
-class Manifest:
-    """A snapshot's provenance, whoever writes it (collect, train-lower's batches): the same
-    fields everywhere, so any snapshot can be read by any stage. ``write_snapshot`` adds the
-    format's own fields (files, rows, id)."""
-
-    kind: str
-    config: dict
-    models: dict  # role -> fingerprint
-    task: dict
-    seeds: dict
-    sampling: dict  # role -> sampling parameters
-    strategies: list
-    engine: str
-    parents: list = field(default_factory=list)
-    iteration: int | None = None  # train-lower's batch: the iteration it was sampled for
-    # informational (left out of the id)
-    tosca_mlmt_version: str | None = None
-    git_sha: str | None = None
-    packages: dict = field(default_factory=dict)
-    summary: dict = field(default_factory=dict)
-    timings: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        d = {"kind": self.kind, "parents": list(self.parents), "tosca_mlmt_version": self.tosca_mlmt_version,
-             "git_sha": self.git_sha, "config": self.config, "models": self.models, "task": self.task,
-             "seeds": self.seeds, "sampling": self.sampling, "strategies": self.strategies, "engine": self.engine,
-             "packages": self.packages, "summary": self.summary, "timings": self.timings}
-        if self.iteration is not None:
-            d["iteration"] = self.iteration
-        return d
 
 
 # ------------------------------------------------------------------ episodes <-> tables
@@ -208,11 +175,9 @@ def build_manifest(manifest: dict, files: dict[str, dict], rows: dict[str, int])
     return m
 
 
-def write_snapshot(root: str | Path, episodes: list[Episode], manifest: Manifest | dict) -> tuple[str, bool]:
+def write_snapshot(root: str | Path, episodes: list[Episode], manifest: dict) -> tuple[str, bool]:
     """Write atomically; returns (id, created). ``created`` is False when an identical
     snapshot already existed (it is verified and left untouched)."""
-    if isinstance(manifest, Manifest):
-        manifest = manifest.to_dict()
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     clean_stale_tmp(root)
