@@ -78,7 +78,7 @@ def run_method(name: str, preset: Path, extra: dict | None, common: dict, train:
     train_s = time.time() - t0
     # eval: test split, the same problems and eval seed for every method and training seed
     ecfg = load_config(preset, {**common, **(extra or {}), **adapters, "task.split": "test", "seed": 0})
-    report = evaluate(ecfg, folder / "eval")
+    report = evaluate(ecfg, folder / "eval").report
     o = eval_outcomes(folder / "eval")  # per problem, sorted by id: every method pairs up
     out = {"ids": o["ids"], "t1": np.array(o["t1"], dtype=float), "final": np.array(o["final"], dtype=float)}
     return {"method": name, "seed": seed, "train_seconds": round(train_s, 1),

@@ -26,6 +26,6 @@ def analyze(
     Offline: reads metrics.jsonl files and snapshots only. Prints the report's path last on stdout."""
     from tosca_mlmt.pipelines.analyze import analyze as run
 
-    res = run(sources, out, root, console=err, verify=not no_verify)
+    res = run(sources, out, console=err, verify=not no_verify, root=root)
     err.print(f"analyze: {len(res.figures)} figure(s) in {out}; open {res.html} in a browser", highlight=False)
     print(res.report)

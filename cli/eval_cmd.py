@@ -43,7 +43,7 @@ def eval_cmd(
         ov.update(adapters_from_run(run))
     ov.update(flag_overrides(no_wandb))
     ov.update(parse_sets(set_))
-    rep = evaluate(load_config(config, ov), out, console=err, compare_to=compare_to)
+    rep = evaluate(load_config(config, ov), out, console=err, compare_to=compare_to).report
     if "compared_to" in rep:
         _print_comparison(rep["compared_to"])
     print_summary(f"eval on {rep['task']}/{rep['split']}", {k: v for k, v in rep.items() if isinstance(v, (int, float))})

@@ -19,7 +19,7 @@ from tosca_mlmt.analysis.html import render_html
 from tosca_mlmt.analysis.report import render_report
 from tosca_mlmt.analysis.sources import read_episode_texts, read_metrics, read_turns, resolve
 from tosca_mlmt.analysis.tables import Tables, compute_tables, sample_episodes
-from tosca_mlmt.pipelines.rundir import check_writable
+from tosca_mlmt.pipelines.rundir import RunDir
 from tosca_mlmt.snapshot import check_snapshot
 
 
@@ -31,26 +31,22 @@ class AnalyzeResult:
     tables: Tables
 
 
-def analyze(sources: list[str], out: str | Path, root: str | Path = "snapshots", console=None,
-            verify: bool = True) -> AnalyzeResult:
-    """``verify``: check every snapshot's sizes, hashes and id before reading it."""
-    out = Path(out)
-    check_writable(out)
+def analyze(sources: list[str], out: str | Path, *, console=None, verify: bool = True,
+            root: str | Path = "snapshots") -> AnalyzeResult:
+    """Like every stage but with run folders and snapshots in place of a config (nothing is
+    trained or sampled). ``verify``: check every snapshot's sizes, hashes and id before reading it."""
+    rd = RunDir(out, "analyze", console)
     src = resolve(sources, Path(root))
     if verify:
         for folder, _ in src.snapshots.values():
             check_snapshot(folder)
-    if console is not None:
-        console.print(f"analyze: {len(src.metrics)} metrics file(s), {len(src.snapshots)} snapshot(s)",
-                      highlight=False)
+    rd.say(f"analyze: {len(src.metrics)} metrics file(s), {len(src.snapshots)} snapshot(s)")
     tables = compute_tables(read_metrics(src.metrics), [m for _, m in src.snapshots.values()],
                             read_turns(src.snapshots))
-    out.mkdir(parents=True, exist_ok=True)
-    figures = plots.draw_all(tables, out)
-    report = out / "report.md"
-    report.write_text(render_report(tables, figures, sources))
+    rd.path.mkdir(parents=True, exist_ok=True)
+    figures = plots.draw_all(tables, rd.path)
+    report = rd.write_text("report.md", render_report(tables, figures, sources))
     samples = sample_episodes(tables.outcomes, tables.snapshots)
     texts = read_episode_texts(src.snapshots, list(zip(samples["snapshot"], samples["episode_id"])))
-    page = out / "report.html"
-    page.write_text(render_html(tables, out, figures, sources, samples, texts), encoding="utf-8")
-    return AnalyzeResult(report, page, [out / f for f in figures.values()], tables)
+    page = rd.write_text("report.html", render_html(tables, rd.path, figures, sources, samples, texts))
+    return AnalyzeResult(report, page, [rd.path / f for f in figures.values()], tables)

@@ -11,19 +11,18 @@ import datetime as _dt
 import os
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-from tosca_mlmt import __version__, runtime
+from tosca_mlmt import runtime
 from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
-from tosca_mlmt.metrics import MetricsSink, StageTimer, summarize
-from tosca_mlmt.pipelines.rundir import check_writable
+from tosca_mlmt.metrics import StageTimer, summarize
+from tosca_mlmt.pipelines.provenance import snapshot_manifest
+from tosca_mlmt.pipelines.rundir import RunDir
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.rollout.engines import make_engine
-from tosca_mlmt.rollout.runner import EpisodeRunner, to_params
+from tosca_mlmt.rollout.runner import EpisodeRunner
 from tosca_mlmt.samples import sample_rows
 from tosca_mlmt.snapshot import write_snapshot
 from tosca_mlmt.tasks import make_task
@@ -38,13 +37,16 @@ class CollectResult:
     samples: list[dict] = field(default_factory=list)  # a few episodes, readable (samples.sample_rows)
 
 
-def collect(cfg: Config, policies: PolicyPair | None = None, engine=None, log_dir: str | None = None,
-            console=None, problems: list | None = None) -> CollectResult:
-    """``problems`` overrides the task's first ``task.limit`` problems (train-joint rotates them)."""
+def collect(cfg: Config, out: str | Path | None = None, *, console=None, policies: PolicyPair | None = None,
+            engine=None, log_dir: str | None = None, problems: list | None = None) -> CollectResult:
+    """``out``: the snapshot root (default ``collect.out``). ``problems`` overrides the task's
+    first ``task.limit`` problems (train-joint rotates them)."""
+    if out is not None:
+        cfg = replace(cfg, collect=replace(cfg.collect, out=str(out)))
     runtime.setup(cfg)
     # Episodes live in memory until the end: a snapshot root that cannot be written must
     # fail now, not after all of them were generated.
-    check_writable(cfg.collect.out, "collect.out")
+    rd = RunDir(cfg.collect.out, "collect", console, what="collect.out")
     timer = StageTimer()
     with timer("load_task"):
         task = make_task(cfg.task)
@@ -62,12 +64,9 @@ def collect(cfg: Config, policies: PolicyPair | None = None, engine=None, log_di
     # hf: one engine batch of turn-1 prompts per runner batch (so progress moves); vllm schedules
     # the whole turn itself, so it gets every problem at once.
     per_batch = len(problems) if cfg.engine.name == "vllm" else max(1, cfg.engine.batch_size // n)
-    progress = Progress(TextColumn("[bold]collect[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), disable=not (cfg.logging.progress and dist.is_main()), console=console,
-                        transient=False)
-    if console is not None and dist.is_main():
-        console.print(f"collect: {len(problems)} problems x {n} samples on {cfg.engine.name}, "
-                      f"{cfg.episode.rounds} feedback round(s)", highlight=False)
+    progress = rd.progress(cfg)
+    rd.say(f"collect: {len(problems)} problems x {n} samples on {cfg.engine.name}, "
+           f"{cfg.episode.rounds} feedback round(s)")
     with progress:
         batches = [problems[s:s + per_batch] for s in range(0, len(problems), per_batch)]
         mine = dist.shard(len(batches))
@@ -102,39 +101,22 @@ def collect(cfg: Config, policies: PolicyPair | None = None, engine=None, log_di
                           stacklevel=2)
     if hasattr(engine, "sync_seconds"):
         summary["weight_sync_seconds"] = round(engine.sync_seconds, 3)
-    manifest = {
-        "kind": "collect",
-        "parents": list(cfg.collect.parents),
-        "tosca_mlmt_version": __version__,
-        "git_sha": runtime.git_sha(),
-        "config": cfg.to_dict(),
-        "models": {r: policies.fingerprint(r) for r in ("solver", "writer")},
-        "task": {"name": task.name, "split": cfg.task.split, "verifier_version": task.verifier_version,
-                 "problem_ids": [p.id for p in problems], "skipped_rows": skipped,
-                 "n_problems": len(problems)},
-        "seeds": {"seed": cfg.seed},
-        "sampling": {"solver": asdict(to_params(cfg.solver_sampling, cfg.seed, n=n)),
-                     "writer": asdict(to_params(cfg.writer_sampling, cfg.seed,
-                                                max_new_tokens=cfg.episode.max_feedback_tokens))},
-        "strategies": runner.strategies,
-        "engine": cfg.engine.name,
-        "packages": runtime.package_versions(),
-        "summary": summary,
-        "timings": timer.as_metrics(""),
-    }
+    manifest = snapshot_manifest("collect", cfg, task=task, problems=problems, skipped_rows=skipped,
+                                 models={r: policies.fingerprint(r) for r in ("solver", "writer")},
+                                 strategies=runner.strategies, summary=summary, timings=timer.as_metrics(""),
+                                 parents=cfg.collect.parents)
     with timer("write_snapshot"):
-        sid, created = write_snapshot(cfg.collect.out, episodes, manifest) if dist.is_main() else (None, False)
+        sid, created = write_snapshot(cfg.collect.out, episodes, manifest.to_dict()) if dist.is_main() else (None, False)
         sid, created = dist.broadcast((sid, created))  # readers on every rank may open it now
     summary.update(timer.as_metrics())
-    sink = MetricsSink(log_dir or Path(cfg.collect.out) / "_logs" / f"collect-{_stamp()}-{os.getpid()}",
-                       cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_mode, cfg.logging.project, name=sid)
+    sink = rd.sink(cfg, log_dir or rd.path / "_logs" / f"collect-{_stamp()}-{os.getpid()}", name=sid)
     sink.log({"collect/" + k: v for k, v in summary.items()} | {"snapshot_id": sid})
     samples = sample_rows(episodes)
     sink.log_table("collect/samples", samples)
-    sink.close()
+    rd.close()
     if own_engine:
         engine.close()
-    return CollectResult(sid, created, Path(cfg.collect.out) / sid, summary, samples)
+    return CollectResult(sid, created, rd.path / sid, summary, samples)
 
 
 def _stamp() -> str:

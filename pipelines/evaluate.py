@@ -12,14 +12,20 @@ right, so Acc@final measures what a user of the system would get, and right->wro
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.pipelines.collect import collect
-from tosca_mlmt.pipelines.rundir import check_writable
+from tosca_mlmt.pipelines.rundir import RunDir
+
+
+@dataclass
+class EvalResult:
+    path: Path  # eval.json
+    report: dict
 
 
 def adapters_from_run(run: Path) -> dict[str, str]:
@@ -33,30 +39,26 @@ def adapters_from_run(run: Path) -> dict[str, str]:
     return found
 
 
-def evaluate(cfg: Config, out: str | Path, console=None, compare_to: str | Path | None = None) -> dict:
+def evaluate(cfg: Config, out: str | Path, *, console=None, compare_to: str | Path | None = None) -> EvalResult:
     """``compare_to``: an earlier eval folder on the same problems; the before/after comparison
     (``compare_outcomes``) is added to the report as ``compared_to``."""
     if cfg.task.split != "test":
         raise ConfigError("invalid value for field 'task.split': eval runs on held-out problems only (test)")
-    check_writable(out)
+    rd = RunDir(out, "eval", console)
     before = eval_outcomes(compare_to) if compare_to is not None else None  # a bad folder fails before the eval
     cfg = replace(cfg, solver_sampling=replace(cfg.solver_sampling, temperature=0.0),
                   writer_sampling=replace(cfg.writer_sampling, temperature=0.0),
                   # the same selection rule before and after training (episode.strategy_selection, seeded):
                   # switching to argmax only once a writer is trained would compare two protocols
-                  episode=replace(cfg.episode, n_samples=1),
-                  collect=replace(cfg.collect, out=str(Path(out) / "snapshots")))
-    res = collect(cfg, console=console)
+                  episode=replace(cfg.episode, n_samples=1))
+    res = collect(cfg, rd.path / "snapshots", console=console)
     report = {"snapshot_id": res.snapshot_id, "task": cfg.task.name, "split": cfg.task.split,
               "solver_adapter": cfg.model.solver_adapter or None, "writer_adapter": cfg.model.writer_adapter or None,
               "strategy_selection": cfg.episode.strategy_selection, "epsilon": cfg.episode.epsilon, **res.summary}
-    if dist.is_main():  # under torchrun every rank collected its share; one writes
-        if before is not None:
-            after = _outcomes(Path(out) / "snapshots", res.snapshot_id, report.get("environment", "honest"))
-            report["compared_to"] = {"eval": str(compare_to), **compare_outcomes(before, after, compare_to)}
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "eval.json").write_text(json.dumps(report, indent=2))
-    return report
+    if before is not None and dist.is_main():  # under torchrun every rank collected its share; one reports
+        after = _outcomes(rd.path / "snapshots", res.snapshot_id, report.get("environment", "honest"))
+        report["compared_to"] = {"eval": str(compare_to), **compare_outcomes(before, after, compare_to)}
+    return EvalResult(rd.write_json("eval.json", report), report)
 
 
 def _outcomes(snapshots: Path, sid: str, environment: str) -> dict:

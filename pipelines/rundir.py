@@ -1,6 +1,8 @@
-"""What every stage does with its output folder before and around the work: check that it
-can be written, refuse a ``--resume`` whose config drifted from the run's, and keep
-``metrics.jsonl`` in step with the checkpoint a run resumes from.
+"""A stage's output folder (``RunDir``) and what every stage does with it: check that it can
+be written before any work, refuse to reuse it without ``--resume`` and a ``--resume`` whose
+config drifted from the run's, write ``config.yaml`` and the run's provenance, keep
+``metrics.jsonl`` in step with the checkpoint a run resumes from, show the progress bar,
+and write files atomically (rank 0 only).
 
 Drift: a resumed run must train the same thing, so any config field that differs from the
 run's ``config.yaml`` is refused, named with its old and new value. ``logging.*`` may always
@@ -12,15 +14,19 @@ longer run extends the shorter one exactly).
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
 
 import yaml
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
 from tosca_mlmt.errors import ConfigError, MlmtError
+from tosca_mlmt.metrics import MetricsSink
+from tosca_mlmt.pipelines.provenance import now, software
 
 ALWAYS_ALLOWED = ("logging",)
 _UPPER_PERIODS = ("upper.save_every", "upper.keep_checkpoints", "upper.log_every", "upper.eval_every")
@@ -108,27 +114,96 @@ def check_writable(path: str | Path, what: str = "--out") -> None:
     os.unlink(name)
 
 
-def write_config(run: Path, cfg: Config) -> None:
-    """``<run>/config.yaml`` (atomically): what the next ``--resume`` is compared against."""
-    if not dist.is_main():
-        return
-    run.mkdir(parents=True, exist_ok=True)
-    tmp = run / f".config.yaml.{os.getpid()}.tmp"
-    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    os.replace(tmp, run / "config.yaml")
+class RunDir:
+    """The folder a stage writes: ``RunDir(path, stage)`` checks it can be written (creating
+    nothing); the training stages then ``check`` it before any model loads and ``claim`` it
+    once their inputs are read. Files are written by rank 0, atomically."""
 
+    def __init__(self, path: str | Path, stage: str, console=None, what: str = "--out"):
+        self.path = Path(path)
+        self.stage = stage
+        self.console = console
+        self._sink: MetricsSink | None = None
+        check_writable(self.path, what)
 
-def metrics_size(folder: Path) -> int:
-    """Length of ``<folder>/metrics.jsonl`` now: saved with each checkpoint, so a resume can
-    drop what was logged after it (those steps are logged again)."""
-    p = folder / "metrics.jsonl"
-    return p.stat().st_size if p.exists() else 0
+    def holds_run(self) -> bool:
+        # config.yaml is the claim; a checkpoint or train-joint manifest alone is a run that predates it
+        return (any((self.path / f).exists() for f in ("config.yaml", "manifest.json"))
+                or any((self.path / "checkpoints").glob("step-*")))
 
+    def check(self, cfg: Config, resume: bool, allow_drift) -> bool:
+        """Refuse a used folder without ``resume``, and with it a config that drifted from the
+        run's. ``allow_drift``: the user's ``--allow-drift`` fields; None when the caller
+        (train-joint) checked its own config. Returns whether there is a run to continue."""
+        if allow_drift is not None:
+            allow_drift = check_allow_drift(self.stage, allow_drift)
+        used = self.holds_run()
+        if used and not resume:
+            raise MlmtError(f"{self.path} already holds a {self.stage} run; pass --resume to continue it "
+                            "or choose another --out")
+        if used and allow_drift is not None and (self.path / "config.yaml").exists():
+            check_drift(self.path, cfg, self.stage, allow_drift)
+        return used
 
-def rewind_metrics(folder: Path, size: int | None) -> None:
-    """Cut ``metrics.jsonl`` back to ``size`` bytes (None: unknown, leave it)."""
-    p = folder / "metrics.jsonl"
-    if size is None or not dist.is_main() or not p.exists() or p.stat().st_size <= size:
-        return
-    with open(p, "r+b") as f:
-        f.truncate(size)
+    def claim(self, cfg: Config) -> None:
+        """(Re)write ``config.yaml``, what the next ``--resume`` is compared against, once every
+        rank has checked the folder."""
+        dist.barrier()
+        self.write_text("config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+    def provenance(self, **fields) -> dict:
+        """The header of the run's own record (run.json, provenance.json, manifest.json)."""
+        return {"stage": self.stage, "started_at": now(), **software(), **fields}
+
+    def write_text(self, name: str, text: str) -> Path:
+        path = self.path / name
+        if dist.is_main():  # every rank holds the same content; one writes it
+            self.path.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, path)
+        return path
+
+    def write_json(self, name: str, obj) -> Path:
+        return self.write_text(name, json.dumps(obj, indent=2, default=str))
+
+    def read_json(self, name: str) -> dict:
+        """``<run>/<name>`` as a dict; empty when it is missing or not a JSON object."""
+        try:
+            rec = json.loads((self.path / name).read_text())
+        except (OSError, ValueError):
+            return {}
+        return rec if isinstance(rec, dict) else {}
+
+    def say(self, text: str) -> None:
+        if self.console is not None and dist.is_main():
+            self.console.print(text, highlight=False)
+
+    def progress(self, cfg: Config) -> Progress:
+        return Progress(TextColumn(f"[bold]{self.stage}[/] {{task.description}}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), disable=not (cfg.logging.progress and dist.is_main()),
+                        console=self.console, transient=False)
+
+    def sink(self, cfg: Config, folder: str | Path | None = None, name: str | None = None) -> MetricsSink:
+        """The run's metrics sink (``<folder or run>/metrics.jsonl``, wandb when enabled); ``close`` ends it."""
+        self._sink = MetricsSink(folder or self.path, cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_mode,
+                                 cfg.logging.project, name=name or self.path.name)
+        return self._sink
+
+    def close(self) -> None:
+        if self._sink is not None:
+            self._sink.close()
+
+    def metrics_bytes(self) -> int:
+        """Length of ``metrics.jsonl`` now: saved with each checkpoint, so a resume can drop
+        what was logged after it (those steps are logged again)."""
+        p = self.path / "metrics.jsonl"
+        return p.stat().st_size if p.exists() else 0
+
+    def rewind_metrics(self, size: int | None) -> None:
+        """Cut ``metrics.jsonl`` back to ``size`` bytes (None: unknown, leave it)."""
+        p = self.path / "metrics.jsonl"
+        if size is None or not dist.is_main() or not p.exists() or p.stat().st_size <= size:
+            return
+        with open(p, "r+b") as f:
+            f.truncate(size)

@@ -18,24 +18,22 @@ checkpoints), so nothing is lost or repeated.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tosca_mlmt.pipelines.collect import collect
-from tosca_mlmt.pipelines.rundir import (check_allow_drift, check_drift, check_writable, metrics_size,
-                                         rewind_metrics, write_config)
+from tosca_mlmt.pipelines.rundir import RunDir
 from tosca_mlmt.pipelines.train_lower import train_lower
 from tosca_mlmt.pipelines.train_upper import train_upper
 
-from tosca_mlmt import __version__, runtime
+from tosca_mlmt import runtime
 from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
 from tosca_mlmt.errors import MlmtError
 from tosca_mlmt.fsutil import atomic_dir
-from tosca_mlmt.metrics import MetricsSink, StageTimer
+from tosca_mlmt.metrics import StageTimer
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.rollout.engines import make_engine
 from tosca_mlmt.train.checkpoint import CheckpointManager
@@ -49,15 +47,10 @@ class JointResult:
     manifest: dict
 
 
-def _write_json(path: Path, obj) -> None:
-    if not dist.is_main():  # every rank keeps the same manifest in memory; rank 0 writes it
-        return
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
-
-
-def _read_manifest(path: Path) -> dict:
+def _read_manifest(path: Path) -> dict | None:
+    """The resume state; None when there is none yet (killed between config.yaml and it)."""
+    if not path.exists():
+        return None
     try:
         m = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -71,34 +64,24 @@ def _round_dir(run: Path, r: int) -> Path:
     return run / "rounds" / f"{r:03d}"
 
 
-def train_joint(cfg: Config, run_dir: str | Path, resume: bool = False, console=None,
-                policies: PolicyPair | None = None, stop_after: tuple[int, str] | None = None,
-                allow_drift=()) -> JointResult:
+def train_joint(cfg: Config, out: str | Path, *, console=None, resume: bool = False, allow_drift=(),
+                policies: PolicyPair | None = None, stop_after: tuple[int, str] | None = None) -> JointResult:
     """``stop_after=(round, step)`` returns right after that step finished, as a kill would
     (tests use it for the resume-equivalence check). ``allow_drift``: config fields that may
     differ from the run's on resume (see ``rundir.SAFE_DRIFT``)."""
     runtime.setup(cfg)
     jc = cfg.joint
-    run = Path(run_dir)
-    man_path = run / "manifest.json"
-    allow_drift = check_allow_drift("train-joint", allow_drift)
-    check_writable(run)
-    if man_path.exists() and not resume:
-        raise MlmtError(f"{run} already holds a train-joint run; pass --resume or choose another --out")
-    if man_path.exists():
-        manifest = _read_manifest(man_path)
-        if (run / "config.yaml").exists():
-            check_drift(run, cfg, "train-joint", allow_drift)
-    else:
-        manifest = {"stage": "train-joint", "tosca_mlmt_version": __version__, "git_sha": runtime.git_sha(),
-                    "rounds": [], "solver": None, "writer": None, "metrics_bytes": 0}
-    manifest = dist.broadcast(manifest)
-    dist.barrier()  # every rank has read it before rank 0 writes
-    write_config(run, cfg)
-    if dist.is_main() and not man_path.exists():
-        _write_json(man_path, manifest)
+    rd = RunDir(out, "train-joint", console)
+    run = rd.path
+    manifest = _read_manifest(run / "manifest.json") if rd.check(cfg, resume, allow_drift) else None
+    if manifest is None:
+        manifest = rd.provenance(rounds=[], solver=None, writer=None, metrics_bytes=0)
+    manifest = dist.broadcast(manifest)  # every rank has read it before claim lets rank 0 write
+    rd.claim(cfg)
+    if not (run / "manifest.json").exists():
+        rd.write_json("manifest.json", manifest)
     # Lines logged after the manifest's last update belong to a step that runs again.
-    rewind_metrics(run, manifest.get("metrics_bytes"))
+    rd.rewind_metrics(manifest.get("metrics_bytes"))
     policies = policies or PolicyPair(cfg.model, seed=cfg.seed)
     for role in ("solver", "writer"):  # the model cards of what the rounds save say whose step they were
         policies.describe(role, within="train-joint")
@@ -107,8 +90,7 @@ def train_joint(cfg: Config, run_dir: str | Path, resume: bool = False, console=
     if manifest["writer"]:
         policies.load_role("writer", run / manifest["writer"])
     engine = make_engine(cfg, policies)
-    sink = MetricsSink(run, cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_mode, cfg.logging.project,
-                       name=run.name)
+    sink = rd.sink(cfg)
     snap_root = run / "snapshots"
     t_start = time.perf_counter() - manifest.get("seconds_used", 0.0)
     try:
@@ -146,16 +128,16 @@ def train_joint(cfg: Config, run_dir: str | Path, resume: bool = False, console=
                 sink.log({f"joint/time/{step}": timer.seconds[step], "joint/round": r,
                           **{f"joint/{k}": v for k, v in rec.get(f"{step}_metrics", {}).items()}}, step=r)
                 sink.log_table("joint/samples", samples, step=r)  # the round's episodes, to read (wandb only)
-                manifest["metrics_bytes"] = dist.broadcast(metrics_size(run))
-                _write_json(man_path, manifest)
+                manifest["metrics_bytes"] = dist.broadcast(rd.metrics_bytes())
+                rd.write_json("manifest.json", manifest)
                 if stop_after == (r, step):
                     return JointResult(run, manifest)
         if dist.is_main():
             _publish(run, manifest)
-        _write_json(man_path, manifest)
+        rd.write_json("manifest.json", manifest)
         dist.barrier()
     finally:
-        sink.close()
+        rd.close()
         engine.close()
     return JointResult(run, manifest)
 
@@ -179,7 +161,7 @@ def _collect(cfg, rec, manifest, snap_root, policies, engine, r, console) -> lis
     pool = make_task(cfg.task).load(cfg.task.split, cfg.task.limit or None, cfg.task.skip_bad_rows).problems
     # round r takes the next slice of a seeded walk over the pool, so rounds see different problems
     chosen = [pool[i] for i in iteration_indices(len(pool), cfg.joint.collect_problems, r, cfg.seed)]
-    res = collect(ccfg, policies=policies, engine=engine, console=console, problems=chosen)
+    res = collect(ccfg, console=console, policies=policies, engine=engine, problems=chosen)
     rec["snapshot"] = res.snapshot_id
     rec["collect_metrics"] = {k: res.summary[k] for k in ("acc_t1", "acc_final", "delta", "wrong_to_right",
                                                           "right_to_wrong", "leak_rate") if k in res.summary}

@@ -8,31 +8,28 @@ of (seed, i), so a resumed run sees exactly the data the uninterrupted run would
 
 from __future__ import annotations
 
-import json
-import os
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from tosca_mlmt import __version__, runtime
+from tosca_mlmt import runtime
 from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
 from tosca_mlmt.errors import MlmtError
 from tosca_mlmt.lower.learner import LowerLearner
 from tosca_mlmt.lower.trajectory import episode_to_trajectory
-from tosca_mlmt.metrics import MetricsSink, StageTimer, summarize
+from tosca_mlmt.metrics import StageTimer, summarize
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.rollout.engines import make_engine
 from tosca_mlmt.rollout.runner import EpisodeRunner
 from tosca_mlmt.snapshot import load_snapshot, write_snapshot
 from tosca_mlmt.tasks import make_task
 from tosca_mlmt.train.checkpoint import CheckpointManager
-from tosca_mlmt.pipelines.rundir import (check_allow_drift, check_drift, check_writable, metrics_size,
-                                         rewind_metrics, write_config)
+from tosca_mlmt.pipelines.provenance import snapshot_manifest
+from tosca_mlmt.pipelines.rundir import RunDir
 
 
 @dataclass
@@ -55,58 +52,42 @@ def iteration_indices(n_pool: int, per_iter: int, iteration: int, seed: int) -> 
     return out
 
 
-def _init_run(run: Path, cfg: Config, resume: bool, allow_drift, extra: dict) -> None:
-    """Refuse what cannot be continued before any model loads, then (re)write config.yaml."""
-    check_writable(run)
-    cfg_file = run / "config.yaml"
-    if cfg_file.exists() and not resume:
-        raise MlmtError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
-    if cfg_file.exists() and allow_drift is not None:
-        check_drift(run, cfg, "train-lower", allow_drift)
-        before = _read_run_json(run).get("snapshots", [])
-        if before != extra["snapshots"]:
-            raise MlmtError(f"--resume: --snapshot {' '.join(extra['snapshots']) or '(none: online)'} differs from "
+def _open_run(rd: RunDir, cfg: Config, resume: bool, allow_drift, snapshot_ids: list[str]) -> None:
+    """Refuse what cannot be continued before any model loads: a resumed run must read the
+    same snapshots (their ids are in run.json, not in the config)."""
+    if rd.check(cfg, resume, allow_drift) and allow_drift is not None:
+        before = rd.read_json("run.json").get("snapshots", [])
+        if before != snapshot_ids:
+            raise MlmtError(f"--resume: --snapshot {' '.join(snapshot_ids) or '(none: online)'} differs from "
                             f"the run's ({' '.join(before) or 'none: online'}); resume with the same snapshots")
-    dist.barrier()  # every rank has checked before rank 0 writes
-    write_config(run, cfg)
-    if dist.is_main() and not (run / "run.json").exists():  # atomic: a resume reads its snapshot ids
-        tmp = run / f".run.json.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"stage": "train-lower", "tosca_mlmt_version": __version__,
-                                   "git_sha": runtime.git_sha(), **extra}, indent=2))
-        os.replace(tmp, run / "run.json")
 
 
-def _read_run_json(run: Path) -> dict:
-    try:
-        rec = json.loads((run / "run.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return rec if isinstance(rec, dict) else {}
-
-
-def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None = None,
-                snapshot_root: str | Path = "snapshots", resume: bool = False, console=None,
+def train_lower(cfg: Config, out: str | Path, *, console=None, resume: bool = False, allow_drift=(),
+                verify: bool = True, snapshot_ids: list[str] | None = None, snapshot_root: str | Path = "snapshots",
                 policies: PolicyPair | None = None, engine=None, stop_after: int | None = None,
-                init_from: Path | None = None, allow_drift=(), verify: bool = True) -> LowerResult:
+                init_from: Path | None = None) -> LowerResult:
     """``stop_after`` ends the process-equivalent of a crash after that many iterations
     (used by resume tests); checkpoints are written as usual up to then. ``init_from`` is a
     checkpoint whose value head and optimizer state a fresh run starts from (train-joint
     carries the solver's critic and Adam moments from round to round this way).
-    ``allow_drift``: config fields that may differ from the run's on resume (checked by
-    ``rundir.check_allow_drift``); None when the caller (train-joint) checked its own config.
-    ``verify``: check each ``snapshot_ids`` snapshot's sizes, hashes and id before reading it."""
+    ``allow_drift``: config fields that may differ from the run's on resume; None when the
+    caller (train-joint) checked its own config. ``verify``: check each ``snapshot_ids``
+    snapshot's sizes, hashes and id before reading it."""
     runtime.setup(cfg)
-    run = Path(run_dir)
+    rd = RunDir(out, "train-lower", console)
+    run = rd.path
     lo = cfg.lower
-    if allow_drift is not None:
-        allow_drift = check_allow_drift("train-lower", allow_drift)
-    _init_run(run, cfg, resume, allow_drift, {"snapshots": snapshot_ids or []})
+    snapshot_ids = snapshot_ids or []
+    _open_run(rd, cfg, resume, allow_drift, snapshot_ids)
     timer = StageTimer()
     ck = CheckpointManager(run, keep=lo.keep_checkpoints)
     latest = ck.latest() if resume else None  # verified; decided before the model loads
     offline = None
     if snapshot_ids:  # read (and verified) before the model loads: a bad snapshot fails fast
         offline = _load_offline(snapshot_ids, snapshot_root, verify)
+    rd.claim(cfg)
+    if not (run / "run.json").exists():  # a resume reads its snapshot ids
+        rd.write_json("run.json", rd.provenance(snapshots=snapshot_ids))
     with timer("load_models"):
         policies = policies or PolicyPair(cfg.model, seed=cfg.seed)
         trainer = LowerLearner(cfg, policies)
@@ -116,10 +97,10 @@ def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None
         trainer.load(latest)
         state = CheckpointManager.load_state(latest)
         start = state["iteration"]
-        rewind_metrics(run, state.get("metrics_bytes"))
+        rd.rewind_metrics(state.get("metrics_bytes"))
     else:
         if resume:  # nothing was checkpointed: every logged iteration runs again
-            rewind_metrics(run, 0)
+            rd.rewind_metrics(0)
         if init_from is not None:
             trainer.load_trainer_state(Path(init_from))
     task = make_task(cfg.task)
@@ -127,16 +108,14 @@ def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None
         _warn_off_policy(offline, policies)
         offline = [e for _, eps in offline for e in eps]
     else:
-        pool = task.load(cfg.task.split, cfg.task.limit or None, cfg.task.skip_bad_rows).problems
+        loaded = task.load(cfg.task.split, cfg.task.limit or None, cfg.task.skip_bad_rows)
+        pool = loaded.problems
         engine = engine or make_engine(cfg, policies)
         runner = EpisodeRunner(cfg, task, engine, policies)
-    sink = MetricsSink(run, cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_mode, cfg.logging.project,
-                       name=run.name)
+    sink = rd.sink(cfg)
     metrics: dict = {}
     done = start
-    progress = Progress(TextColumn("[bold]train-lower[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        TextColumn("{task.description}"), disable=not (cfg.logging.progress and dist.is_main()),
-                        console=console)
+    progress = rd.progress(cfg)
     with progress:
         bar = progress.add_task("", total=lo.iterations, completed=start)
         for it in range(start, lo.iterations):
@@ -155,15 +134,17 @@ def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None
                 it_timer.seconds["generate"] = runner.gen_seconds - gen0
                 it_timer.seconds["score"] = it_timer.seconds.pop("episodes") - it_timer.seconds["generate"]
                 gen_tokens, sid = int(dist.all_sum({"t": runner.gen_tokens - score0})["t"]), None
-                fp = policies.fingerprint("solver") if lo.keep_snapshots else None  # collective under ZeRO-3
-                if lo.keep_snapshots and dist.is_main():
+                if lo.keep_snapshots:
                     with it_timer("snapshot"):
-                        sid, _ = write_snapshot(run / "snapshots", episodes, {
-                            "kind": "train-lower-batch", "iteration": it, "config": cfg.to_dict(),
-                            "models": {"solver": fp}, "parents": [],
-                            "task": {"name": task.name, "split": cfg.task.split,
-                                     "verifier_version": task.verifier_version,
-                                     "problem_ids": [pool[i].id for i in idx]}})
+                        # the same manifest as collect's, so train-upper can learn from these batches
+                        manifest = snapshot_manifest(
+                            "train-lower-batch", cfg, task=task, problems=[pool[i] for i in idx],
+                            skipped_rows=loaded.skipped_rows, iteration=it, strategies=runner.strategies,
+                            # every rank: fingerprints are collectives under ZeRO-3
+                            models={r: policies.fingerprint(r) for r in ("solver", "writer")},
+                            summary=summarize(episodes), timings=it_timer.as_metrics(""))
+                        if dist.is_main():
+                            sid, _ = write_snapshot(run / "snapshots", episodes, manifest.to_dict())
             else:
                 per = lo.problems_per_iteration * cfg.episode.n_samples
                 episodes = [offline[(it * per + j) % len(offline)] for j in range(per)]
@@ -193,14 +174,14 @@ def train_lower(cfg: Config, run_dir: str | Path, snapshot_ids: list[str] | None
                 with it_timer("checkpoint"):
                     ck.save(done, trainer.save, {"iteration": done, "stage": upd.get("stage", 0),
                                                  "optimizer_steps": trainer.optimizer_steps,
-                                                 "metrics_bytes": metrics_size(run)})
+                                                 "metrics_bytes": rd.metrics_bytes()})
             if stop_after is not None and done >= stop_after:
                 break
     if done == lo.iterations:
         _describe_final(policies, run, snapshot_ids, metrics, done)
         policies.save_role("solver", run / "solver")  # every rank: a collective under ZeRO-3
     trainer.close()
-    sink.close()
+    rd.close()
     dist.barrier()
     return LowerResult(run, done, metrics)
 

@@ -16,27 +16,22 @@ Run folder::
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-from tosca_mlmt import __version__, runtime
+from tosca_mlmt import runtime
 from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
 from tosca_mlmt.errors import MlmtError, SnapshotError
-from tosca_mlmt.metrics import MetricsSink, StageTimer
+from tosca_mlmt.metrics import StageTimer
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.snapshot import load_snapshot
 from tosca_mlmt.train.checkpoint import CheckpointManager
 from tosca_mlmt.upper.dataset import build_transitions, check_strategies
 from tosca_mlmt.upper.learner import UpperLearner
 from tosca_mlmt.upper.report import evaluate_q, preference_table, render_markdown
-from tosca_mlmt.pipelines.rundir import (check_allow_drift, check_drift, check_writable, metrics_size,
-                                         rewind_metrics, write_config)
+from tosca_mlmt.pipelines.provenance import now
+from tosca_mlmt.pipelines.rundir import RunDir
 
 
 @dataclass
@@ -47,8 +42,8 @@ class UpperResult:
     metrics: dict
 
 
-def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies: PolicyPair | None = None,
-                console=None, stop_at: int | None = None, allow_drift=(), verify: bool = True) -> UpperResult:
+def train_upper(cfg: Config, out: str | Path, *, console=None, resume: bool = False, allow_drift=(),
+                verify: bool = True, policies: PolicyPair | None = None, stop_at: int | None = None) -> UpperResult:
     """Run the stage. ``policies`` is used as given (its writer adapter and Q head are the
     starting point and are replaced by the trained ones). ``stop_at`` ends the loop after
     that step without a final checkpoint, as a crash would (tests). ``allow_drift``: config
@@ -56,14 +51,14 @@ def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies
     checked its own config. ``verify``: check every snapshot's sizes, hashes and id first."""
     runtime.setup(cfg)
     uc = cfg.upper
-    run_dir = Path(run_dir)
+    if not uc.snapshots:
+        raise MlmtError("no snapshot to learn from: pass --snapshot ID (repeatable) or set upper.snapshots")
+    rd = RunDir(out, "train-upper", console)
+    run_dir = rd.path
     timer = StageTimer()
     ckm = CheckpointManager(run_dir, keep=uc.keep_checkpoints)
-    if allow_drift is not None:
-        allow_drift = check_allow_drift("train-upper", allow_drift)
-    _check_run_dir(cfg, run_dir, resume, ckm, allow_drift)
+    rd.check(cfg, resume, allow_drift)
     latest = ckm.latest() if resume else None  # verified; decided before the model loads
-    dist.barrier()  # every rank has checked before rank 0 writes
 
     with timer("load_snapshots"):
         snaps = _load_snapshots(cfg, verify)
@@ -81,29 +76,24 @@ def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies
         learner = UpperLearner(cfg, policies, transitions, strategies)
     policies.describe("writer", stage="train-upper", config=cfg, snapshots=list(uc.snapshots))
 
-    write_config(run_dir, cfg)
-    prov = _provenance(cfg, snaps, policies, transitions, strategies)
+    rd.claim(cfg)
+    prov = _provenance(rd, cfg, snaps, policies, transitions, strategies)
     with timer("restore"):
         if latest is not None:
             state = ckm.load_state(latest)  # also restores python/numpy/torch RNG
             learner.load(latest, state["step"])
-            if (run_dir / "provenance.json").exists():
-                prov = json.loads((run_dir / "provenance.json").read_text())
+            prov = rd.read_json("provenance.json") or prov
             prov.setdefault("resumed_from", []).append(latest.name)
-            rewind_metrics(run_dir, state.get("metrics_bytes"))
+            rd.rewind_metrics(state.get("metrics_bytes"))
         elif resume:  # nothing was checkpointed: every logged step runs again
-            rewind_metrics(run_dir, 0)
-    _write_atomic(run_dir / "provenance.json", json.dumps(prov, indent=2, default=str))
+            rd.rewind_metrics(0)
+    rd.write_json("provenance.json", prov)
 
-    sink = MetricsSink(run_dir, cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_mode, cfg.logging.project,
-                       name=run_dir.name)
-    if console is not None and dist.is_main():
-        console.print(f"train-upper: {len(transitions)} decisions from {len(snaps)} snapshot(s), "
-                      f"{len(strategies)} strategies, q_source={uc.q_source}, conservatism={uc.conservatism}, "
-                      f"text={uc.text_loss}; steps {learner.step} -> {uc.steps}", highlight=False)
-    progress = Progress(TextColumn("[bold]train-upper[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), disable=not (cfg.logging.progress and dist.is_main()), console=console,
-                        transient=False)
+    sink = rd.sink(cfg)
+    rd.say(f"train-upper: {len(transitions)} decisions from {len(snaps)} snapshot(s), "
+           f"{len(strategies)} strategies, q_source={uc.q_source}, conservatism={uc.conservatism}, "
+           f"text={uc.text_loss}; steps {learner.step} -> {uc.steps}")
+    progress = rd.progress(cfg)
     last_eval: dict = {}
     last_q = None  # Q of every logged state at the last evaluation (the report reuses it)
     try:
@@ -126,7 +116,7 @@ def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies
                 if step % uc.save_every == 0 or step == uc.steps:
                     with timer("checkpoint"):
                         ckm.save(step, learner.save, {"snapshots": list(uc.snapshots), "stage": "upper",
-                                                      "metrics_bytes": metrics_size(run_dir)})
+                                                      "metrics_bytes": rd.metrics_bytes()})
         if last_q is None:
             last_q = learner.q_all()  # resumed at the very end: nothing was evaluated in this process
             last_eval = evaluate_q(last_q, transitions, strategies, learner.policy)
@@ -139,16 +129,15 @@ def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies
             info = {"snapshots": list(uc.snapshots), "transitions": len(transitions), "steps": learner.step,
                     "episodes": len({(t.snapshot_id, t.episode_id) for t in transitions}), "q_source": uc.q_source,
                     "conservatism": uc.conservatism, "selection": cfg.episode.strategy_selection}
-            _write_atomic(run_dir / "report.md", render_markdown(table, last_eval, info))
-            _write_atomic(run_dir / "report.json", json.dumps({"info": info, "ope": last_eval, "table": table},
-                                                              indent=2))
+            rd.write_text("report.md", render_markdown(table, last_eval, info))
+            rd.write_json("report.json", {"info": info, "ope": last_eval, "table": table})
         sink.log(timer.as_metrics("upper/time/"), step=learner.step)
-        prov.update(finished_at=_now(), final_step=learner.step, timings=timer.as_metrics(""),
+        prov.update(finished_at=now(), final_step=learner.step, timings=timer.as_metrics(""),
                     writer=policies.fingerprint("writer"), final_eval=last_eval)
-        _write_atomic(run_dir / "provenance.json", json.dumps(prov, indent=2, default=str))
+        rd.write_json("provenance.json", prov)
     finally:
         learner.close()
-        sink.close()
+        rd.close()
     dist.barrier()
     return UpperResult(run_dir, writer_dir, learner.step, last_eval)
 
@@ -156,51 +145,23 @@ def train_upper(cfg: Config, run_dir: str | Path, resume: bool = False, policies
 # ---------------------------------------------------------------------- helpers
 
 
-def _check_run_dir(cfg: Config, run_dir: Path, resume: bool, ckm: CheckpointManager, allow_drift) -> None:
-    if not cfg.upper.snapshots:
-        raise MlmtError("no snapshot to learn from: pass --snapshot ID (repeatable) or set upper.snapshots")
-    check_writable(run_dir)
-    used = (run_dir / "config.yaml").exists() or bool(ckm.checkpoints())
-    if used and not resume:
-        raise MlmtError(f"{run_dir} already holds a train-upper run; pass --resume to continue it "
-                        "or choose a new --out")
-    if resume and (run_dir / "config.yaml").exists() and allow_drift is not None:
-        check_drift(run_dir, cfg, "train-upper", allow_drift)
-
-
 def _load_snapshots(cfg: Config, verify: bool = True):
     root = cfg.upper.snapshot_root or cfg.collect.out
     return [load_snapshot(root, sid, verify=verify) for sid in cfg.upper.snapshots]
 
 
-def _provenance(cfg: Config, snaps, policies: PolicyPair, transitions, strategies) -> dict:
-    return {
-        "kind": "train-upper",
-        "started_at": _now(),
-        "snapshots": [{"id": s.id, "created_at": s.manifest.get("created_at"),
-                       "task": s.manifest.get("task", {}).get("name"),
-                       "rows": s.manifest.get("rows"), "models": s.manifest.get("models"),
-                       "acc_t1": s.manifest.get("summary", {}).get("acc_t1"),
-                       "acc_final": s.manifest.get("summary", {}).get("acc_final")} for s in snaps],
-        "parents": [s.id for s in snaps],
-        "decisions": len(transitions),
-        "strategies": strategies,
-        "models_at_start": {"writer": policies.fingerprint("writer")},
-        "seeds": {"seed": cfg.seed},
-        "deterministic": cfg.deterministic,
-        "tosca_mlmt_version": __version__,
-        "git_sha": runtime.git_sha(),
-        "packages": runtime.package_versions(),
-    }
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    if not dist.is_main():
-        return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+def _provenance(rd: RunDir, cfg: Config, snaps, policies: PolicyPair, transitions, strategies) -> dict:
+    return rd.provenance(
+        kind="train-upper",
+        snapshots=[{"id": s.id, "created_at": s.manifest.get("created_at"),
+                    "task": s.manifest.get("task", {}).get("name"),
+                    "rows": s.manifest.get("rows"), "models": s.manifest.get("models"),
+                    "acc_t1": s.manifest.get("summary", {}).get("acc_t1"),
+                    "acc_final": s.manifest.get("summary", {}).get("acc_final")} for s in snaps],
+        parents=[s.id for s in snaps],
+        decisions=len(transitions),
+        strategies=strategies,
+        models_at_start={"writer": policies.fingerprint("writer")},
+        seeds={"seed": cfg.seed},
+        deterministic=cfg.deterministic,
+    )

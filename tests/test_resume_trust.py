@@ -21,8 +21,7 @@ from test_snapshot import make_episodes
 from tosca_mlmt.cli.main import app
 from tosca_mlmt.config import load_config
 from tosca_mlmt.errors import ConfigError, MlmtError, SnapshotError
-from tosca_mlmt.pipelines.rundir import (check_allow_drift, check_drift, check_writable, metrics_size,
-                                         rewind_metrics, write_config)
+from tosca_mlmt.pipelines.rundir import RunDir, check_allow_drift, check_drift, check_writable
 from tosca_mlmt.snapshot import load_snapshot, verify_snapshot, write_snapshot
 from tosca_mlmt.train.checkpoint import CheckpointManager, CheckpointWarning
 
@@ -78,12 +77,13 @@ def test_an_old_format_checkpoint_is_used_unverified_with_a_warning(tmp_path):
 
 def test_metrics_are_cut_back_to_the_checkpoint_they_resume_from(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
-    mark = metrics_size(tmp_path)
+    rd = RunDir(tmp_path, "train-lower")
+    mark = rd.metrics_bytes()
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 2}\n{"step": 3, "torn')
-    rewind_metrics(tmp_path, mark)
+    rd.rewind_metrics(mark)
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
-    rewind_metrics(tmp_path, None)  # a checkpoint that did not record it: left alone
+    rd.rewind_metrics(None)  # a checkpoint that did not record it: left alone
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
@@ -92,7 +92,7 @@ def test_metrics_are_cut_back_to_the_checkpoint_they_resume_from(tmp_path):
 
 def _run_with_config(tmp_path, **over):
     run = tmp_path / "run"
-    write_config(run, load_config(overrides=over))
+    RunDir(run, "train-lower").claim(load_config(overrides=over))
     return run
 
 

@@ -187,3 +187,35 @@ def test_cli_train_upper(snapshot, tmp_path):
     missing = CliRunner().invoke(app, ["train-upper", "--snapshot", "snap-nope", "--root", str(root),
                                        "--out", str(tmp_path / "x"), *sets])
     assert missing.exit_code == 2 and "no snapshot 'snap-nope'" in missing.stderr
+
+
+def test_train_upper_learns_from_a_train_lower_batch_snapshot(pair, snapshot, trained, tmp_path):
+    """train-lower's per-iteration snapshots carry the manifest collect writes (strategies,
+    sampling, both fingerprints, code), so train-upper can learn from them."""
+    from tosca_mlmt.pipelines.train_lower import train_lower
+    from tosca_mlmt.snapshot import INFORMATIONAL, verify_snapshot
+
+    model = pair.model("solver")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _reset_writer(pair, trained["init"])
+    cfg = load_config(overrides={**TINY, "episode.n_samples": 2, "episode.rounds": 1, "lower.iterations": 1,
+                                 "lower.problems_per_iteration": 1, "lower.minibatch_size": 2})
+    train_lower(cfg, tmp_path / "lower", policies=pair)
+    for n, p in model.named_parameters():
+        p.data.copy_(before[n])
+    root = tmp_path / "lower" / "snapshots"
+    (sid,) = [p.name for p in root.iterdir()]
+    batch = load_snapshot(root, sid).manifest
+    collected = load_snapshot(*snapshot).manifest
+    assert verify_snapshot(root / sid) == []  # still content-addressed
+    assert set(batch) == set(collected) | {"iteration"} and batch["kind"] == "train-lower-batch"
+    assert batch["iteration"] == 0 and batch["parents"] == [] and batch["seeds"] == {"seed": cfg.seed}
+    assert [s["name"] for s in batch["strategies"]] == [s["name"] for s in collected["strategies"]]
+    assert set(batch["models"]) == set(batch["sampling"]) == {"solver", "writer"}
+    assert batch["packages"]["tosca-mlmt"] and "git_sha" in batch and batch["task"]["n_problems"] == 1
+    assert {"packages", "git_sha", "summary", "timings"} <= set(INFORMATIONAL)
+
+    res = train_upper(_cfg((root, sid), **{"upper.steps": 1, "upper.save_every": 1, "upper.eval_every": 1}),
+                      tmp_path / "upper", policies=pair)
+    assert res.step == 1 and (res.writer_dir / "q_head.safetensors").exists()
+    assert json.loads((tmp_path / "upper" / "provenance.json").read_text())["parents"] == [sid]
