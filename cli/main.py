@@ -16,6 +16,7 @@ import typer
 from rich.markup import escape
 
 from tosca_mlmt import runtime
+from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.cli.analyze_cmd import analyze
 from tosca_mlmt.cli.common import err, flag_overrides, parse_sets, print_summary, user_errors
 from tosca_mlmt.cli.eval_cmd import eval_cmd
@@ -39,7 +40,8 @@ def _process() -> None:
 @app.command()
 @user_errors
 def collect(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (a preset from configs/ or your own)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config: a file, or a preset name "
+                                                                       "(mlmt, demo; `mlmt config --list-presets`)."),
     task: Optional[str] = typer.Option(None, help="Task: arith, gsm8k, math500, mbpp, jsonl (with "
                                                   "--set task.path=FILE), an installed 'tosca_mlmt.tasks' "
                                                   "entry point, or module:Class."),
@@ -99,13 +101,26 @@ def setup(model: str = typer.Option("smollm2-135m", help="Embedded model name or
 @app.command("config")
 @user_errors
 def config_cmd(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config to resolve."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config to resolve: a file, or a "
+                                                                       "preset name (mlmt, demo; see --list-presets)."),
     explain: bool = typer.Option(False, help="List every field with its default and help text."),
+    list_presets: bool = typer.Option(False, "--list-presets", help="List the shipped presets (usable as -c NAME) "
+                                                                     "with what each is for."),
     set_: list[str] = typer.Option([], "--set", help="Overrides, as for collect."),
 ):
-    """Print the fully resolved config (validated), or every knob with --explain."""
+    """Print the fully resolved config (validated), every knob with --explain, or the presets."""
     from tosca_mlmt.config import describe_fields, load_config
 
+    if list_presets:
+        from tosca_mlmt.config.presets import describe, preset_files
+
+        found = preset_files()
+        if not found:
+            raise ConfigError("no presets installed with this package (configs/ is missing)")
+        width = max(map(len, found))
+        for name, path in found.items():
+            print(f"{name:{width}}  {describe(path)}".rstrip())
+        return
     if explain:
         for name, tp, default, help_ in describe_fields():
             print(f"{name} ({tp}, default {default!r}): {help_}")
