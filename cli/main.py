@@ -18,6 +18,7 @@ from rich.markup import escape
 from tosca_mlmt import runtime
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.cli.analyze_cmd import analyze
+from tosca_mlmt.cli.chat_cmd import chat
 from tosca_mlmt.cli.common import err, flag_overrides, parse_sets, print_summary, user_errors
 from tosca_mlmt.cli.eval_cmd import eval_cmd
 from tosca_mlmt.cli.joint_cmd import train_joint
@@ -136,6 +137,7 @@ app.command("eval")(user_errors(eval_cmd))
 app.command("train-joint")(user_errors(train_joint))
 app.command("analyze")(user_errors(analyze))
 app.command("train-upper")(user_errors(train_upper))
+app.command("chat")(user_errors(chat))
 
 
 @snapshots_app.command("list")
