@@ -14,7 +14,9 @@ from typing import Optional
 import typer
 
 from tosca_mlmt import runtime
+from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.cli.analyze_cmd import analyze
+from tosca_mlmt.cli.chat_cmd import chat
 from tosca_mlmt.cli.common import err, flag_overrides, parse_sets, print_summary, user_errors
 from tosca_mlmt.cli.eval_cmd import eval_cmd
 from tosca_mlmt.cli.export_cmd import export
@@ -38,7 +40,8 @@ def _process() -> None:
 @app.command()
 @user_errors
 def collect(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (a preset from configs/ or your own)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config: a file, or a preset name "
+                                                                       "(mlmt, demo; `mlmt config --list-presets`)."),
     task: Optional[str] = typer.Option(None, help="Task: arith, gsm8k, math500, mbpp, jsonl (with "
                                                   "--set task.path=FILE), an installed 'tosca_mlmt.tasks' "
                                                   "entry point, or module:Class."),
@@ -99,13 +102,26 @@ def setup(model: str = typer.Option("smollm2-135m", help="Embedded model name, l
 @app.command("config")
 @user_errors
 def config_cmd(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config to resolve."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config to resolve: a file, or a "
+                                                                       "preset name (mlmt, demo; see --list-presets)."),
     explain: bool = typer.Option(False, help="List every field with its default and help text."),
+    list_presets: bool = typer.Option(False, "--list-presets", help="List the shipped presets (usable as -c NAME) "
+                                                                     "with what each is for."),
     set_: list[str] = typer.Option([], "--set", help="Overrides, as for collect."),
 ):
-    """Print the fully resolved config (validated), or every knob with --explain."""
+    """Print the fully resolved config (validated), every knob with --explain, or the presets."""
     from tosca_mlmt.config import describe_fields, load_config
 
+    if list_presets:
+        from tosca_mlmt.config.presets import describe, preset_files
+
+        found = preset_files()
+        if not found:
+            raise ConfigError("no presets installed with this package (configs/ is missing)")
+        width = max(map(len, found))
+        for name, path in found.items():
+            print(f"{name:{width}}  {describe(path)}".rstrip())
+        return
     if explain:
         for name, tp, default, help_ in describe_fields():
             print(f"{name} ({tp}, default {default!r}): {help_}")
@@ -122,6 +138,7 @@ app.command("train-joint")(user_errors(train_joint))
 app.command("analyze")(user_errors(analyze))
 app.command("train-upper")(user_errors(train_upper))
 app.command("export")(user_errors(export))
+app.command("chat")(user_errors(chat))
 
 
 def main() -> None:  # pragma: no cover - console entry point

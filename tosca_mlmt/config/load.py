@@ -12,6 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from tosca_mlmt.config.presets import resolve_config, resolve_packaged_file
 from tosca_mlmt.config.root import Config
 from tosca_mlmt.config.section import declared_type, field_types, show, text_problem
 from tosca_mlmt.config.yamlfile import deep_merge, parse_yaml, read_yaml
@@ -86,15 +87,18 @@ def set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """Defaults <- YAML file (may ``include:`` another preset) <- dotted overrides; validated.
+    ``path``: a file, or the name of a shipped preset (``mlmt``; config/presets.py).
 
     Defaults go through the same checks as given values, so a default outside its own range
     (or a section default such as writer_sampling's) fails here, in every test run."""
     tree: dict = {}
     if path is not None:
-        tree = read_yaml(Path(path))
+        tree = read_yaml(resolve_config(path))
     for dotted, value in (overrides or {}).items():
         set_dotted(tree, dotted, value)
     cfg = build(Config, tree)
+    # a preset's `configs/deepspeed/...` still means the shipped JSON when run outside a checkout
+    cfg.distributed.deepspeed = resolve_packaged_file(cfg.distributed.deepspeed)
     cfg.validate()
     return cfg
 

@@ -99,7 +99,8 @@ def _read_bytes(path: Path) -> bytes:
 
 
 def read_yaml(path: Path, depth: int = 0) -> dict:
-    """The mapping in a config file, with its ``include:`` (a path relative to it) merged below."""
+    """The mapping in a config file, with its ``include:`` (a path relative to it, else a preset
+    name) merged below."""
     raw = _read_bytes(path)
     try:
         text = raw.decode("utf-8")
@@ -114,9 +115,15 @@ def read_yaml(path: Path, depth: int = 0) -> dict:
     inc = data.pop("include", None)
     if inc is not None:
         if not isinstance(inc, str) or not inc.strip():
-            raise ConfigError(f"{path}: 'include' must name one YAML file (a path relative to this file), "
+            raise ConfigError(f"{path}: 'include' must name one YAML file (a path relative to this file, or a preset name), "
                               f"got {show(inc)}")
         if depth >= 4:
             raise ConfigError(f"{path}: include chain too deep (more than 4 levels, or a cycle)")
-        data = deep_merge(read_yaml(path.parent / inc, depth + 1), data)
+        target = path.parent / inc
+        if not target.exists():
+            # a file of one's own outside the checkout may build on a shipped preset by name
+            from tosca_mlmt.config.presets import find_preset
+
+            target = find_preset(inc) or target
+        data = deep_merge(read_yaml(target, depth + 1), data)
     return data

@@ -110,6 +110,16 @@ class EpisodeRunner:
         # Different tokenizers: the writer must re-encode the attempt's text (unavoidable).
         return self.fmt["writer"].encode(self._solver_text(ids))
 
+    def choose_strategies(self, q: np.ndarray | None, n_states: int,
+                          rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(actions [B], their probabilities [B], pi_b [B, A]) under ``episode.strategy_selection``.
+        A method so that ``mlmt chat --strategy`` can pin the choice and keep the rest of the turn."""
+        e = self.cfg.episode
+        probs = behaviour_distribution(q, len(self.strategies), e.strategy_selection, e.strategy_temperature,
+                                       e.epsilon)
+        actions, chosen_p = sample_strategies(probs, n_states, rng)
+        return actions, chosen_p, np.broadcast_to(probs, (n_states, len(self.strategies)))
+
     # ------------------------------------------------------------------ the episode
     def run(self, problems: list[Problem], batch_index: int = 0) -> list[Episode]:
         cfg = self.cfg
@@ -154,16 +164,12 @@ class EpisodeRunner:
                     fb = [t for t in ep.turns if t.kind == "feedback"][i]
                     pieces += [f"Feedback after attempt {i + 1}:\n", wfmt.strip_eos(fb.response_ids), "\n\n"]
             states.append(pieces)
-        n_actions = len(self.strategies)
         rendered = [wfmt.user_prompt_with_ids(WRITER_SYSTEM, pieces) for pieces in states]  # (ids, cuts)
         # a Q fitted on too few decisions is noise: selection stays uniform until it has seen enough
         q = (self.policies.q_values([ids[:cuts[-1]] for ids, cuts in rendered])
              if self.policies.q_decisions >= cfg.episode.min_q_decisions else None)
         q_np = None if q is None else q.numpy()
-        probs = behaviour_distribution(q_np, n_actions, cfg.episode.strategy_selection,
-                                       cfg.episode.strategy_temperature, cfg.episode.epsilon)
-        actions, chosen_p = sample_strategies(probs, len(episodes), rng)
-        probs = np.broadcast_to(probs, (len(episodes), n_actions))
+        actions, chosen_p, probs = self.choose_strategies(q_np, len(episodes), rng)
         writer_prompts = []
         for pieces, a in zip(states, actions):
             text = WRITER_STRATEGY.format(instruction=self.strategies[a]["instruction"])
