@@ -216,7 +216,8 @@ def test_format_1_snapshots_are_still_read_and_verified(tmp_path):
     """Written as tosca-mlmt wrote them before format 2: id = hash of the data files only."""
     import hashlib
 
-    from tosca_mlmt.snapshot import _canonical, _snapshot_id_v1, episodes_to_tables, sha256_file
+    from tosca_mlmt.snapshot import _canonical, _snapshot_id_v1, sha256_file
+    from tosca_mlmt.snapshot_tables import episodes_to_tables
 
     build = tmp_path / "build"
     build.mkdir()
@@ -245,7 +246,8 @@ def test_turns_written_before_the_typed_feedback_span_are_read(tmp_path):
     """Older turns files lack the feedback_span and truncated columns and carry the span in info."""
     import pyarrow as pa
 
-    from tosca_mlmt.snapshot import build_manifest, episodes_to_tables, sha256_file
+    from tosca_mlmt.snapshot import build_manifest, sha256_file
+    from tosca_mlmt.snapshot_tables import episodes_to_tables
 
     build = tmp_path / "build"
     build.mkdir()

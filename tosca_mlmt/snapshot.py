@@ -32,10 +32,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tosca_mlmt.records import Episode, FeedbackSpan, Turn
 from tosca_mlmt.errors import SnapshotError
 from tosca_mlmt.fsutil import sha256_file
-from tosca_mlmt.tasks.base import Problem
+from tosca_mlmt.records import Episode
+from tosca_mlmt.snapshot_tables import episodes_to_tables, read_tables, tables_to_episodes, with_snapshot_id
 
 FORMAT_VERSION = 2
 SUPPORTED_VERSIONS = (1, 2)
@@ -48,29 +48,6 @@ INFORMATIONAL = ("id", "manifest_sha256", "created_at", "timings", "summary", "t
 LOCATION_FIELDS = ("logging", "collect.out", "upper.snapshot_root", "task.data_path", "task.path",
                    "model.solver_adapter", "model.writer_adapter", "distributed")
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-
-EPISODE_SCHEMA = pa.schema([
-    ("episode_id", pa.string()), ("problem_id", pa.string()), ("task", pa.string()), ("split", pa.string()),
-    ("sample", pa.int32()), ("question", pa.string()), ("answer", pa.string()), ("problem_meta", pa.string()),
-    ("r1", pa.float64()), ("r_final", pa.float64()), ("rewards", pa.list_(pa.float64())),
-    ("strategies", pa.list_(pa.int32())), ("strategy_names", pa.list_(pa.string())), ("n_turns", pa.int32()),
-])
-TURN_SCHEMA = pa.schema([
-    ("episode_id", pa.string()), ("problem_id", pa.string()), ("turn_index", pa.int32()), ("round", pa.int32()),
-    ("role", pa.string()), ("kind", pa.string()), ("prompt_ids", pa.list_(pa.int32())),
-    ("response_ids", pa.list_(pa.int32())), ("logprobs", pa.list_(pa.float32())), ("finish_reason", pa.string()),
-    ("text", pa.string()), ("reward", pa.float64()), ("correct", pa.bool_()), ("extracted", pa.string()),
-    ("info", pa.string()), ("strategy", pa.int32()), ("strategy_name", pa.string()),
-    ("behaviour_prob", pa.float64()), ("behaviour_probs", pa.list_(pa.float64())),
-    ("q_values", pa.list_(pa.float64())), ("state_len", pa.int32()),
-    ("feedback_span", pa.list_(pa.int32())), ("truncated", pa.bool_()),
-])
-# Columns added after format 2 was first written: older files lack them and read as these
-# defaults (their feedback span is still in ``info``, where the runner used to put it).
-LATE_TURN_COLUMNS = {"feedback_span": None, "truncated": False}
-_TURN_FIELDS = [f.name for f in TURN_SCHEMA
-                if f.name not in ("episode_id", "problem_id", "turn_index", "info", "feedback_span")]
-
 
 def _canonical(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
@@ -104,53 +81,6 @@ def _snapshot_id_v1(file_hashes: dict[str, str]) -> str:
 
 def _manifest_sha(manifest: dict) -> str:
     return hashlib.sha256(_canonical({k: v for k, v in manifest.items() if k != "manifest_sha256"})).hexdigest()
-
-
-# ------------------------------------------------------------------ episodes <-> tables
-
-
-def episodes_to_tables(episodes: list[Episode]) -> tuple[pa.Table, pa.Table]:
-    ep_rows, turn_rows = [], []
-    for ep in episodes:
-        fbs = [t for t in ep.turns if t.kind == "feedback"]
-        p = ep.problem
-        ep_rows.append(dict(
-            episode_id=ep.episode_id, problem_id=p.id, task=p.task, split=p.split, sample=ep.sample,
-            question=p.question, answer=p.answer, problem_meta=p.meta_json(), r1=ep.r1, r_final=ep.r_final,
-            rewards=[t.reward for t in ep.solver_turns], strategies=[t.strategy for t in fbs],
-            strategy_names=[t.strategy_name for t in fbs], n_turns=len(ep.turns)))
-        for t in ep.turns:
-            row = {k: getattr(t, k) for k in _TURN_FIELDS}
-            span = t.feedback_span
-            row.update(episode_id=ep.episode_id, problem_id=p.id, turn_index=t.index,
-                       info=json.dumps(t.info, sort_keys=True, default=str),
-                       feedback_span=None if span is None else [span.start, span.end])
-            turn_rows.append(row)
-    return (pa.Table.from_pylist(ep_rows, schema=EPISODE_SCHEMA),
-            pa.Table.from_pylist(turn_rows, schema=TURN_SCHEMA))
-
-
-def with_snapshot_id(table: pa.Table, sid: str) -> pa.Table:
-    """``table`` with a constant ``snapshot_id`` (string) column appended."""
-    return table.append_column("snapshot_id", pa.array([sid] * table.num_rows, pa.string()))
-
-
-def tables_to_episodes(ep_table: pa.Table, turn_table: pa.Table) -> list[Episode]:
-    if "snapshot_id" in turn_table.column_names:  # added on read (Snapshot.tables), not an Episode field
-        turn_table = turn_table.drop_columns(["snapshot_id"])
-    by_ep: dict[str, list[Turn]] = {}
-    for r in turn_table.to_pylist():
-        info = json.loads(r.pop("info") or "{}")
-        eid, _pid, idx = r.pop("episode_id"), r.pop("problem_id"), r.pop("turn_index")
-        span = r.pop("feedback_span", None) or info.pop("feedback_span", None)
-        r["truncated"] = bool(r.get("truncated"))
-        by_ep.setdefault(eid, []).append(Turn(index=idx, info=info, feedback_span=None if span is None else
-                                              FeedbackSpan(*map(int, span)), **r))
-    out = []
-    for r in ep_table.to_pylist():
-        p = Problem(r["task"], r["problem_id"], r["question"], r["answer"], r["split"], json.loads(r["problem_meta"]))
-        out.append(Episode(r["episode_id"], p, r["sample"], sorted(by_ep.get(r["episode_id"], []), key=lambda t: t.index)))
-    return out
 
 
 # ------------------------------------------------------------------ write
@@ -352,8 +282,7 @@ class Snapshot:
         hashed); it is added here, on read, so rows concatenated from several snapshots still
         say where they came from, and existing snapshots keep their bytes and ids."""
         try:
-            tables = (pq.read_table(self.path / "episodes.parquet").cast(EPISODE_SCHEMA),
-                      _with_late_columns(pq.read_table(self.path / "turns.parquet")).cast(TURN_SCHEMA))
+            tables = read_tables(self.path)
         except (OSError, pa.ArrowException, ValueError) as e:
             raise SnapshotError(f"snapshot {self.path.name}: unreadable data ({type(e).__name__}: {e})") from None
         return tuple(with_snapshot_id(t, self.id) for t in tables)
@@ -364,15 +293,6 @@ class Snapshot:
             return tables_to_episodes(*tables)
         except (KeyError, TypeError, ValueError, AttributeError) as e:  # a forged or foreign file
             raise SnapshotError(f"snapshot {self.path.name}: malformed rows ({type(e).__name__}: {e})") from None
-
-
-def _with_late_columns(turns: pa.Table) -> pa.Table:
-    """A turns table written before LATE_TURN_COLUMNS existed, with them added (defaults)."""
-    for name, default in LATE_TURN_COLUMNS.items():
-        if name not in turns.column_names:
-            typ = TURN_SCHEMA.field(name).type
-            turns = turns.append_column(name, pa.array([default] * turns.num_rows, type=typ))
-    return turns
 
 
 def load_snapshot(root: str | Path, sid: str, verify: bool = True) -> Snapshot:
