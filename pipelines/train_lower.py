@@ -162,6 +162,8 @@ def train_lower(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
             metrics = {f"lower/{k}": v for k, v in {**summary, **upd}.items()}
             for k in range(max(len(t.turn_rewards) for t in trajs)):
                 metrics[f"lower/reward_turn{k}"] = float(np.mean([t.turn_rewards[k] for t in trajs if k < len(t.turn_rewards)]))
+            if cfg.task.reward:  # failed reward calls scored 0 (never fatal): how many, this batch
+                metrics["lower/reward_errors"] = sum("reward_error" in t.info for e in episodes for t in e.turns)
             wall = time.perf_counter() - t0
             metrics.update({f"lower/time/{k}": round(v, 4) for k, v in it_timer.seconds.items()})
             metrics.update({"lower/iteration": it + 1, "lower/gen_tokens_per_s": gen_tokens / max(it_timer.seconds.get("generate", 0), 1e-9),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, run_mlmt
+from conftest import DEBUG_MODEL, TINY, run_mlmt
 from tosca_mlmt.config import load_config, task_names
 from tosca_mlmt.errors import ConfigError, DataError
 from tosca_mlmt.tasks import make_task
@@ -262,3 +262,23 @@ def test_collect_with_a_path_task_and_a_flaky_reward(tmp_path):
     assert "reward service unreachable" in p.stderr
     metrics = (tmp_path / "_logs").glob("*/metrics.jsonl")
     assert '"collect/reward_errors": %d' % len(failed) in next(metrics).read_text()
+
+
+@pytest.mark.slow
+def test_train_lower_counts_failed_reward_calls_per_iteration(tmp_path):
+    """The same flaky reward inside PPO: the run trains on, and each iteration's metrics count
+    exactly the turns whose reward call failed (recomputed here from the batch snapshots)."""
+    from tosca_mlmt.snapshot import load_snapshot
+
+    env = {"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    run = tmp_path / "run"
+    run_mlmt("train-lower", "--out", run, "--no-wandb", "--set", "task.name=byo_plugin:CountTask",
+             "--set", f"task.reward={PLUGIN}:flaky_reward", "--set", "lower.iterations=2",
+             "--set", "lower.problems_per_iteration=2", "--set", "lower.minibatch_size=4",
+             *[a for k, v in DEBUG_MODEL.items() for a in ("--set", f"{k}={v}")], *TINY, env=env, check=True)
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for m in lines:
+        eps = load_snapshot(run / "snapshots", m["lower/snapshot"]).episodes()
+        failed = sum("reward_error" in t.info for e in eps for t in e.turns)
+        assert m["lower/reward_errors"] == failed
+    assert sum(m["lower/reward_errors"] for m in lines) > 0
