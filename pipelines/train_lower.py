@@ -25,6 +25,7 @@ from tosca_mlmt.metrics import StageTimer, summarize
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.rollout.engines import make_engine
 from tosca_mlmt.rollout.runner import EpisodeRunner
+from tosca_mlmt.seeds import stream
 from tosca_mlmt.snapshot import load_snapshot, write_snapshot
 from tosca_mlmt.tasks import make_task
 from tosca_mlmt.train.checkpoint import CheckpointManager
@@ -45,7 +46,7 @@ def iteration_indices(n_pool: int, per_iter: int, iteration: int, seed: int) -> 
     pos = iteration * per_iter
     while len(out) < per_iter:
         epoch, offset = divmod(pos, n_pool)
-        perm = np.random.default_rng([seed, 99, epoch]).permutation(n_pool)
+        perm = stream(seed, "problems", epoch).permutation(n_pool)
         take = min(per_iter - len(out), n_pool - offset)
         out += perm[offset: offset + take].tolist()
         pos += take

@@ -4,12 +4,19 @@ Ground floor: imports nothing of ours. Only ``runtime.setup`` seeds the global g
 (once per stage, from ``seed``); library code that must draw reproducibly whatever ran
 before (e.g. LoRA initialisation, which peft does with torch's global generator) does it
 inside ``seeded``, so it neither depends on nor disturbs the draws around it.
+
+Every other draw comes from a named stream: ``stream(seed, name, *ints)`` is a generator of
+its own, keyed by the run's seed, the purpose's name and the position (batch, step, epoch).
+Two purposes never share draws, so adding draws to one (more strategies, another epoch)
+never shifts another, and no key of one purpose can collide with a key of another.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 
+import numpy as np
 import torch
 
 
@@ -26,3 +33,19 @@ def seeded(seed: int):
         for d in devices:
             torch.cuda.default_generators[d].manual_seed(seed)
         yield
+
+
+def _name_key(name: str) -> int:
+    # a stable 63-bit key per name: Python's hash() is salted per process
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") >> 1
+
+
+def stream(seed: int, name: str, *position: int) -> np.random.Generator:
+    """numpy generator for draws of purpose ``name`` at ``position`` (e.g. batch, epoch)."""
+    return np.random.default_rng([seed, _name_key(name), *position])
+
+
+def torch_stream(seed: int, name: str, *position: int) -> torch.Generator:
+    """torch generator of the same stream (for torch.randperm and friends)."""
+    key = np.random.SeedSequence([seed, _name_key(name), *position]).generate_state(2, np.uint64)
+    return torch.Generator().manual_seed(int(key[0] >> np.uint64(1)))

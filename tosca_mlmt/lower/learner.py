@@ -32,7 +32,7 @@ from tosca_mlmt.lower.scoring import Scores, SolverScorer
 from tosca_mlmt.lower.trajectory import SolverTrajectory, TrajectoryTensors, to_tensors
 from tosca_mlmt.metrics import StageTimer
 from tosca_mlmt.models.policies import PolicyPair
-from tosca_mlmt.seeds import seeded
+from tosca_mlmt.seeds import seeded, stream
 from tosca_mlmt.train.distributed import TrainEngine
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -152,7 +152,7 @@ class LowerLearner:
         means, norms = stats.LossMeans(), []
         self.model.train()
         for epoch in range(lo.epochs):
-            order = np.random.default_rng([self.cfg.seed, step, epoch]).permutation(len(batch))
+            order = stream(self.cfg.seed, "minibatch", step, epoch).permutation(len(batch))
             for mb_start in range(0, len(batch), lo.minibatch_size):
                 mb = order[mb_start: mb_start + lo.minibatch_size]
                 n_micro = (len(mb) + micro - 1) // micro

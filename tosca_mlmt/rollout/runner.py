@@ -24,6 +24,7 @@ from tosca_mlmt.prompts import (REFINE_USER_PREFIX, REFINE_USER_SUFFIX, WRITER_S
                                 WRITER_SYSTEM, ChatFormat)
 from tosca_mlmt.records import Episode, FeedbackSpan, Turn
 from tosca_mlmt.rollout.engines.base import Engine, Generation, SamplingParams
+from tosca_mlmt.seeds import stream
 from tosca_mlmt.strategies import behaviour_distribution, sample_strategies
 from tosca_mlmt.tasks.base import Problem, Task
 
@@ -139,7 +140,7 @@ class EpisodeRunner:
                 ep.turns.append(t)
                 episodes.append(ep)
                 contexts.append(list(prompt) + list(g.token_ids))
-        rng = np.random.default_rng([cfg.seed, batch_index, 17])
+        rng = stream(cfg.seed, "strategy", batch_index)
         for rnd in range(1, cfg.episode.rounds + 1):
             self._feedback_round(episodes, contexts, rnd, batch_index, rng)
         return episodes

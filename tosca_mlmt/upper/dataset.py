@@ -26,6 +26,7 @@ import torch
 from tosca_mlmt.records import Episode
 from tosca_mlmt.errors import SnapshotError
 from tosca_mlmt.leak import episode_leaks
+from tosca_mlmt.seeds import torch_stream
 
 
 @dataclass
@@ -175,5 +176,4 @@ def batch_indices(n: int, batch_size: int, seed: int, step: int) -> list[int]:
 
 @functools.lru_cache(maxsize=4)
 def _permutation(n: int, seed: int, epoch: int) -> tuple[int, ...]:
-    g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % (2**63))
-    return tuple(torch.randperm(n, generator=g).tolist())
+    return tuple(torch.randperm(n, generator=torch_stream(seed, "decisions", epoch)).tolist())

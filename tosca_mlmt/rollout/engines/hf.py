@@ -11,6 +11,7 @@ from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.parallel import full_parameters
 from tosca_mlmt.rollout.engines.base import Generation, SamplingParams
 from tosca_mlmt.rollout.engines.stop import TAIL_TOKENS, apply_stop
+from tosca_mlmt.seeds import seeded
 from tosca_mlmt.tensors import pad_batch
 
 
@@ -104,9 +105,10 @@ class HFEngine:
             max_new_tokens=params.max_new_tokens, do_sample=not params.greedy, temperature=1.0, top_k=0,
             top_p=1.0, num_beams=1, eos_token_id=eos_ids, pad_token_id=pad_id,
         )
-        torch.manual_seed(seed)
-        # ZeRO-3 partitions the weights: generation needs them whole (a no-op otherwise)
-        with self.policies.use(policy), full_parameters(model):
+        # transformers samples from torch's global generator: seed it for this call only, and hand
+        # the caller's state back afterwards. ZeRO-3 partitions the weights: generation needs
+        # them whole (a no-op otherwise).
+        with seeded(seed), self.policies.use(policy), full_parameters(model):
             stops = StoppingCriteriaList([_AnswerLineStop(tok, width, params.stop_regex)] if params.stop_regex else [])
             seqs = model.generate(input_ids=ids, attention_mask=attn, generation_config=gc,
                                   logits_processor=LogitsProcessorList([rec]), stopping_criteria=stops)
