@@ -120,13 +120,14 @@ def _nested_in_joint(run: str, joint_runs: set[str]) -> bool:
 
 def metric_family(curves: pd.DataFrame, prefix: str, levels=("upper", "joint")) -> pd.DataFrame:
     """The curves whose metric starts with ``prefix`` (``q/`` gives one row per strategy and
-    step), with ``name`` = the rest of the metric. A joint run logs each round's final value
-    under ``joint/``; its rounds' nested stage runs restart their steps every round, so they are
-    left out where the joint run has the family: one line per name across the whole run."""
+    step), with ``name`` = the rest of the metric. A joint run logs its stages' records on one
+    global step (older joint runs: each round's final value under ``joint/``); its rounds' nested
+    stage runs restart their steps every round, so they are left out where a run they sit in has
+    the family: one line per name across the whole run."""
     fam = curves[curves["level"].isin(levels) & curves["metric"].str.startswith(prefix)]
     fam = fam.assign(name=fam["metric"].str[len(prefix):])
-    joint = set(fam.loc[fam["level"] == "joint", "run"])
-    keep = [(lvl == "joint" or not _nested_in_joint(r, joint)) for r, lvl in zip(fam["run"], fam["level"])]
+    runs = set(fam["run"])
+    keep = [not _nested_in_joint(r, runs) for r in fam["run"]]
     return fam[keep].reset_index(drop=True)
 
 
