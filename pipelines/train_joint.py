@@ -95,7 +95,9 @@ def train_joint(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
         policies.load_role("writer", run / manifest["writer"])
     engine = make_engine(cfg, policies)
     sink = rd.sink(cfg)
-    timeline = Timeline(sink, manifest.get("global_step", 0))  # cut back with metrics.jsonl above
+    # cut back with metrics.jsonl above; a run from before the timeline has no global_step, and its
+    # records (step = round) number fewer than its lines, so counting them keeps the steps rising
+    timeline = Timeline(sink, manifest.get("global_step", _lines(sink.path)))
     bar = RoundsBar(cfg, console, sum(set(STEPS) <= set(x["done"]) for x in manifest["rounds"]))
     snap_root = run / "snapshots"
     t_start = time.perf_counter() - manifest.get("seconds_used", 0.0)
@@ -158,6 +160,10 @@ def train_joint(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
         rd.close()
         engine.close()
     return JointResult(run, manifest)
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 def _inner_logging(cfg):
