@@ -113,3 +113,25 @@ def test_the_wandb_reader_reads_back_what_was_logged(tmp_path, monkeypatch):
     rows = wandb_history(run_file, expect=299)
     assert [s for s, _ in rows] == list(range(1, 300))
     assert rows[-1][1]["lower/metric_11_with_a_long_name"] == 299 * 11
+
+
+def test_one_bar_counts_rounds_times_steps_and_shows_an_eta():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from tosca_mlmt.pipelines.timeline import RoundsBar
+
+    over = {**FP32, "logging.progress": True, "joint.rounds": 2, "joint.upper_steps": 3, "joint.lower_iterations": 2}
+    out = StringIO()
+    bar = RoundsBar(load_config(overrides=over), Console(file=out, force_terminal=True, width=120), done_rounds=1)
+    task = bar.progress.tasks[0]
+    assert (task.total, task.completed) == (12, 6)  # a resumed run starts after its finished rounds
+    with bar:
+        bar.at(1, "upper", 2)  # collect (1) and two upper steps of round 2
+        assert task.completed == 6 + 1 + 2
+        bar.done(1, "lower")
+        assert task.completed == 12
+    assert "ETA" in out.getvalue() and "round 2/2" in out.getvalue()
+    quiet = RoundsBar(load_config(overrides={**over, "logging.progress": False}), Console(file=StringIO()), 0)
+    assert quiet.progress.disable

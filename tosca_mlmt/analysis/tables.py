@@ -23,8 +23,9 @@ import pandas as pd
 from tosca_mlmt.analysis.stats import bootstrap_mean
 
 LEVELS = ("lower", "upper", "joint")
-# Clocks, throughput and the iteration and round counters describe the machine or the x axis, not learning.
-_BOOKKEEPING = re.compile(r"(^|/)time/|_seconds$|_per_s$|^iteration$|^round$")
+# Clocks, throughput and the iteration, round and step counters describe the machine or the x axis, not
+# learning (``<level>/step``: the stage's own step that a joint run's records carry beside the global one).
+_BOOKKEEPING = re.compile(r"(^|/)time/|_seconds$|_per_s$|^iteration$|^round$|^step$")
 CURVE_COLUMNS = ["run", "level", "metric", "step", "value"]
 BONUS_METRICS = ["bonus/mean", "bonus/corr_correct", "acc_t1", "acc_final"]
 CELLS = [("right", "right"), ("right", "wrong"), ("wrong", "right"), ("wrong", "wrong")]
