@@ -38,9 +38,11 @@ class CollectResult:
 
 
 def collect(cfg: Config, out: str | Path | None = None, *, console=None, policies: PolicyPair | None = None,
-            engine=None, log_dir: str | None = None, problems: list | None = None) -> CollectResult:
+            engine=None, log_dir: str | None = None, problems: list | None = None,
+            prefix: str = "collect") -> CollectResult:
     """``out``: the snapshot root (default ``collect.out``). ``problems`` overrides the task's
-    first ``task.limit`` problems (train-joint rotates them)."""
+    first ``task.limit`` problems (train-joint rotates them). ``prefix``: the metrics' namespace
+    (``eval`` for mlmt eval: held-out numbers must not share a chart with training batches)."""
     if out is not None:
         cfg = replace(cfg, collect=replace(cfg.collect, out=str(out)))
     runtime.setup(cfg)
@@ -110,9 +112,9 @@ def collect(cfg: Config, out: str | Path | None = None, *, console=None, policie
         sid, created = dist.broadcast((sid, created))  # readers on every rank may open it now
     summary.update(timer.as_metrics())
     sink = rd.sink(cfg, log_dir or rd.path / "_logs" / f"collect-{_stamp()}-{os.getpid()}", name=sid)
-    sink.log({"collect/" + k: v for k, v in summary.items()} | {"snapshot_id": sid})
+    sink.log({f"{prefix}/{k}": v for k, v in summary.items()} | {"snapshot_id": sid})
     samples = sample_rows(episodes)
-    sink.log_table("collect/samples", samples)
+    sink.log_table(f"{prefix}/samples", samples)
     rd.close()
     if own_engine:
         engine.close()

@@ -51,7 +51,7 @@ def evaluate(cfg: Config, out: str | Path, *, console=None, compare_to: str | Pa
                   # the same selection rule before and after training (episode.strategy_selection, seeded):
                   # switching to argmax only once a writer is trained would compare two protocols
                   episode=replace(cfg.episode, n_samples=1))
-    res = collect(cfg, rd.path / "snapshots", console=console)
+    res = collect(cfg, rd.path / "snapshots", console=console, prefix="eval")
     report = {"snapshot_id": res.snapshot_id, "task": cfg.task.name, "split": cfg.task.split,
               "solver_adapter": cfg.model.solver_adapter or None, "writer_adapter": cfg.model.writer_adapter or None,
               "strategy_selection": cfg.episode.strategy_selection, "epsilon": cfg.episode.epsilon, **res.summary}

@@ -13,6 +13,9 @@ policies and is rewritten atomically after every finished step; it is also the r
 state. On ``--resume`` the latest saved solver and writer are loaded and the first
 unfinished step continues (train-upper and train-lower resume from their own
 checkpoints), so nothing is lost or repeated.
+
+Metrics: one timeline (``timeline.py``): the stages' records and a ``joint/*`` record per
+finished step, each at the next global step of the joint run's ``metrics.jsonl`` and wandb run.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 from tosca_mlmt.pipelines.collect import collect
 from tosca_mlmt.pipelines.rundir import RunDir
+from tosca_mlmt.pipelines.timeline import RoundsBar, Timeline, round_line
 from tosca_mlmt.pipelines.train_lower import train_lower
 from tosca_mlmt.pipelines.train_upper import train_upper
 
@@ -75,7 +79,7 @@ def train_joint(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
     run = rd.path
     manifest = _read_manifest(run / "manifest.json") if rd.check(cfg, resume, allow_drift) else None
     if manifest is None:
-        manifest = rd.provenance(rounds=[], solver=None, writer=None, metrics_bytes=0)
+        manifest = rd.provenance(rounds=[], solver=None, writer=None, metrics_bytes=0, global_step=0)
     manifest = dist.broadcast(manifest)  # every rank has read it before claim lets rank 0 write
     rd.claim(cfg)
     if not (run / "manifest.json").exists():
@@ -91,9 +95,14 @@ def train_joint(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
         policies.load_role("writer", run / manifest["writer"])
     engine = make_engine(cfg, policies)
     sink = rd.sink(cfg)
+    # cut back with metrics.jsonl above; a run from before the timeline has no global_step, and its
+    # records (step = round) number fewer than its lines, so counting them keeps the steps rising
+    timeline = Timeline(sink, manifest.get("global_step", _lines(sink.path)))
+    bar = RoundsBar(cfg, console, sum(set(STEPS) <= set(x["done"]) for x in manifest["rounds"]))
     snap_root = run / "snapshots"
     t_start = time.perf_counter() - manifest.get("seconds_used", 0.0)
     try:
+        bar.__enter__()
         for r in range(jc.rounds):
             # rank 0's clock decides, or ranks could disagree and wait on each other forever
             over = dist.broadcast(bool(jc.max_seconds) and time.perf_counter() - t_start > jc.max_seconds)
@@ -105,18 +114,21 @@ def train_joint(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
             rec = manifest["rounds"][r]
             rdir = _round_dir(run, r)
             timer = StageTimer()
+            timeline.round = r
+            timeline.on_record = lambda stage, k, r=r: bar.at(r, stage, k)
             for step in STEPS:
                 if step in rec["done"]:
                     continue
+                bar.at(r, step)
                 sync0 = getattr(engine, "sync_seconds", 0.0)
                 samples: list[dict] = []
                 with timer(step):
                     if step == "collect":
                         samples = _collect(cfg, rec, manifest, snap_root, policies, engine, r, console)
                     elif step == "upper":
-                        _upper(cfg, rec, manifest, run, rdir, snap_root, policies, console, r)
+                        _upper(cfg, rec, manifest, run, rdir, snap_root, policies, console, r, timeline.tee("upper"))
                     else:
-                        _lower(cfg, rec, manifest, run, rdir, policies, engine, console, r)
+                        _lower(cfg, rec, manifest, run, rdir, policies, engine, console, r, timeline.tee("lower"))
                     # the rollout engine must serve what the trainers just produced (vLLM: a full
                     # state-dict reload; the writer's weights follow lazily on its next turn)
                     engine.sync_weights("solver")
@@ -125,10 +137,17 @@ def train_joint(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
                 rec["done"].append(step)
                 rec.setdefault("seconds", {})[step] = round(timer.seconds[step], 3)
                 manifest["seconds_used"] = round(time.perf_counter() - t_start, 3)
-                sink.log({f"joint/time/{step}": timer.seconds[step], "joint/round": r,
-                          **{f"joint/{k}": v for k, v in rec.get(f"{step}_metrics", {}).items()}}, step=r)
-                sink.log_table("joint/samples", samples, step=r)  # the round's episodes, to read (wandb only)
+                # the step's own numbers are in the timeline (lower/*, upper/* at their steps); the
+                # collect batch's are here only, under joint/collect/ (not the PPO batch's acc_t1)
+                timeline.log({f"joint/time/{step}": timer.seconds[step], "joint/round": r,
+                              **{f"joint/collect/{k}": v for k, v in rec.get("collect_metrics", {}).items()
+                                 if step == "collect"}})
+                sink.log_table("joint/samples", samples, step=timeline.step)  # the round's episodes (wandb only)
+                bar.done(r, step)
+                if step == STEPS[-1]:
+                    rd.say(round_line(r, jc.rounds, rec, sum(rec["seconds"].values())))
                 manifest["metrics_bytes"] = dist.broadcast(rd.metrics_bytes())
+                manifest["global_step"] = dist.broadcast(timeline.step)
                 rd.write_json("manifest.json", manifest)
                 if stop_after == (r, step):
                     return JointResult(run, manifest)
@@ -137,9 +156,20 @@ def train_joint(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
         rd.write_json("manifest.json", manifest)
         dist.barrier()
     finally:
+        bar.__exit__(None, None, None)
         rd.close()
         engine.close()
     return JointResult(run, manifest)
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _inner_logging(cfg):
+    """The stages log to the joint run's wandb through its timeline, not to runs of their own, and
+    show no bar of their own (rich shows one live display at a time: the joint's)."""
+    return replace(cfg.logging, wandb=False, progress=False)
 
 
 def _collect(cfg, rec, manifest, snap_root, policies, engine, r, console) -> list[dict]:
@@ -153,7 +183,7 @@ def _collect(cfg, rec, manifest, snap_root, policies, engine, r, console) -> lis
     parents = [prev] if prev else []
     ccfg = replace(cfg, seed=cfg.seed + 1000 * r,
                    collect=replace(cfg.collect, out=str(snap_root), parents=parents),
-                   logging=replace(cfg.logging, wandb=False))
+                   logging=_inner_logging(cfg))
     from tosca_mlmt.pipelines.train_lower import iteration_indices
 
     from tosca_mlmt.tasks import make_task
@@ -168,7 +198,7 @@ def _collect(cfg, rec, manifest, snap_root, policies, engine, r, console) -> lis
     return res.samples
 
 
-def _upper(cfg, rec, manifest, run, rdir, snap_root, policies, console, r) -> None:
+def _upper(cfg, rec, manifest, run, rdir, snap_root, policies, console, r, tee=None) -> None:
     jc = cfg.joint
     if jc.freeze_writer or r % jc.upper_every != 0:
         rec["upper"] = None
@@ -176,27 +206,27 @@ def _upper(cfg, rec, manifest, run, rdir, snap_root, policies, console, r) -> No
     first = 0 if jc.replay_window == 0 else max(0, r - jc.replay_window + 1)  # 0 = replay every round
     window = [x["snapshot"] for x in manifest["rounds"][first: r + 1]]
     ucfg = replace(cfg, upper=replace(cfg.upper, snapshots=window, snapshot_root=str(snap_root), steps=jc.upper_steps),
-                   logging=replace(cfg.logging, wandb=False))
+                   logging=_inner_logging(cfg))
     out = rdir / "upper"
     # allow_drift=None: this run's own config was checked against the joint config.yaml
-    res = train_upper(ucfg, out, resume=out.exists(), policies=policies, console=console, allow_drift=None)
+    res = train_upper(ucfg, out, resume=out.exists(), policies=policies, console=console, allow_drift=None, tee=tee)
     rec["upper"] = str(out.relative_to(run))
     rec["upper_snapshots"] = window
     manifest["writer"] = str(res.writer_dir.relative_to(run))
     rec["upper_metrics"] = {k: v for k, v in res.metrics.items() if isinstance(v, (int, float))}
 
 
-def _lower(cfg, rec, manifest, run, rdir, policies, engine, console, r) -> None:
+def _lower(cfg, rec, manifest, run, rdir, policies, engine, console, r, tee=None) -> None:
     if cfg.joint.freeze_solver:
         rec["lower"] = None
         return
     lcfg = replace(cfg, seed=cfg.seed + 1000 * r + 1, lower=replace(cfg.lower, iterations=cfg.joint.lower_iterations),
-                   logging=replace(cfg.logging, wandb=False))
+                   logging=_inner_logging(cfg))
     out = rdir / "lower"
     prev = next((x["lower"] for x in reversed(manifest["rounds"][:r]) if x.get("lower")), None)
     prev_ck = CheckpointManager(run / prev).latest() if prev else None
     res = train_lower(lcfg, out, resume=(out / "config.yaml").exists(), policies=policies, engine=engine,
-                      console=console, init_from=prev_ck, allow_drift=None)
+                      console=console, init_from=prev_ck, allow_drift=None, tee=tee)
     rec["lower"] = str(out.relative_to(run))
     rec["lower_snapshots"] = sorted(p.name for p in (out / "snapshots").iterdir()
                                     if p.is_dir() and not p.name.startswith(".")) if (out / "snapshots").exists() else []

@@ -20,6 +20,7 @@ from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
 from tosca_mlmt.errors import MlmtError
 from tosca_mlmt.lower.learner import LowerLearner
+from tosca_mlmt.lower.stats import group_reward_stats
 from tosca_mlmt.lower.trajectory import episode_to_trajectory
 from tosca_mlmt.metrics import StageTimer, summarize
 from tosca_mlmt.models.policies import PolicyPair
@@ -66,14 +67,15 @@ def _open_run(rd: RunDir, cfg: Config, resume: bool, allow_drift, snapshot_ids: 
 def train_lower(cfg: Config, out: str | Path, *, console=None, resume: bool = False, allow_drift=(),
                 verify: bool = True, snapshot_ids: list[str] | None = None, snapshot_root: str | Path = "snapshots",
                 policies: PolicyPair | None = None, engine=None, stop_after: int | None = None,
-                init_from: Path | None = None) -> LowerResult:
+                init_from: Path | None = None, tee=None) -> LowerResult:
     """``stop_after`` ends the process-equivalent of a crash after that many iterations
     (used by resume tests); checkpoints are written as usual up to then. ``init_from`` is a
     checkpoint whose value head and optimizer state a fresh run starts from (train-joint
     carries the solver's critic and Adam moments from round to round this way).
     ``allow_drift``: config fields that may differ from the run's on resume; None when the
     caller (train-joint) checked its own config. ``verify``: check each ``snapshot_ids``
-    snapshot's sizes, hashes and id before reading it."""
+    snapshot's sizes, hashes and id before reading it. ``tee``: where each metrics record also
+    goes (train-joint's timeline; see ``RunDir.sink``)."""
     runtime.setup(cfg)
     rd = RunDir(out, "train-lower", console)
     run = rd.path
@@ -113,7 +115,7 @@ def train_lower(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
         pool = loaded.problems
         engine = engine or make_engine(cfg, policies)
         runner = EpisodeRunner(cfg, task, engine, policies)
-    sink = rd.sink(cfg)
+    sink = rd.sink(cfg, tee=tee)
     metrics: dict = {}
     done = start
     progress = rd.progress(cfg)
@@ -161,6 +163,8 @@ def train_lower(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
                     it_timer.seconds["engine_sync_total"] = getattr(engine, "sync_seconds", 0.0) - sync0
             summary = summarize(episodes)
             metrics = {f"lower/{k}": v for k, v in {**summary, **upd}.items()}
+            metrics.update({f"lower/{k}": v for k, v in group_reward_stats(
+                [sum(t.turn_rewards) for t in trajs], [t.problem_id for t in trajs]).items()})
             for k in range(max(len(t.turn_rewards) for t in trajs)):
                 metrics[f"lower/reward_turn{k}"] = float(np.mean([t.turn_rewards[k] for t in trajs if k < len(t.turn_rewards)]))
             if cfg.task.reward:  # failed reward calls scored 0 (never fatal): how many, this batch

@@ -43,12 +43,14 @@ class UpperResult:
 
 
 def train_upper(cfg: Config, out: str | Path, *, console=None, resume: bool = False, allow_drift=(),
-                verify: bool = True, policies: PolicyPair | None = None, stop_at: int | None = None) -> UpperResult:
+                verify: bool = True, policies: PolicyPair | None = None, stop_at: int | None = None,
+                tee=None) -> UpperResult:
     """Run the stage. ``policies`` is used as given (its writer adapter and Q head are the
     starting point and are replaced by the trained ones). ``stop_at`` ends the loop after
     that step without a final checkpoint, as a crash would (tests). ``allow_drift``: config
     fields that may differ from the run's on resume; None when the caller (train-joint)
-    checked its own config. ``verify``: check every snapshot's sizes, hashes and id first."""
+    checked its own config. ``verify``: check every snapshot's sizes, hashes and id first.
+    ``tee``: where each metrics record also goes (train-joint's timeline; see ``RunDir.sink``)."""
     runtime.setup(cfg)
     uc = cfg.upper
     if not uc.snapshots:
@@ -89,7 +91,7 @@ def train_upper(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
             rd.rewind_metrics(0)
     rd.write_json("provenance.json", prov)
 
-    sink = rd.sink(cfg)
+    sink = rd.sink(cfg, tee=tee)
     rd.say(f"train-upper: {len(transitions)} decisions from {len(snaps)} snapshot(s), "
            f"{len(strategies)} strategies, q_source={uc.q_source}, conservatism={uc.conservatism}, "
            f"text={uc.text_loss}; steps {learner.step} -> {uc.steps}")

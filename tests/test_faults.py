@@ -228,4 +228,8 @@ def test_train_joint_killed_mid_round_resumes_to_the_same_policies_and_snapshots
     assert key(manifest(run)) == key(manifest(ref))
     assert snapshot_ids(run) == snapshot_ids(ref)
     assert_same_metrics(ref, run)
+    # the one timeline (lower/*, upper/*, joint/* on a global step) survives the kill whole: a record
+    # per step, none twice, none lost (a resumed stage replays what it kept from before its checkpoint)
+    steps = [s for s, _ in metric_steps(run / "metrics.jsonl")]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) > 2 * 3
     assert_nothing_partial_visible(*roots())

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from conftest import DEBUG_MODEL, FP32, run_mlmt
+from test_timeline import wandb_history
 
 pytestmark = pytest.mark.slow
 
@@ -19,10 +20,12 @@ TINY_JOINT = {
 
 
 def test_tiny_train_joint_through_the_cli_then_eval_and_analyze(tmp_path):
-    sets = [a for k, v in TINY_JOINT.items() for a in ("--set", f"{k}={v}")]
+    sets = [a for k, v in {**TINY_JOINT, "logging.wandb": True}.items() for a in ("--set", f"{k}={v}")]
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb")}
     run = tmp_path / "run"
-    p = run_mlmt("train-joint", "--out", run, *sets, check=True)
+    p = run_mlmt("train-joint", "--out", run, *sets, check=True, env=env)
     assert p.stdout.strip().splitlines()[-1] == str(run)
+    assert_one_timeline(run, p.stderr)
     man = json.loads((run / "manifest.json").read_text())
     assert [r["done"] for r in man["rounds"]] == [["collect", "upper", "lower"]] * 2
     for r in man["rounds"]:
@@ -38,7 +41,10 @@ def test_tiny_train_joint_through_the_cli_then_eval_and_analyze(tmp_path):
     ev = tmp_path / "eval"
     run_mlmt("eval", "--run", run, "--out", ev, "--limit", "2", *sets, "--set", "episode.strategy_selection=greedy",
              "--set", "episode.min_q_decisions=0",
-             check=True)
+             check=True, env=env)
+    # held-out numbers under eval/, not beside the training batches' collect/
+    (ev_file,) = ev.glob("snapshots/_logs/*/wandb/offline-run-*/run-*.wandb")
+    assert "eval/acc_t1" in wandb_history(ev_file, expect=1)[0][1]
     rep = json.loads((ev / "eval.json").read_text())
     from tosca_mlmt.snapshot import load_snapshot
 
@@ -52,6 +58,27 @@ def test_tiny_train_joint_through_the_cli_then_eval_and_analyze(tmp_path):
     assert all(f'alt="{f}"' in page for f in ("accuracy per turn", "correction matrix", "Q per strategy",
                                                 "bonus per transition"))
 
+
+def assert_one_timeline(run, stderr: str) -> None:
+    """Every stage's records of every round in the joint run's metrics.jsonl and wandb run, each at
+    its own rising global step; no key with two meanings; a console line per round."""
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in recs]
+    assert steps == list(range(1, len(recs) + 1))
+    lower = [r for r in recs if "lower/acc_t1" in r]
+    upper = [r for r in recs if "upper/td_loss" in r]
+    assert [r["joint/round"] for r in lower] == [0, 1] and {r["joint/round"] for r in upper} == {0, 1}
+    assert all({"lower/reward_mean", "lower/reward_std", "lower/frac_reward_zero_std"} <= r.keys() for r in lower)
+    assert max(r["step"] for r in upper if r["joint/round"] == 0) < lower[0]["step"] < min(
+        r["step"] for r in upper if r["joint/round"] == 1)
+    assert sum("joint/collect/acc_t1" in r for r in recs) == 2 and not any("joint/acc_t1" in r for r in recs)
+    (run_file,) = run.glob("wandb/offline-run-*/run-*.wandb")
+    hist = wandb_history(run_file, expect=len(steps))
+    assert [s for s, _ in hist] == steps
+    keys = set().union(*(r for _, r in hist))
+    assert {"lower/acc_t1", "lower/frac_reward_zero_std", "upper/td_loss", "joint/collect/acc_t1"} <= keys
+    for r in (1, 2):
+        assert f"round {r}/2: acc_t1 " in stderr and "zero-std groups" in stderr
 
 
 def test_a_frozen_writer_spends_no_collect_episodes(tmp_path):

@@ -80,6 +80,7 @@ class MetricsSink:
         self.enabled = parallel.is_main() if enabled is None else enabled
         self.path = self.folder / "metrics.jsonl"
         self.run = None
+        self.tee = None  # (metrics, step) -> None: a copy of each record for another timeline (train-joint's)
         if self.enabled:
             self.folder.mkdir(parents=True, exist_ok=True)
         if self.enabled and wandb_enabled and wandb_mode != "disabled":
@@ -97,6 +98,8 @@ class MetricsSink:
             f.write(json.dumps(rec, default=float) + "\n")
         if self.run is not None:
             self.run.log(metrics, step=step)
+        if self.tee is not None:
+            self.tee(metrics, step)
 
     def log_table(self, key: str, rows: list[dict], step: int | None = None) -> None:
         """Log ``rows`` (dicts with the same keys) as a wandb.Table under ``key``; wandb only,

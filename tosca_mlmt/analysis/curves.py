@@ -37,8 +37,8 @@ def ema_span(n: int) -> int:
 
 
 def x_label(level: str) -> str:
-    # a joint run logs once per round (step = round); the stages log per update step
-    return "round" if level == "joint" else "step"
+    # a joint run logs every level on one global step (runs from before that: joint/* per round)
+    return "step (global)" if level == "joint" else "step"
 
 
 def smoothed(ax, x: pd.Series, y: pd.Series, colour=None, label: str | None = None) -> None:

@@ -118,7 +118,7 @@ def _q_values(t: Tables, out: Path, figures: dict[str, str]) -> str:
         return h + _missing("no upper/q/* or joint/q/* metrics in the metrics.jsonl files")
     caption = (f"The writer's Q-value per feedback strategy, averaged over every logged state, at each "
                f"evaluation step of the upper level (one panel per run: {_sources(t.q_values)}); a joint run "
-               f"shows the value after each round's upper stage. {SMOOTHING}")
+               f"shows every round's evaluations on its global step. {SMOOTHING}")
     return h + _figure(out, figures, "q_values", "Q per strategy", caption)
 
 
@@ -130,8 +130,8 @@ def _bonus_transitions(t: Tables, out: Path, figures: dict[str, str]) -> str:
     n = bt.groupby("transition")["count"].sum()
     counts = ", ".join(f"{k.replace('_to_', ' → ')}: {int(v)}" for k, v in n.items())
     caption = (f"Mean context-dependency bonus of the solver's refines, split by the correction each refine "
-               f"made (turn before → this turn), per update step (a joint run: the last update of each "
-               f"round; {_sources(bt)}). Refines counted over all "
+               f"made (turn before → this turn), per update step (a joint run: every round's updates on its "
+               f"global step; {_sources(bt)}). Refines counted over all "
                f"steps: {html.escape(counts)}. A gap between wrong → right and right → wrong is what the bonus "
                f"is for. {SMOOTHING}")
     return h + _figure(out, figures, "bonus_transitions", "bonus per transition", caption)

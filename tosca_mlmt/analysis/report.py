@@ -107,7 +107,8 @@ def _strategies(t: Tables, figures: dict[str, str]) -> list[str]:
 
 def _q_and_transitions(t: Tables, figures: dict[str, str]) -> list[str]:
     out = ["## Q per strategy and bonus per transition", "",
-           "`q/<strategy>` of the upper level (a joint run: after each round) and `lower/bonus/<transition>/mean` "
+           "`q/<strategy>` of the upper level (a joint run: every round's, on its global step) and "
+           "`lower/bonus/<transition>/mean` "
            "per step, raw faint and smoothed; the values are in the learning-curve tables above.", ""]
     if not len(t.q_values) and not len(t.bonus_transitions):
         return out + _missing("no q/* or bonus/<transition>/* metrics in the metrics.jsonl files")

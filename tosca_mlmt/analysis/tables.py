@@ -23,8 +23,9 @@ import pandas as pd
 from tosca_mlmt.analysis.stats import bootstrap_mean
 
 LEVELS = ("lower", "upper", "joint")
-# Clocks, throughput and the iteration and round counters describe the machine or the x axis, not learning.
-_BOOKKEEPING = re.compile(r"(^|/)time/|_seconds$|_per_s$|^iteration$|^round$")
+# Clocks, throughput and the iteration, round and step counters describe the machine or the x axis, not
+# learning (``<level>/step``: the stage's own step that a joint run's records carry beside the global one).
+_BOOKKEEPING = re.compile(r"(^|/)time/|_seconds$|_per_s$|^iteration$|^round$|^step$")
 CURVE_COLUMNS = ["run", "level", "metric", "step", "value"]
 BONUS_METRICS = ["bonus/mean", "bonus/corr_correct", "acc_t1", "acc_final"]
 CELLS = [("right", "right"), ("right", "wrong"), ("wrong", "right"), ("wrong", "wrong")]
@@ -120,13 +121,14 @@ def _nested_in_joint(run: str, joint_runs: set[str]) -> bool:
 
 def metric_family(curves: pd.DataFrame, prefix: str, levels=("upper", "joint")) -> pd.DataFrame:
     """The curves whose metric starts with ``prefix`` (``q/`` gives one row per strategy and
-    step), with ``name`` = the rest of the metric. A joint run logs each round's final value
-    under ``joint/``; its rounds' nested stage runs restart their steps every round, so they are
-    left out where the joint run has the family: one line per name across the whole run."""
+    step), with ``name`` = the rest of the metric. A joint run logs its stages' records on one
+    global step (older joint runs: each round's final value under ``joint/``); its rounds' nested
+    stage runs restart their steps every round, so they are left out where a run they sit in has
+    the family: one line per name across the whole run."""
     fam = curves[curves["level"].isin(levels) & curves["metric"].str.startswith(prefix)]
     fam = fam.assign(name=fam["metric"].str[len(prefix):])
-    joint = set(fam.loc[fam["level"] == "joint", "run"])
-    keep = [(lvl == "joint" or not _nested_in_joint(r, joint)) for r, lvl in zip(fam["run"], fam["level"])]
+    runs = set(fam["run"])
+    keep = [not _nested_in_joint(r, runs) for r in fam["run"]]
     return fam[keep].reset_index(drop=True)
 
 

@@ -29,6 +29,25 @@ def iteration_stats(tt: TrajectoryTensors, rewards: TokenRewards, scores: Scores
     return out
 
 
+def group_reward_stats(rewards, groups) -> dict:
+    """TRL/verl-style group statistics of one batch: ``rewards`` [N] (an episode's return, the
+    sum of its turns' verifier rewards), ``groups`` [N] (the problem each episode answered).
+
+    ``reward_mean`` is over all episodes; ``reward_std`` is the mean within-group spread (TRL's
+    ``reward_std``; population std, so a group of one has 0); ``frac_reward_zero_std`` is the share
+    of groups whose rewards are all equal: GRPO's advantages are 0 there, so such a group carries
+    no gradient, and a value near 1 says the batch teaches (almost) nothing."""
+    r = np.asarray(rewards, dtype=float)
+    if r.size == 0:
+        return {}
+    by: dict = {}
+    for g, x in zip(groups, r):
+        by.setdefault(g, []).append(x)
+    stds = np.array([np.std(v) for v in by.values()])
+    return {"reward_mean": float(r.mean()), "reward_std": float(stds.mean()),
+            "frac_reward_zero_std": float(np.mean(stds <= 1e-12))}
+
+
 def bonus_stats(terms: BonusTerms | None) -> dict:
     """Bonus size, clipping, and how it splits over the four kinds of correction a refine made;
     ``terms`` is None when no bonus was computed (coefficient 0 or no refines)."""

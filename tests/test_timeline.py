@@ -1,0 +1,137 @@
+"""train-joint's one timeline (pipelines/timeline.py), the group statistics of a PPO batch, the
+round's console line, and a reader for wandb's offline run files (test_joint.py uses it)."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FP32
+from tosca_mlmt.config import load_config
+from tosca_mlmt.lower.stats import group_reward_stats
+from tosca_mlmt.pipelines.rundir import RunDir
+from tosca_mlmt.pipelines.timeline import Timeline, round_line
+
+
+def test_group_reward_stats_on_hand_made_groups():
+    # problem a: all right (zero spread), b: all wrong (zero spread), c: one of two right
+    s = group_reward_stats([1, 1, 0, 0, 1, 0], ["a", "a", "b", "b", "c", "c"])
+    assert s["reward_mean"] == pytest.approx(0.5)
+    assert s["reward_std"] == pytest.approx((0 + 0 + 0.5) / 3)  # the mean within-group std
+    assert s["frac_reward_zero_std"] == pytest.approx(2 / 3)  # a and b carry no GRPO gradient
+    # a group of one has nothing to compare against: zero spread
+    assert group_reward_stats([0.3, 2.0, 1.0], ["x", "y", "y"])["frac_reward_zero_std"] == pytest.approx(0.5)
+    assert group_reward_stats([], []) == {}
+
+
+def _cfg():
+    return load_config(overrides={**FP32, "logging.wandb": False, "logging.progress": False})
+
+
+def test_stage_records_reach_the_timeline_and_a_resumed_stage_replays_what_it_keeps(tmp_path):
+    joint = RunDir(tmp_path / "joint", "train-joint")
+    timeline = Timeline(joint.sink(_cfg()))
+    inner = RunDir(tmp_path / "joint" / "lower", "train-lower")
+    sink = inner.sink(_cfg(), tee=timeline.tee("lower"))
+    for it in (1, 2):
+        sink.log({"lower/acc_t1": it / 10}, step=it)
+    kept = inner.metrics_bytes()
+    sink.log({"lower/acc_t1": 0.3}, step=3)  # after the stage's checkpoint: killed here
+    timeline.log({"joint/time/lower": 1.0})
+    rows = [json.loads(x) for x in (tmp_path / "joint" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r.get("lower/step")) for r in rows] == [(1, 1), (2, 2), (3, 3), (4, None)]
+    # resume: the joint file is cut back to the last finished step (here: nothing), the stage's to
+    # its checkpoint; the stage logs iteration 3 again and its sink replays 1 and 2 first
+    joint.rewind_metrics(0)
+    inner.rewind_metrics(kept)
+    timeline = Timeline(joint.sink(_cfg()), 0)
+    sink = inner.sink(_cfg(), tee=timeline.tee("lower"))
+    sink.log({"lower/acc_t1": 0.3}, step=3)
+    again = [json.loads(x) for x in (tmp_path / "joint" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["lower/step"], r["lower/acc_t1"]) for r in again] == [(1, 1, 0.1), (2, 2, 0.2), (3, 3, 0.3)]
+
+
+def test_round_line_names_the_headline_numbers_and_leaves_out_what_was_not_measured():
+    rec = {"collect_metrics": {"acc_t1": 0.21, "acc_final": 0.24},
+           "lower_metrics": {"reward_mean": 0.18, "reward_std": 0.3, "frac_reward_zero_std": 0.62},
+           "upper_metrics": {"q/verify": 0.5, "q/hint": 0.38, "td_loss": 9.0}}
+    assert round_line(1, 4, rec, 186) == ("round 2/4: acc_t1 0.21 -> final 0.24 (collect), PPO reward 0.18 ±0.30, "
+                                          "zero-std groups 62%, Q spread 0.12, 3.1 min")
+    assert round_line(0, 1, {}, 60) == "round 1/1: 1.0 min"  # frozen writer and solver: only the time
+
+
+def wandb_history(run_file: Path, expect: int = 0, wait: float = 60) -> list[tuple[int, dict]]:
+    """(step, {key: value}) per history record of an offline ``run-*.wandb`` file, once it holds
+    ``expect`` of them: wandb's writer (a service process) may still be writing the file when
+    ``finish`` returned (seen on a loaded machine), so this polls for up to ``wait`` seconds."""
+    deadline = time.monotonic() + wait
+    while len(rows := _read_history(run_file)) < expect and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return rows
+
+
+def _read_history(run_file: Path) -> list[tuple[int, dict]]:
+    """wandb has no public reader for the file: it is a leveldb log (32 KiB blocks of chunks with a
+    7-byte header, after a 7-byte file header) of ``wandb_internal_pb2.Record`` protobufs; a
+    record not yet written whole is left out."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = run_file.read_bytes()
+    if len(data) < 7:  # not even the file header yet
+        return []
+    assert data[:4] == b":W&B", run_file
+    pos, buf, rows = 7, b"", []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if pos + 7 + length > len(data):
+            break
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        buf = chunk if kind in (1, 2) else buf + chunk  # 1 full, 2 first, 3 middle, 4 last
+        if kind in (1, 4):
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            if rec.WhichOneof("record_type") == "history":
+                rows.append((rec.history.step.num,
+                             {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}))
+    return rows
+
+
+def test_the_wandb_reader_reads_back_what_was_logged(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = load_config(overrides={**FP32, "logging.wandb": True, "logging.wandb_mode": "offline",
+                                 "logging.progress": False})
+    sink = RunDir(tmp_path, "train-joint").sink(cfg)
+    for s in range(1, 300):  # long enough to cross wandb's 32 KiB blocks
+        sink.log({f"lower/metric_{j}_with_a_long_name": s * j for j in range(12)}, step=s)
+    sink.close()
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    assert run_file.stat().st_size > 3 * 32768
+    rows = wandb_history(run_file, expect=299)
+    assert [s for s, _ in rows] == list(range(1, 300))
+    assert rows[-1][1]["lower/metric_11_with_a_long_name"] == 299 * 11
+
+
+def test_one_bar_counts_rounds_times_steps_and_shows_an_eta():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from tosca_mlmt.pipelines.timeline import RoundsBar
+
+    over = {**FP32, "logging.progress": True, "joint.rounds": 2, "joint.upper_steps": 3, "joint.lower_iterations": 2}
+    out = StringIO()
+    bar = RoundsBar(load_config(overrides=over), Console(file=out, force_terminal=True, width=120), done_rounds=1)
+    task = bar.progress.tasks[0]
+    assert (task.total, task.completed) == (12, 6)  # a resumed run starts after its finished rounds
+    with bar:
+        bar.at(1, "upper", 2)  # collect (1) and two upper steps of round 2
+        assert task.completed == 6 + 1 + 2
+        bar.done(1, "lower")
+        assert task.completed == 12
+    assert "ETA" in out.getvalue() and "round 2/2" in out.getvalue()
+    quiet = RoundsBar(load_config(overrides={**over, "logging.progress": False}), Console(file=StringIO()), 0)
+    assert quiet.progress.disable
