@@ -25,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
 from tosca_mlmt.errors import ConfigError, MlmtError
+from tosca_mlmt.fsutil import atomic_write_text
 from tosca_mlmt.metrics import MetricsSink
 from tosca_mlmt.pipelines.provenance import now, software
 
@@ -158,10 +159,7 @@ class RunDir:
     def write_text(self, name: str, text: str) -> Path:
         path = self.path / name
         if dist.is_main():  # every rank holds the same content; one writes it
-            self.path.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, path)
+            atomic_write_text(path, text)
         return path
 
     def write_json(self, name: str, obj) -> Path:

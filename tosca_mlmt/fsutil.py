@@ -1,4 +1,4 @@
-"""Folders that appear whole or not at all."""
+"""Files and folders that appear whole or not at all."""
 
 from __future__ import annotations
 
@@ -32,6 +32,20 @@ def atomic_dir(target: str | Path, overwrite: bool = True):
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write ``path`` through a temp file beside it and one rename: a reader (or a resume after a
+    kill) sees the old content or the new, never a torn file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
 
 
 def sha256_file(path: str | Path) -> str:

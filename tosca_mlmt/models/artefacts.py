@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tosca_mlmt import __version__
 from tosca_mlmt.errors import ModelError
+from tosca_mlmt.fsutil import atomic_write_text
 from tosca_mlmt.models.hub import hub_id_of, split_id
 from tosca_mlmt.models.loading import DEBUG, EMBEDDED, resolve_model
 
@@ -126,7 +127,7 @@ def finish_adapter_folder(tmp: Path, folder: Path, *, role: str, base_name: str,
     cfg_file = tmp / ADAPTER_CONFIG
     cfg = json.loads(cfg_file.read_text())
     cfg["base_model_name_or_path"], cfg["revision"] = ref, rev
-    cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    atomic_write_text(cfg_file, json.dumps(cfg, indent=2, sort_keys=True))
     tokenizer.save_pretrained(tmp)
     meta = {"format": META_FORMAT, "kind": "adapter", "role": role, "base": ref, "base_revision": rev,
             "base_sha": base_sha, "adapter_sha": weights_fingerprint(load_file(tmp / "adapter_model.safetensors")),

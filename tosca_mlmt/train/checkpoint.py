@@ -29,7 +29,7 @@ import torch
 
 from tosca_mlmt import parallel as dist
 from tosca_mlmt.errors import MlmtError
-from tosca_mlmt.fsutil import sha256_file
+from tosca_mlmt.fsutil import atomic_write_text, sha256_file
 
 COMPLETE = "complete.json"
 CHECKPOINT_FORMAT = 1
@@ -126,9 +126,7 @@ class CheckpointManager:
                 if final.exists():
                     shutil.rmtree(final)
                 os.replace(tmp, final)
-                pointer = self.dir / ".latest.tmp"
-                pointer.write_text(final.name)
-                os.replace(pointer, self.dir / "latest")
+                atomic_write_text(self.dir / "latest", final.name)
                 self._prune(final)
         finally:
             if main and tmp.exists():
