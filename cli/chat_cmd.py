@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from tosca_mlmt.cli.common import err, parse_sets
+from tosca_mlmt.cli.common import CONFIG, DATA, SEED, SET, common_overrides, err, parse_sets
 
 out = Console(soft_wrap=True, highlight=False)
 
@@ -25,15 +25,16 @@ def chat(
     solver_adapter: Optional[str] = typer.Option(None, "--solver-adapter", help="Solver adapter folder."),
     writer_adapter: Optional[str] = typer.Option(None, "--writer-adapter",
                                                  help="Writer folder: adapter + Q head + strategies."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config: a file or a preset name "
-                                                                       "(model, task and strategy set)."),
-    set_: list[str] = typer.Option([], "--set", help="Any config field (repeatable)."),
     strategy: Optional[str] = typer.Option(None, help="Use this strategy instead of the configured selection."),
     problem: Optional[str] = typer.Option(None, help="One problem; without it, problems are read from stdin, "
                                                      "one a line, until EOF or an empty line."),
     answer: Optional[str] = typer.Option(None, help="Gold answer: show the verifier's verdict on each attempt. "
                                                     "On stdin a line QUESTION<TAB>ANSWER gives its own."),
     sample: bool = typer.Option(False, "--sample", help="Sample with the configured temperatures (default: greedy)."),
+    config: Optional[Path] = CONFIG,
+    set_: list[str] = SET,
+    seed: Optional[int] = SEED,
+    data: Optional[str] = DATA,
 ):
     """Play solve -> feedback -> refine on typed problems: prints each attempt, the writer's strategy
     table (Q-values, selection probabilities, the pick) and feedback, and verdicts given a gold answer."""
@@ -45,7 +46,7 @@ def chat(
           if v is not None}
     if run is not None:
         ov.update(adapters_from_run(run))
-    ov.update({"logging.wandb": False, "logging.progress": False})
+    ov.update(common_overrides(seed, data, no_wandb=True, no_progress=True))  # a terminal session: no logs
     ov.update(parse_sets(set_))
     session = ChatSession(chat_config(load_config(config, ov), greedy=not sample), strategy=strategy, console=err)
     try:

@@ -44,9 +44,22 @@ def parse_sets(sets: list[str]) -> dict:
     return dict(parse_override(s) for s in sets or [])
 
 
-def flag_overrides(no_wandb: bool = False, no_progress: bool = False) -> dict:
-    """The logging switches every command offers, as config overrides."""
-    ov = {}
+# The options every config-driven command takes (collect, train-*, eval, chat): one spelling,
+# one help text and one meaning each, so a flag learnt on one command works on the others.
+CONFIG = typer.Option(None, "--config", "-c", help="YAML config: a file, or a preset name (mlmt, demo; "
+                                                   "`mlmt config --list-presets`).")
+SET = typer.Option([], "--set", help="Any config field, e.g. --set lower.lr=1e-5 (repeatable; applied last).")
+SEED = typer.Option(None, "--seed", help="Master seed (config field seed): problems, strategy choice, sampling, "
+                                         "LoRA init.")
+DATA = typer.Option(None, "--data", help="Data root for gsm8k/math500/mbpp (task.data_path).")
+NO_WANDB = typer.Option(False, "--no-wandb", help="Do not log to wandb (metrics.jsonl is always written).")
+NO_PROGRESS = typer.Option(False, "--no-progress", help="Hide progress bars.")
+
+
+def common_overrides(seed: int | None = None, data: str | None = None, no_wandb: bool = False,
+                     no_progress: bool = False) -> dict:
+    """The common options as config overrides (``--set`` goes on top of them)."""
+    ov: dict = {k: v for k, v in {"seed": seed, "task.data_path": data}.items() if v is not None}
     if no_wandb:
         ov["logging.wandb"] = False
     if no_progress:

@@ -7,7 +7,8 @@ from typing import Optional
 
 import typer
 
-from tosca_mlmt.cli.common import err, flag_overrides, parse_sets, print_summary
+from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, common_overrides, err, parse_sets,
+                                  print_summary)
 
 
 def eval_cmd(
@@ -15,19 +16,21 @@ def eval_cmd(
     run: Optional[Path] = typer.Option(None, "--run", help="A training run folder (uses its solver/ and writer/)."),
     solver: Optional[str] = typer.Option(None, help="Solver adapter folder (instead of --run)."),
     writer: Optional[str] = typer.Option(None, help="Writer folder: adapter + Q head + strategies (instead of --run)."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config."),
     task: Optional[str] = typer.Option(None, help="Task: arith, gsm8k, math500, mbpp, jsonl (with "
                                                   "--set task.path=FILE), an installed 'tosca_mlmt.tasks' "
                                                   "entry point, or module:Class."),
-    data: Optional[str] = typer.Option(None, help="Data root for gsm8k/math500/mbpp."),
     split: str = typer.Option("test", help="Must be test: eval never touches training problems."),
     limit: Optional[int] = typer.Option(None, help="Number of held-out problems (0 = all)."),
     engine: Optional[str] = typer.Option(None, help="hf or vllm."),
-    set_: list[str] = typer.Option([], "--set", help="Any config field (repeatable)."),
-    no_wandb: bool = typer.Option(False, "--no-wandb", help="Do not log to wandb."),
     compare_to: Optional[Path] = typer.Option(None, "--compare-to", help="An earlier eval folder on the same "
                                               "problems (e.g. the untrained pair): print before/after with 95 % "
                                               "intervals, the paired difference and McNemar's p; saved in eval.json."),
+    config: Optional[Path] = CONFIG,
+    set_: list[str] = SET,
+    seed: Optional[int] = SEED,
+    data: Optional[str] = DATA,
+    no_wandb: bool = NO_WANDB,
+    no_progress: bool = NO_PROGRESS,
 ):
     """Run solve -> feedback -> refine greedily on held-out problems (no oracle stop) and report
     Acc@t1, Acc@final, delta, wrong->right, right->wrong, strategy counts and lengths."""
@@ -36,12 +39,12 @@ def eval_cmd(
     from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.evaluate import adapters_from_run, evaluate
 
-    ov = {k: v for k, v in {"task.name": task, "task.data_path": data, "task.split": split, "task.limit": limit,
+    ov = {k: v for k, v in {"task.name": task, "task.split": split, "task.limit": limit,
                             "engine.name": engine, "model.solver_adapter": solver,
                             "model.writer_adapter": writer}.items() if v is not None}
     if run is not None:
         ov.update(adapters_from_run(run))
-    ov.update(flag_overrides(no_wandb))
+    ov.update(common_overrides(seed, data, no_wandb, no_progress))
     ov.update(parse_sets(set_))
     rep = evaluate(load_config(config, ov), out, console=err, compare_to=compare_to).report
     if "compared_to" in rep:

@@ -7,20 +7,24 @@ from typing import Optional
 
 import typer
 
-from tosca_mlmt.cli.common import err, flag_overrides, parse_sets, print_summary
+from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, common_overrides, err, parse_sets,
+                                  print_summary)
 
 
 def train_joint(
     out: Path = typer.Option(..., "--out", "-o", help="Run folder (manifest.json links rounds, snapshots, runs)."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config, e.g. configs/mlmt.yaml."),
     rounds: Optional[int] = typer.Option(None, help="Rounds (joint.rounds)."),
     engine: Optional[str] = typer.Option(None, help="Rollout engine: hf or vllm."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out after a crash or kill."),
     allow_drift: list[str] = typer.Option([], "--allow-drift", metavar="FIELD",
                                           help="On --resume, accept this changed config field (repeatable; only "
                                                "fields safe to change, see the README)."),
-    set_: list[str] = typer.Option([], "--set", help="Any config field (repeatable)."),
-    no_wandb: bool = typer.Option(False, "--no-wandb", help="Do not log to wandb."),
+    config: Optional[Path] = CONFIG,
+    set_: list[str] = SET,
+    seed: Optional[int] = SEED,
+    data: Optional[str] = DATA,
+    no_wandb: bool = NO_WANDB,
+    no_progress: bool = NO_PROGRESS,
 ):
     """Hierarchical RL: each round collects a snapshot, fits the writer offline on it (plus a replay
     window), then runs online PPO iterations of the solver."""
@@ -28,7 +32,7 @@ def train_joint(
     from tosca_mlmt.pipelines.train_joint import train_joint as run
 
     ov = {k: v for k, v in {"joint.rounds": rounds, "engine.name": engine}.items() if v is not None}
-    ov.update(flag_overrides(no_wandb))
+    ov.update(common_overrides(seed, data, no_wandb, no_progress))
     ov.update(parse_sets(set_))
     res = run(load_config(config, ov), out, resume=resume, console=err, allow_drift=tuple(allow_drift))
     for rec in res.manifest["rounds"]:

@@ -7,12 +7,12 @@ from typing import Optional
 
 import typer
 
-from tosca_mlmt.cli.common import err, flag_overrides, parse_sets, print_summary
+from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, common_overrides, err, parse_sets,
+                                  print_summary)
 
 
 def train_lower(
     out: Path = typer.Option(..., "--out", "-o", help="Run folder (checkpoints, metrics, snapshots, final adapter)."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (e.g. configs/lower.yaml)."),
     snapshot: list[str] = typer.Option([], "--snapshot", help="Train on these snapshots instead of collecting (repeatable)."),
     root: Path = typer.Option(Path("snapshots"), help="Snapshot root for --snapshot."),
     iterations: Optional[int] = typer.Option(None, help="PPO iterations (lower.iterations)."),
@@ -26,8 +26,12 @@ def train_lower(
                                                "fields safe to change, see the README)."),
     no_verify: bool = typer.Option(False, "--no-verify",
                                    help="Read snapshots without checking their sizes, hashes and id."),
-    set_: list[str] = typer.Option([], "--set", help="Any config field: --set lower.bonus.coef=0.2 (repeatable)."),
-    no_wandb: bool = typer.Option(False, "--no-wandb", help="Do not log to wandb (metrics.jsonl is always written)."),
+    config: Optional[Path] = CONFIG,
+    set_: list[str] = SET,
+    seed: Optional[int] = SEED,
+    data: Optional[str] = DATA,
+    no_wandb: bool = NO_WANDB,
+    no_progress: bool = NO_PROGRESS,
 ):
     """Train the solver (turn 1 and every refine) with PPO; online unless --snapshot is given."""
     from tosca_mlmt.config import load_config
@@ -35,7 +39,7 @@ def train_lower(
 
     ov = {k: v for k, v in {"lower.iterations": iterations, "task.name": task, "engine.name": engine}.items()
           if v is not None}
-    ov.update(flag_overrides(no_wandb))
+    ov.update(common_overrides(seed, data, no_wandb, no_progress))
     ov.update(parse_sets(set_))
     cfg = load_config(config, ov)
     res = run(cfg, out, snapshot_ids=list(snapshot) or None, snapshot_root=root, resume=resume, console=err,

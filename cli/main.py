@@ -17,7 +17,8 @@ from tosca_mlmt import runtime
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.cli.analyze_cmd import analyze
 from tosca_mlmt.cli.chat_cmd import chat
-from tosca_mlmt.cli.common import err, flag_overrides, parse_sets, print_summary, user_errors
+from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, common_overrides, err, parse_sets,
+                                  print_summary, user_errors)
 from tosca_mlmt.cli.eval_cmd import eval_cmd
 from tosca_mlmt.cli.export_cmd import export
 from tosca_mlmt.cli.joint_cmd import train_joint
@@ -40,8 +41,6 @@ def _process() -> None:
 @app.command()
 @user_errors
 def collect(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config: a file, or a preset name "
-                                                                       "(mlmt, demo; `mlmt config --list-presets`)."),
     task: Optional[str] = typer.Option(None, help="Task: arith, gsm8k, math500, mbpp, jsonl (with "
                                                   "--set task.path=FILE), an installed 'tosca_mlmt.tasks' "
                                                   "entry point, or module:Class."),
@@ -49,17 +48,18 @@ def collect(
     split: Optional[str] = typer.Option(None, help="train or test."),
     engine: Optional[str] = typer.Option(None, help="Rollout engine: hf or vllm."),
     out: Optional[Path] = typer.Option(None, help="Snapshot root folder."),
-    seed: Optional[int] = typer.Option(None, help="Master seed."),
     n_samples: Optional[int] = typer.Option(None, help="Turn-1 samples per problem."),
     rounds: Optional[int] = typer.Option(None, help="Feedback + refine rounds (K)."),
     level: Optional[int] = typer.Option(None, help="arith difficulty level 1-5."),
-    data: Optional[str] = typer.Option(None, help="Data root for gsm8k/math500/mbpp."),
     greedy: bool = typer.Option(False, help="Greedy decoding for solver and writer (deterministic snapshots)."),
     skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Drop malformed data rows (counted in the manifest)."),
     parent: list[str] = typer.Option([], help="Parent snapshot id(s) to record in provenance."),
-    set_: list[str] = typer.Option([], "--set", help="Any config field: --set episode.rounds=2 (repeatable)."),
-    no_wandb: bool = typer.Option(False, "--no-wandb", help="Do not log to wandb (the metrics file is always written)."),
-    no_progress: bool = typer.Option(False, "--no-progress", help="Hide progress bars."),
+    config: Optional[Path] = CONFIG,
+    set_: list[str] = SET,
+    seed: Optional[int] = SEED,
+    data: Optional[str] = DATA,
+    no_wandb: bool = NO_WANDB,
+    no_progress: bool = NO_PROGRESS,
 ):
     """Run episodes with the current solver and writer, verify them, and write a snapshot.
 
@@ -68,8 +68,8 @@ def collect(
 
     ov = {k: v for k, v in {
         "task.name": task, "task.limit": limit, "task.split": split, "engine.name": engine,
-        "collect.out": str(out) if out else None, "seed": seed, "episode.n_samples": n_samples,
-        "episode.rounds": rounds, "task.level": level, "task.data_path": data,
+        "collect.out": str(out) if out else None, "episode.n_samples": n_samples,
+        "episode.rounds": rounds, "task.level": level,
     }.items() if v is not None}
     if greedy:
         ov.update({"solver_sampling.temperature": 0.0, "writer_sampling.temperature": 0.0})
@@ -77,7 +77,7 @@ def collect(
         ov["task.skip_bad_rows"] = True
     if parent:
         ov["collect.parents"] = list(parent)
-    ov.update(flag_overrides(no_wandb, no_progress))
+    ov.update(common_overrides(seed, data, no_wandb, no_progress))
     ov.update(parse_sets(set_))
     cfg = load_config(config, ov)
     from tosca_mlmt.pipelines.collect import collect as run_collect

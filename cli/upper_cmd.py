@@ -12,25 +12,27 @@ from typing import Optional
 
 import typer
 
-from tosca_mlmt.cli.common import err, flag_overrides, parse_sets, print_summary
+from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, common_overrides, err, parse_sets,
+                                  print_summary)
 
 
 def train_upper(
     snapshot: list[str] = typer.Option(..., "--snapshot", "-s", help="Snapshot id to learn from (repeatable)."),
     root: Optional[Path] = typer.Option(None, help="Snapshot root folder (default: collect.out)."),
     out: Path = typer.Option(..., help="Run folder (config, metrics, checkpoints, writer/, report.md)."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (e.g. configs/upper.yaml)."),
-    set_: list[str] = typer.Option([], "--set", help="Any config field: --set upper.conservatism=iql (repeatable)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its latest checkpoint."),
     allow_drift: list[str] = typer.Option([], "--allow-drift", metavar="FIELD",
                                           help="On --resume, accept this changed config field (repeatable; only "
                                                "fields safe to change, see the README)."),
     no_verify: bool = typer.Option(False, "--no-verify",
                                    help="Read snapshots without checking their sizes, hashes and id."),
-    seed: Optional[int] = typer.Option(None, help="Master seed (batch order, LoRA init)."),
     deterministic: bool = typer.Option(False, "--deterministic", help="Determinism mode (exactly resumable)."),
-    no_wandb: bool = typer.Option(False, "--no-wandb", help="Do not log to wandb (metrics.jsonl is always written)."),
-    no_progress: bool = typer.Option(False, "--no-progress", help="Hide progress bars."),
+    config: Optional[Path] = CONFIG,
+    set_: list[str] = SET,
+    seed: Optional[int] = SEED,
+    data: Optional[str] = DATA,
+    no_wandb: bool = NO_WANDB,
+    no_progress: bool = NO_PROGRESS,
 ):
     """Fit the feedback writer's strategy Q-values and feedback text from logged snapshots (no rollouts).
 
@@ -40,11 +42,9 @@ def train_upper(
     ov: dict = {"upper.snapshots": list(snapshot)}
     if root is not None:
         ov["upper.snapshot_root"] = str(root)
-    if seed is not None:
-        ov["seed"] = seed
     if deterministic:
         ov["deterministic"] = True
-    ov.update(flag_overrides(no_wandb, no_progress))
+    ov.update(common_overrides(seed, data, no_wandb, no_progress))
     ov.update(parse_sets(set_))
     cfg = load_config(config, ov)
     from tosca_mlmt.pipelines.train_upper import train_upper as run
