@@ -44,6 +44,11 @@ def parse_sets(sets: list[str]) -> dict:
     return dict(parse_override(s) for s in sets or [])
 
 
+# --no-wandb keeps its name from before logging.trackers: it sets logging.wandb=false, which
+# turns every tracker off, so scripts written for wandb alone still log nothing but metrics.jsonl.
+NO_WANDB_HELP = "Log to no tracker (logging.trackers: wandb, tensorboard); metrics.jsonl is always written."
+
+
 def flag_overrides(no_wandb: bool = False, no_progress: bool = False) -> dict:
     """The logging switches every command offers, as config overrides."""
     ov = {}

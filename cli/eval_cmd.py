@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from tosca_mlmt.cli.common import err, flag_overrides, parse_sets, print_summary
+from tosca_mlmt.cli.common import NO_WANDB_HELP, err, flag_overrides, parse_sets, print_summary
 
 
 def eval_cmd(
@@ -24,7 +24,7 @@ def eval_cmd(
     limit: Optional[int] = typer.Option(None, help="Number of held-out problems (0 = all)."),
     engine: Optional[str] = typer.Option(None, help="hf or vllm."),
     set_: list[str] = typer.Option([], "--set", help="Any config field (repeatable)."),
-    no_wandb: bool = typer.Option(False, "--no-wandb", help="Do not log to wandb."),
+    no_wandb: bool = typer.Option(False, "--no-wandb", help=NO_WANDB_HELP),
     compare_to: Optional[Path] = typer.Option(None, "--compare-to", help="An earlier eval folder on the same "
                                               "problems (e.g. the untrained pair): print before/after with 95 % "
                                               "intervals, the paired difference and McNemar's p; saved in eval.json."),

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from tosca_mlmt.cli.common import err, flag_overrides, parse_sets, print_summary
+from tosca_mlmt.cli.common import NO_WANDB_HELP, err, flag_overrides, parse_sets, print_summary
 
 
 def train_joint(
@@ -20,7 +20,7 @@ def train_joint(
                                           help="On --resume, accept this changed config field (repeatable; only "
                                                "fields safe to change, see the README)."),
     set_: list[str] = typer.Option([], "--set", help="Any config field (repeatable)."),
-    no_wandb: bool = typer.Option(False, "--no-wandb", help="Do not log to wandb."),
+    no_wandb: bool = typer.Option(False, "--no-wandb", help=NO_WANDB_HELP),
 ):
     """Hierarchical RL: each round collects a snapshot, fits the writer offline on it (plus a replay
     window), then runs online PPO iterations of the solver."""

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from tosca_mlmt.cli.common import err, flag_overrides, parse_sets, print_summary
+from tosca_mlmt.cli.common import NO_WANDB_HELP, err, flag_overrides, parse_sets, print_summary
 
 
 def train_lower(
@@ -27,7 +27,7 @@ def train_lower(
     no_verify: bool = typer.Option(False, "--no-verify",
                                    help="Read snapshots without checking their sizes, hashes and id."),
     set_: list[str] = typer.Option([], "--set", help="Any config field: --set lower.bonus.coef=0.2 (repeatable)."),
-    no_wandb: bool = typer.Option(False, "--no-wandb", help="Do not log to wandb (metrics.jsonl is always written)."),
+    no_wandb: bool = typer.Option(False, "--no-wandb", help=NO_WANDB_HELP),
 ):
     """Train the solver (turn 1 and every refine) with PPO; online unless --snapshot is given."""
     from tosca_mlmt.config import load_config

@@ -17,7 +17,7 @@ from tosca_mlmt import runtime
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.cli.analyze_cmd import analyze
 from tosca_mlmt.cli.chat_cmd import chat
-from tosca_mlmt.cli.common import err, flag_overrides, parse_sets, print_summary, user_errors
+from tosca_mlmt.cli.common import NO_WANDB_HELP, err, flag_overrides, parse_sets, print_summary, user_errors
 from tosca_mlmt.cli.eval_cmd import eval_cmd
 from tosca_mlmt.cli.export_cmd import export
 from tosca_mlmt.cli.joint_cmd import train_joint
@@ -58,7 +58,7 @@ def collect(
     skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Drop malformed data rows (counted in the manifest)."),
     parent: list[str] = typer.Option([], help="Parent snapshot id(s) to record in provenance."),
     set_: list[str] = typer.Option([], "--set", help="Any config field: --set episode.rounds=2 (repeatable)."),
-    no_wandb: bool = typer.Option(False, "--no-wandb", help="Do not log to wandb (the metrics file is always written)."),
+    no_wandb: bool = typer.Option(False, "--no-wandb", help=NO_WANDB_HELP),
     no_progress: bool = typer.Option(False, "--no-progress", help="Hide progress bars."),
 ):
     """Run episodes with the current solver and writer, verify them, and write a snapshot.

@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from tosca_mlmt.cli.common import err, flag_overrides, parse_sets, print_summary
+from tosca_mlmt.cli.common import NO_WANDB_HELP, err, flag_overrides, parse_sets, print_summary
 
 
 def train_upper(
@@ -29,7 +29,7 @@ def train_upper(
                                    help="Read snapshots without checking their sizes, hashes and id."),
     seed: Optional[int] = typer.Option(None, help="Master seed (batch order, LoRA init)."),
     deterministic: bool = typer.Option(False, "--deterministic", help="Determinism mode (exactly resumable)."),
-    no_wandb: bool = typer.Option(False, "--no-wandb", help="Do not log to wandb (metrics.jsonl is always written)."),
+    no_wandb: bool = typer.Option(False, "--no-wandb", help=NO_WANDB_HELP),
     no_progress: bool = typer.Option(False, "--no-progress", help="Hide progress bars."),
 ):
     """Fit the feedback writer's strategy Q-values and feedback text from logged snapshots (no rollouts).
