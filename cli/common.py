@@ -52,7 +52,10 @@ SET = typer.Option([], "--set", help="Any config field, e.g. --set lower.lr=1e-5
 SEED = typer.Option(None, "--seed", help="Master seed (config field seed): problems, strategy choice, sampling, "
                                          "LoRA init.")
 DATA = typer.Option(None, "--data", help="Data root for gsm8k/math500/mbpp (task.data_path).")
-NO_WANDB = typer.Option(False, "--no-wandb", help="Do not log to wandb (metrics.jsonl is always written).")
+# --no-wandb keeps its name from before logging.trackers: it sets logging.wandb=false, which
+# turns every tracker off, so scripts written for wandb alone still log nothing but metrics.jsonl.
+NO_WANDB = typer.Option(False, "--no-wandb", help="Log to no tracker (logging.trackers: wandb, tensorboard); "
+                                                  "metrics.jsonl is always written.")
 NO_PROGRESS = typer.Option(False, "--no-progress", help="Hide progress bars.")
 
 

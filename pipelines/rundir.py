@@ -183,12 +183,13 @@ class RunDir:
                         console=self.console, transient=False)
 
     def sink(self, cfg: Config, folder: str | Path | None = None, name: str | None = None, tee=None) -> MetricsSink:
-        """The run's metrics sink (``<folder or run>/metrics.jsonl``, wandb when enabled); ``close`` ends it.
+        """The run's metrics sink (``<folder or run>/metrics.jsonl``, and the ``logging.trackers``
+        when ``logging.wandb`` is on: ``wandb/``, ``tb/`` beside it); ``close`` ends it.
         ``tee(metrics, step)`` also gets every record (train-joint's timeline), first those the
         file already holds: a resumed run's records from before its checkpoint, which it does not
         log again but the timeline (cut back to the last finished step) lost."""
-        self._sink = MetricsSink(folder or self.path, cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_mode,
-                                 cfg.logging.project, name=name or self.path.name)
+        self._sink = MetricsSink(folder or self.path, cfg.to_dict(), cfg.logging.active_trackers(),
+                                 cfg.logging.wandb_mode, cfg.logging.project, name=name or self.path.name)
         if tee is not None and self._sink.enabled and self._sink.path.exists():
             for line in self._sink.path.read_text().splitlines():
                 rec = json.loads(line)

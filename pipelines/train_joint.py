@@ -142,7 +142,7 @@ def train_joint(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
                 timeline.log({f"joint/time/{step}": timer.seconds[step], "joint/round": r,
                               **{f"joint/collect/{k}": v for k, v in rec.get("collect_metrics", {}).items()
                                  if step == "collect"}})
-                sink.log_table("joint/samples", samples, step=timeline.step)  # the round's episodes (wandb only)
+                sink.log_table("joint/samples", samples, step=timeline.step)  # the round's episodes (trackers only)
                 bar.done(r, step)
                 if step == STEPS[-1]:
                     rd.say(round_line(r, jc.rounds, rec, sum(rec["seconds"].values())))
@@ -167,7 +167,7 @@ def _lines(path: Path) -> int:
 
 
 def _inner_logging(cfg):
-    """The stages log to the joint run's wandb through its timeline, not to runs of their own, and
+    """The stages log to the joint run's trackers through its timeline, not to runs of their own, and
     show no bar of their own (rich shows one live display at a time: the joint's)."""
     return replace(cfg.logging, wandb=False, progress=False)
 

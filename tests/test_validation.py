@@ -470,6 +470,8 @@ def _one_error_line(p):
     (["--set", "x=[1,"], "--set x: not valid YAML"),
     (["--set", "a[/]=1"], "unknown config field 'a[/]'"),  # rich markup in a message must print as text
     (["--set", "lower.lr=-1"], "'lower.lr': must be > 0"),
+    (["--set", "logging.trackers=[wandb, tb]"], "'logging.trackers': must be a list of distinct names from: wandb, "
+                                                "tensorboard"),
 ])
 def test_cli_config_errors_are_one_line(args, needle):
     line = _one_error_line(run_mlmt("config", *args, timeout=120))

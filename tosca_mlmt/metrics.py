@@ -1,15 +1,16 @@
-"""Episode summaries (pure) and a metrics sink (jsonl file + optional wandb)."""
+"""Episode summaries (pure) and a metrics sink (jsonl file + optional wandb / tensorboard)."""
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from tosca_mlmt import trackers as tracking
 from tosca_mlmt.records import Episode
 from tosca_mlmt.leak import leak_rate
 
@@ -69,26 +70,29 @@ def summarize(episodes: list[Episode]) -> dict[str, float]:
 
 
 class MetricsSink:
-    """Appends one JSON object per ``log`` call to ``metrics.jsonl``; mirrors to wandb."""
+    """Appends one JSON object per ``log`` call to ``metrics.jsonl`` and mirrors it to the
+    ``trackers`` (names from ``logging.trackers``: accelerate's wandb / tensorboard trackers,
+    see tosca_mlmt/trackers.py); the file is the record, the trackers are for watching it."""
 
-    def __init__(self, folder: str | Path, config: dict, wandb_enabled: bool, wandb_mode: str, project: str,
-                 name: str | None = None, enabled: bool | None = None):
-        """``enabled`` defaults to "this is rank 0": other ranks log nothing."""
+    def __init__(self, folder: str | Path, config: dict, trackers: Sequence[str] = (), wandb_mode: str = "offline",
+                 project: str = "tosca-mlmt", name: str | None = None, enabled: bool | None = None):
+        """``enabled`` defaults to "this is rank 0": other ranks log nothing and open no tracker.
+        wandb's run folder goes under ``folder`` (``wandb/``), tensorboard's events to ``folder/tb``."""
         from tosca_mlmt import parallel
 
         self.folder = Path(folder)
         self.enabled = parallel.is_main() if enabled is None else enabled
         self.path = self.folder / "metrics.jsonl"
-        self.run = None
+        self.trackers: list = []
         self.tee = None  # (metrics, step) -> None: a copy of each record for another timeline (train-joint's)
         if self.enabled:
             self.folder.mkdir(parents=True, exist_ok=True)
-        if self.enabled and wandb_enabled and wandb_mode != "disabled":
-            os.environ.setdefault("WANDB_SILENT", "true")
-            import wandb
+            self.trackers = tracking.open_trackers(trackers, self.folder, config, project, name, wandb_mode)
 
-            self.run = wandb.init(project=project, mode=wandb_mode, dir=str(self.folder), config=config,
-                                  name=name, reinit="finish_previous")
+    def tracker(self, name: str):
+        """The open accelerate tracker called ``name`` (``.tracker`` is its wandb run or
+        SummaryWriter), or None."""
+        return next((t for t in self.trackers if t.name == name), None)
 
     def log(self, metrics: dict, step: int | None = None) -> None:
         if not self.enabled:
@@ -96,25 +100,26 @@ class MetricsSink:
         rec = {"time": time.time(), **({"step": step} if step is not None else {}), **metrics}
         with open(self.path, "a") as f:
             f.write(json.dumps(rec, default=float) + "\n")
-        if self.run is not None:
-            self.run.log(metrics, step=step)
+        if self.trackers:
+            values = {k: tracking.plain(v) for k, v in metrics.items()}
+            for t in self.trackers:
+                tracking.log(t, values, step=step)
         if self.tee is not None:
             self.tee(metrics, step)
 
     def log_table(self, key: str, rows: list[dict], step: int | None = None) -> None:
-        """Log ``rows`` (dicts with the same keys) as a wandb.Table under ``key``; wandb only,
-        as metrics.jsonl holds numbers: sample episodes are for reading beside the curves."""
-        if self.run is None or not rows:
+        """Log ``rows`` (dicts with the same keys) as a table under ``key`` to the trackers only
+        (a wandb.Table; markdown text in TensorBoard), as metrics.jsonl holds numbers: sample
+        episodes are for reading beside the curves."""
+        if not self.trackers or not rows:
             return
-        import wandb
-
-        columns = list(rows[0])
-        self.run.log({key: wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])}, step=step)
+        for t in self.trackers:
+            tracking.log_table(t, key, rows, step=step)
 
     def close(self) -> None:
-        if self.run is not None:
-            self.run.finish()
-            self.run = None
+        trackers, self.trackers = self.trackers, []
+        for t in trackers:
+            t.finish()
 
 
 class StageTimer:

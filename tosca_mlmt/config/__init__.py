@@ -23,14 +23,14 @@ from tosca_mlmt.config.lower import (ADVANTAGE_ESTIMATORS, BONUS_GATES, POLICY_L
                                      ScoreShaping)
 from tosca_mlmt.config.model import LoraConfig, ModelConfig
 from tosca_mlmt.config.root import Config
-from tosca_mlmt.config.run import CollectConfig, DistributedConfig, LoggingConfig
+from tosca_mlmt.config.run import TRACKERS, CollectConfig, DistributedConfig, LoggingConfig
 from tosca_mlmt.config.section import Section
 from tosca_mlmt.config.task import ANSWER_FORMATS, BUILTIN_TASKS, ENTRY_POINT_GROUP, TaskConfig, task_names
 from tosca_mlmt.config.upper import UpperConfig
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "ANSWER_FORMATS", "BONUS_GATES", "BUILTIN_TASKS", "DEFAULT_STRATEGIES",
-    "ENTRY_POINT_GROUP", "INT_MAX", "POLICY_LOSSES", "SELECTION_MODES",
+    "ENTRY_POINT_GROUP", "INT_MAX", "POLICY_LOSSES", "SELECTION_MODES", "TRACKERS",
     "CollectConfig", "Config", "ContextBonus", "DistributedConfig", "EngineConfig", "EpisodeConfig", "JointConfig",
     "LoggingConfig", "LoraConfig", "LowerConfig", "ModelConfig", "SamplingConfig", "ScoreShaping", "Section",
     "TaskConfig", "UpperConfig", "VLLMConfig", "describe_fields", "knob", "load_config", "markdown_reference",

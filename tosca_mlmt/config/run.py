@@ -6,17 +6,38 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tosca_mlmt.config.knobs import EXISTING_FILE_OR_EMPTY, ID_LIST, NON_EMPTY, knob
+from tosca_mlmt.config.knobs import EXISTING_FILE_OR_EMPTY, ID_LIST, NON_EMPTY, Rule, knob
 from tosca_mlmt.config.section import Section
+
+# The trackers a run's metrics sink can mirror its records to. They are named here, not in
+# tosca_mlmt/trackers.py (which builds each through accelerate), because config/ may import only
+# the ground floor; tests/test_trackers.py fails when the two lists differ.
+TRACKERS = ("wandb", "tensorboard")
+TRACKER_LIST = Rule(f"a list of distinct names from: {', '.join(TRACKERS)}",
+                    lambda v: all(isinstance(s, str) and s in TRACKERS for s in v) and len(set(v)) == len(v))
 
 
 @dataclass
 class LoggingConfig(Section):
-    wandb: bool = knob(True, "Log to Weights & Biases.")
-    wandb_mode: str = knob("offline", "offline needs no account; sync later with `wandb sync`.",
+    wandb: bool = knob(True, "Mirror metrics to the trackers in logging.trackers; false (--no-wandb) = to none "
+                             "(metrics.jsonl is always written).")
+    trackers: list = knob(dataclasses.MISSING, "Where metrics are mirrored besides metrics.jsonl: wandb (a wandb/ "
+                                               "run folder, logging.wandb_mode) and/or tensorboard (event files in "
+                                               "the run's tb/ folder).",
+                          default_factory=lambda: ["wandb"], rule=TRACKER_LIST)
+    wandb_mode: str = knob("offline", "offline needs no account; sync later with `wandb sync`; disabled = no wandb "
+                                      "(other trackers still log).",
                            choices=("offline", "online", "disabled"))
     project: str = knob("tosca-mlmt", "wandb project name.", rule=NON_EMPTY)
     progress: bool = knob(True, "Show progress bars.")
+
+    def active_trackers(self) -> tuple[str, ...]:
+        """The trackers a sink opens: none with ``wandb: false`` (the switch every ``--no-wandb``
+        flag sets, kept as "no trackers" so existing configs and flags mean what they did), and
+        wandb left out under ``wandb_mode: disabled``."""
+        if not self.wandb:
+            return ()
+        return tuple(t for t in self.trackers if not (t == "wandb" and self.wandb_mode == "disabled"))
 
 
 @dataclass
