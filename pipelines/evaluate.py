@@ -46,11 +46,7 @@ def evaluate(cfg: Config, out: str | Path, *, console=None, compare_to: str | Pa
         raise ConfigError("invalid value for field 'task.split': eval runs on held-out problems only (test)")
     rd = RunDir(out, "eval", console)
     before = eval_outcomes(compare_to) if compare_to is not None else None  # a bad folder fails before the eval
-    cfg = replace(cfg, solver_sampling=replace(cfg.solver_sampling, temperature=0.0),
-                  writer_sampling=replace(cfg.writer_sampling, temperature=0.0),
-                  # the same selection rule before and after training (episode.strategy_selection, seeded):
-                  # switching to argmax only once a writer is trained would compare two protocols
-                  episode=replace(cfg.episode, n_samples=1))
+    cfg = eval_config(cfg)
     res = collect(cfg, rd.path / "snapshots", console=console, prefix="eval")
     report = {"snapshot_id": res.snapshot_id, "task": cfg.task.name, "split": cfg.task.split,
               "solver_adapter": cfg.model.solver_adapter or None, "writer_adapter": cfg.model.writer_adapter or None,
@@ -59,6 +55,15 @@ def evaluate(cfg: Config, out: str | Path, *, console=None, compare_to: str | Pa
         after = _outcomes(rd.path / "snapshots", res.snapshot_id, report.get("environment", "honest"))
         report["compared_to"] = {"eval": str(compare_to), **compare_outcomes(before, after, compare_to)}
     return EvalResult(rd.write_json("eval.json", report), report)
+
+
+def eval_config(cfg: Config) -> Config:
+    """The eval protocol (mlmt eval, train-joint's per-round eval): greedy solver and writer, one
+    sample per problem, and the configured strategy selection (episode.strategy_selection, seeded):
+    switching to argmax only once a writer is trained would compare two protocols."""
+    return replace(cfg, solver_sampling=replace(cfg.solver_sampling, temperature=0.0),
+                   writer_sampling=replace(cfg.writer_sampling, temperature=0.0),
+                   episode=replace(cfg.episode, n_samples=1))
 
 
 def _outcomes(snapshots: Path, sid: str, environment: str) -> dict:

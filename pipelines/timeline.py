@@ -59,6 +59,9 @@ def round_line(r: int, rounds: int, rec: dict, seconds: float) -> str:
     q = [v for k, v in (rec.get("upper_metrics") or {}).items() if k.startswith("q/")]
     if q:
         parts.append(f"Q spread {max(q) - min(q):.2f}")
+    e = rec.get("eval_metrics") or {}
+    if "acc_t1" in e:
+        parts.append(f"held-out acc_t1 {e['acc_t1']:.2f} -> final {e.get('acc_final', float('nan')):.2f} (eval)")
     parts.append(f"{seconds / 60:.1f} min")
     return f"round {r + 1}/{rounds}: " + ", ".join(parts)
 
@@ -70,8 +73,10 @@ class RoundsBar:
 
     def __init__(self, cfg, console, done_rounds: int):
         jc = cfg.joint
-        self.size = {"collect": 1, "upper": jc.upper_steps, "lower": jc.lower_iterations}
-        self.offset = {"collect": 0, "upper": 1, "lower": 1 + jc.upper_steps}
+        self.size = {"collect": 1, "upper": jc.upper_steps, "lower": jc.lower_iterations, "eval": 1}
+        self.offset = {"collect": 0, "upper": 1, "lower": 1 + jc.upper_steps, "eval": 1 + jc.upper_steps + jc.lower_iterations}
+        if not jc.eval_problems:
+            del self.size["eval"]
         self.per_round = sum(self.size.values())
         self.rounds = jc.rounds
         self.progress = Progress(TextColumn("[bold]train-joint[/] {task.description}"), BarColumn(),

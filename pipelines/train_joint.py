@@ -1,12 +1,14 @@
 """``mlmt train-joint``: the hierarchical RL loop.
 
-Each round runs three named steps with the current solver and writer:
+Each round runs three named steps with the current solver and writer (four with
+``joint.eval_problems``):
 
   collect  one snapshot of episodes (the writer's training data; parent = last round's; skipped
            when ``joint.freeze_writer``: nothing would learn from it)
   upper    offline strategic Q-learning + AWR on this round's snapshot and the replay window
   lower    ``joint.lower_iterations`` online PPO iterations of the solver (each collects its
            own on-policy batch with the writer as it now is)
+  eval     (optional) greedy held-out eval with mlmt eval's protocol, logged as ``eval/*``
 
 The run folder's ``manifest.json`` links rounds -> snapshots -> stage runs -> saved
 policies and is rewritten atomically after every finished step; it is also the resume
@@ -98,7 +100,8 @@ def train_joint(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
     # cut back with metrics.jsonl above; a run from before the timeline has no global_step, and its
     # records (step = round) number fewer than its lines, so counting them keeps the steps rising
     timeline = Timeline(sink, manifest.get("global_step", _lines(sink.path)))
-    bar = RoundsBar(cfg, console, sum(set(STEPS) <= set(x["done"]) for x in manifest["rounds"]))
+    steps = STEPS + (("eval",) if jc.eval_problems else ())
+    bar = RoundsBar(cfg, console, sum(set(steps) <= set(x["done"]) for x in manifest["rounds"]))
     snap_root = run / "snapshots"
     t_start = time.perf_counter() - manifest.get("seconds_used", 0.0)
     try:
@@ -116,7 +119,7 @@ def train_joint(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
             timer = StageTimer()
             timeline.round = r
             timeline.on_record = lambda stage, k, r=r: bar.at(r, stage, k)
-            for step in STEPS:
+            for step in steps:
                 if step in rec["done"]:
                     continue
                 bar.at(r, step)
@@ -125,6 +128,8 @@ def train_joint(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
                 with timer(step):
                     if step == "collect":
                         samples = _collect(cfg, rec, manifest, snap_root, policies, engine, r, console)
+                    elif step == "eval":
+                        _eval(cfg, rec, run, policies, engine, console, r)
                     elif step == "upper":
                         _upper(cfg, rec, manifest, run, rdir, snap_root, policies, console, r, timeline.tee("upper"))
                     else:
@@ -141,10 +146,11 @@ def train_joint(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
                 # collect batch's are here only, under joint/collect/ (not the PPO batch's acc_t1)
                 timeline.log({f"joint/time/{step}": timer.seconds[step], "joint/round": r,
                               **{f"joint/collect/{k}": v for k, v in rec.get("collect_metrics", {}).items()
-                                 if step == "collect"}})
+                                 if step == "collect"},
+                              **{f"eval/{k}": v for k, v in rec.get("eval_metrics", {}).items() if step == "eval"}})
                 sink.log_table("joint/samples", samples, step=timeline.step)  # the round's episodes (trackers only)
                 bar.done(r, step)
-                if step == STEPS[-1]:
+                if step == steps[-1]:
                     rd.say(round_line(r, jc.rounds, rec, sum(rec["seconds"].values())))
                 manifest["metrics_bytes"] = dist.broadcast(rd.metrics_bytes())
                 manifest["global_step"] = dist.broadcast(timeline.step)
@@ -196,6 +202,20 @@ def _collect(cfg, rec, manifest, snap_root, policies, engine, r, console) -> lis
     rec["collect_metrics"] = {k: res.summary[k] for k in ("acc_t1", "acc_final", "delta", "wrong_to_right",
                                                           "right_to_wrong", "leak_rate") if k in res.summary}
     return res.samples
+
+
+def _eval(cfg, rec, run, policies, engine, console, r) -> None:
+    """Round r's held-out eval: the first joint.eval_problems test problems under mlmt eval's
+    protocol, with the policies as they are after the round's updates. Its snapshot lies under
+    ``<run>/evals/``; its numbers go on the timeline as eval/*."""
+    from tosca_mlmt.pipelines.evaluate import eval_config
+
+    ecfg = eval_config(replace(cfg, task=replace(cfg.task, split="test", limit=cfg.joint.eval_problems),
+                               logging=_inner_logging(cfg)))
+    res = collect(ecfg, run / "evals", console=console, policies=policies, engine=engine)
+    rec["eval_snapshot"] = res.snapshot_id
+    rec["eval_metrics"] = {k: res.summary[k] for k in ("acc_t1", "acc_final", "delta", "wrong_to_right",
+                                                       "right_to_wrong") if k in res.summary}
 
 
 def _upper(cfg, rec, manifest, run, rdir, snap_root, policies, console, r, tee=None) -> None:

@@ -20,14 +20,21 @@ TINY_JOINT = {
 
 
 def test_tiny_train_joint_through_the_cli_then_eval_and_analyze(tmp_path):
-    sets = [a for k, v in {**TINY_JOINT, "logging.wandb": True}.items() for a in ("--set", f"{k}={v}")]
+    over = {**TINY_JOINT, "logging.wandb": True, "joint.eval_problems": 2}
+    sets = [a for k, v in over.items() for a in ("--set", f"{k}={v}")]
     env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb")}
     run = tmp_path / "run"
     p = run_mlmt("train-joint", "--out", run, *sets, check=True, env=env)
     assert p.stdout.strip().splitlines()[-1] == str(run)
     assert_one_timeline(run, p.stderr)
     man = json.loads((run / "manifest.json").read_text())
-    assert [r["done"] for r in man["rounds"]] == [["collect", "upper", "lower"]] * 2
+    assert [r["done"] for r in man["rounds"]] == [["collect", "upper", "lower", "eval"]] * 2
+    # the per-round held-out eval: test-split snapshots under evals/, its numbers on the timeline
+    for r in man["rounds"]:
+        ev_man = json.loads((run / "evals" / r["eval_snapshot"] / "manifest.json").read_text())
+        assert ev_man["task"]["split"] == "test" and len(ev_man["task"]["problem_ids"]) == 2
+    ev_lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"eval/acc_t1"' in x]
+    assert [x["eval/acc_t1"] for x in ev_lines] == [r["eval_metrics"]["acc_t1"] for r in man["rounds"]]
     for r in man["rounds"]:
         assert (run / "snapshots" / r["snapshot"] / "manifest.json").exists()
         assert (run / r["upper"] / "checkpoints" / "latest").exists()

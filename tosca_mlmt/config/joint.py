@@ -23,5 +23,8 @@ class JointConfig(Section):
                               min=0)
     freeze_solver: bool = knob(False, "Never update the solver (e.g. writer-only ablations).")
     freeze_writer: bool = knob(False, "Never update the writer (e.g. SCoRe-style self-correction baselines).")
+    eval_problems: int = knob(0, "Held-out (test split) problems evaluated after each round with mlmt eval's "
+                                 "protocol (greedy, one sample, the same strategy selection), logged as eval/* "
+                                 "on the run's timeline; 0 = no per-round eval.", min=0)
     max_seconds: float = knob(0.0, "Wall-clock budget: no new round starts after this many seconds (0 = none). "
                                    "Lets baselines be compared at equal compute.", min=0.0)
