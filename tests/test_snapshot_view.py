@@ -161,7 +161,7 @@ def test_cli_errors(run):
 
 def test_samples_table_reaches_the_offline_wandb_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    sink = MetricsSink(tmp_path, {}, wandb_enabled=True, wandb_mode="offline", project="t", enabled=True)
+    sink = MetricsSink(tmp_path, {}, trackers=("wandb",), wandb_mode="offline", project="t", enabled=True)
     sink.log({"collect/acc_t1": 0.5})
     sink.log_table("collect/samples", sample_rows(make_episodes(), n=4))
     sink.close()
@@ -170,7 +170,7 @@ def test_samples_table_reaches_the_offline_wandb_run(tmp_path, monkeypatch):
     assert t["columns"] == list(SAMPLE_COLUMNS) and len(t["data"]) == 4
     assert "The answer is 10." in [row[t["columns"].index("g")] for row in t["data"]]
     # without wandb nothing is logged, and metrics.jsonl stays numbers only
-    off = MetricsSink(tmp_path / "off", {}, wandb_enabled=False, wandb_mode="offline", project="t", enabled=True)
+    off = MetricsSink(tmp_path / "off", {}, trackers=(), wandb_mode="offline", project="t", enabled=True)
     off.log_table("collect/samples", sample_rows(make_episodes()))
     assert not (tmp_path / "off" / "wandb").exists()
     assert "samples" not in (tmp_path / "metrics.jsonl").read_text()
