@@ -44,14 +44,16 @@ def run_mlmt(*args, check=False, timeout=600, env=None, **kw) -> subprocess.Comp
     return p
 
 
+# The in-process fixtures' episodes: short turns, no trackers, no bars.
+TINY_OVERRIDES = {**FP32, "solver_sampling.max_new_tokens": 24, "writer_sampling.max_new_tokens": 16,
+                  "episode.max_feedback_tokens": 16, "logging.wandb": False, "logging.progress": False}
+
+
 @pytest.fixture(scope="session")
 def tiny_cfg():
     from tosca_mlmt.config import load_config
 
-    return load_config(overrides={
-        **FP32, "solver_sampling.max_new_tokens": 24, "writer_sampling.max_new_tokens": 16,
-        "episode.max_feedback_tokens": 16, "logging.wandb": False, "logging.progress": False,
-    })
+    return load_config(overrides=TINY_OVERRIDES)
 
 
 @pytest.fixture(scope="session")
@@ -65,10 +67,7 @@ def policies(tiny_cfg):
 def debug_cfg():
     from tosca_mlmt.config import load_config
 
-    return load_config(overrides={
-        **FP32, **DEBUG_MODEL, "solver_sampling.max_new_tokens": 24, "writer_sampling.max_new_tokens": 16,
-        "episode.max_feedback_tokens": 16, "logging.wandb": False, "logging.progress": False,
-    })
+    return load_config(overrides={**TINY_OVERRIDES, **DEBUG_MODEL})
 
 
 @pytest.fixture(scope="session")
