@@ -12,7 +12,7 @@ In ONE process (one model load, one vLLM start-up) it measures:
   machine is shared and its load drifts.
 
 It prints a table with collect/raw ratios and writes ``benchmarks/results/collect_throughput.json``
-(date, machine, load, config, token counts, seconds, a per-turn breakdown).
+(date, machine, load, config, token counts, seconds, a per-turn breakdown, peak RSS).
 
     .venv/bin/python benchmarks/collect_throughput.py --limit 16 --n-samples 2
 """
@@ -270,7 +270,7 @@ def main(argv=None) -> int:
                 print(f"    {t['kind']:<9}{t['policy']:<7} seqs {t['sequences']:>4}  prompt {t['prompt_tokens_mean']:>6.0f}"
                       f"  gen {t['gen_tokens']:>6} (mean {t['gen_tokens_mean']:.0f}, max {t['gen_tokens_max']})"
                       f"  {t['seconds']:>7.1f} s  {t['tokens_per_s']:>6.1f} tok/s  sync {t['sync_seconds']:.2f} s")
-    print(f"load average before {load_before} after {load_after}")
+    print(f"load average before {load_before} after {load_after}; peak RSS {runtime.peak_rss_mb()} MiB")
 
     report = {
         "benchmark": "collect_throughput",
@@ -289,6 +289,8 @@ def main(argv=None) -> int:
         "ratios": ratios,
         "target": {"collect_vllm/raw_vllm": 0.8},
         "total_seconds": round(time.time() - t_start, 1),
+        # ru_maxrss of the whole run (hf and vLLM engines, in-process), MiB
+        "peak_rss_mb": runtime.peak_rss_mb(),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,8 @@
 Same model (embedded SmolLM2-135M), LoRA r=16 on all linear layers, same prompts (arith), same
 group size and completion length, HF generation on CPU for both, one process, run back to back.
 Throughput = generated tokens / wall seconds of an iteration (rollout + scoring + update); the
-first iteration of each is a warm-up and not counted. Our iteration runs the full three-turn
+first iteration of each is a warm-up and not counted. Peak RSS (ru_maxrss of this process and of
+its children, MiB) is recorded after our run and again after TRL's. Our iteration runs the full three-turn
 episode (solve, feedback, refine) and trains on two solver turns; TRL trains one turn.
 
     python benchmarks/train_lower_throughput.py --problems 4 --group 4 --max-new-tokens 32 --iterations 3
@@ -101,9 +102,15 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--workdir", default="/tmp/tosca-bench-lower")
     args = ap.parse_args()
+    from tosca_mlmt.runtime import peak_rss_mb
+
     load0 = os.getloadavg()[0]
     ours = run_ours(args)
+    # ru_maxrss only grows: read after ours it is our PPO run's peak (model load + iterations);
+    # after TRL it is the max of both runs.
+    ours["peak_rss_mb"] = peak_rss_mb()
     trl = run_trl(args)
+    trl["peak_rss_mb_both_runs"] = peak_rss_mb()
     res = {"date": dt.datetime.now().isoformat(timespec="seconds"), "machine": platform.processor() or platform.machine(),
            "cores": os.cpu_count(), "load_avg_before": load0, "load_avg_after": os.getloadavg()[0],
            "args": vars(args), "ours": ours, "trl_grpo": trl, "ratio_ours_over_trl": ours["tokens_per_s"] / trl["tokens_per_s"]}

@@ -69,3 +69,14 @@ def package_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             pass
     return out
+
+
+def peak_rss_mb() -> dict[str, float]:
+    """Peak resident set size so far, in MiB, of this process ("self") and of the largest
+    waited-for child ("children"); both only grow. Benchmarks record it next to their timings."""
+    import resource
+
+    # ru_maxrss is in KiB on Linux (bytes on macOS, where this overstates by 1024x)
+    kib = {who: resource.getrusage(w).ru_maxrss for who, w in
+           (("self", resource.RUSAGE_SELF), ("children", resource.RUSAGE_CHILDREN))}
+    return {who: round(v / 1024, 1) for who, v in kib.items()}
