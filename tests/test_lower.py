@@ -282,3 +282,50 @@ def test_training_from_an_off_policy_snapshot_warns_and_uses_behaviour_logprobs(
     assert res.last_metrics["lower/ratio_mean"] == pytest.approx(1.0, abs=0.05)
     for n, p in model.named_parameters():
         p.data.copy_(before[n])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kl_mode", ["reward", "loss"])
+def test_zero_kl_coef_skips_the_reference_pass_and_changes_nothing(debug_cfg, debug_policies, monkeypatch, kl_mode):
+    """With lower.kl_coef = 0 (and no SCoRe, no reference bonus) the adapters-off forward is
+    not run, and the update is exactly the one a run that computed the reference gets: every
+    KL term is weighted by 0."""
+    from peft import set_peft_model_state_dict
+
+    from tosca_mlmt.lower.learner import LowerLearner
+    from tosca_mlmt.lower.scoring import SolverScorer
+
+    policies = debug_policies
+    cfg, trajs = _lower_setup(debug_cfg, policies)
+    cfg = replace(cfg, lower=replace(cfg.lower, kl_coef=0.0, kl_mode=kl_mode,
+                                     bonus=replace(cfg.lower.bonus, model="policy")))
+    state = copy.deepcopy(policies.adapter_state("solver"))
+    reference_calls = []
+    forward, score = SolverScorer.forward, SolverScorer.score
+
+    def counting_forward(self, *args, reference=False, **kw):
+        reference_calls.append(reference)
+        return forward(self, *args, reference=reference, **kw)
+
+    def score_with_reference(self, tt, trajs, values, features):  # what kl_coef > 0 would compute
+        s = score(self, tt, trajs, values, features)
+        return replace(s, ref_logprobs=self._sharded(tt, trajs, reference=True)[0])
+
+    monkeypatch.setattr(SolverScorer, "forward", counting_forward)
+    runs = {}
+    for name in ("skipped", "computed"):
+        if name == "computed":
+            monkeypatch.setattr(SolverScorer, "score", score_with_reference)
+        reference_calls.clear()
+        torch.manual_seed(0)  # the value head's init
+        metrics = LowerLearner(cfg, policies).update(trajs, step=0)
+        runs[name] = (metrics, reference_calls.count(True), copy.deepcopy(policies.adapter_state("solver")))
+        set_peft_model_state_dict(policies.model("solver"), state, adapter_name="solver")
+    (m0, ref0, w0), (m1, ref1, w1) = runs["skipped"], runs["computed"]
+    assert ref0 == 0, f"kl_coef = 0 still ran {ref0} reference forwards"
+    assert ref1 > 0  # the comparison run really had reference log-probs
+    for k in ("policy_loss", "value_loss", "grad_norm"):
+        assert k in m0 and m0[k] == m1[k], f"{k}: {m0.get(k)} (skipped) != {m1.get(k)} (computed)"
+    moved = max(float((w0[k] - state[k]).abs().max()) for k in state)
+    assert moved > 0, "the update did not move the adapter: the weight comparison is vacuous"
+    assert all(torch.equal(w0[k], w1[k]) for k in w0), "skipping the reference pass changed the update"
