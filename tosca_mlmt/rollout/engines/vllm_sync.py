@@ -27,6 +27,7 @@ import tempfile
 import torch
 
 from tosca_mlmt.config.engine import WEIGHT_SYNC_MODES as MODES
+
 # worker_extension_cls for LLM(...): vLLM imports it inside each worker process.
 EXTENSION = "tosca_mlmt.rollout.engines.vllm_sync.WeightSyncExtension"
 RPC_METHOD = "tosca_reload_from_bytes"
