@@ -59,7 +59,7 @@ ENV_OVERRIDES = {"none": {}, "confidence": {"episode.writer_sees": "confidence"}
                  "verdict": {"episode.writer_sees": "verdict"}}
 
 
-def run_method(name: str, preset: Path, extra: dict | None, common: dict, train: dict, seed: int,
+def run_method(name: str, preset: Path, extra: dict | None, common: dict, train: dict, evalsel: dict, seed: int,
                work: Path) -> dict:
     from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.evaluate import adapters_from_run, eval_outcomes, evaluate
@@ -77,7 +77,7 @@ def run_method(name: str, preset: Path, extra: dict | None, common: dict, train:
                 "solver_updates": sum(1 for r in res.manifest["rounds"] if r.get("lower"))}
     train_s = time.time() - t0
     # eval: test split, the same problems and eval seed for every method and training seed
-    ecfg = load_config(preset, {**common, **(extra or {}), **adapters, "task.split": "test", "seed": 0})
+    ecfg = load_config(preset, {**common, **(extra or {}), **adapters, **evalsel, "task.split": "test", "seed": 0})
     report = evaluate(ecfg, folder / "eval").report
     o = eval_outcomes(folder / "eval")  # per problem, sorted by id: every method pairs up
     out = {"ids": o["ids"], "t1": np.array(o["t1"], dtype=float), "final": np.array(o["final"], dtype=float)}
@@ -125,7 +125,7 @@ def _unit_key(args) -> dict:
     """The sizes that make two units comparable (the same problems, compute and protocol)."""
     return {k: getattr(args, k) for k in ("env", "level", "test_problems", "rounds", "collect_problems",
                                           "lower_iterations", "problems_per_iteration", "upper_steps", "engine",
-                                          "n_samples", "smoke")}
+                                          "n_samples", "eval_strategy_temperature", "smoke")}
 
 
 def main() -> None:
@@ -138,9 +138,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--collect-problems", type=int, default=32)
     ap.add_argument("--lower-iterations", type=int, default=2)
-    ap.add_argument("--problems-per-iteration", type=int, default=8)
+    ap.add_argument("--problems-per-iteration", type=int, default=4)
     ap.add_argument("--upper-steps", type=int, default=30)
-    ap.add_argument("--n-samples", type=int, default=2, help="turn-1 samples per problem (the GRPO group)")
+    ap.add_argument("--n-samples", type=int, default=4, help="turn-1 samples per problem (the GRPO group)")
+    ap.add_argument("--eval-strategy-temperature", type=float, default=0.1,
+                    help="softmax temperature over the writer's Q at eval, no epsilon (the same rule for every "
+                         "method; a writer without Q-values picks uniformly). Collection keeps the config's "
+                         "exploration: softmax(Q / 1) over Q-values that differ by a fraction of a reward would "
+                         "hide what the writer learned")
     ap.add_argument("--engine", default="vllm", choices=("hf", "vllm"))
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the wiring, decides nothing")
     ap.add_argument("--force", action="store_true", help="redo units that already have results")
@@ -166,6 +171,8 @@ def main() -> None:
              "lower.problems_per_iteration": args.problems_per_iteration, "joint.upper_steps": args.upper_steps,
              "upper.warmup_steps": min(5, args.upper_steps), "upper.eval_every": max(1, args.upper_steps),
              "upper.save_every": max(1, args.upper_steps)}
+    evalsel = {"episode.strategy_selection": "epsilon_softmax", "episode.epsilon": 0.0,
+               "episode.strategy_temperature": args.eval_strategy_temperature}
     key = _unit_key(args)
     units = RESULTS / "learning_efficacy" / (f"{args.env}-L{args.level}" + ("-smoke" if args.smoke else ""))
     units.mkdir(parents=True, exist_ok=True)
@@ -184,7 +191,7 @@ def main() -> None:
             if args.budget_minutes and time.time() - t_start > 60 * args.budget_minutes:
                 print(f"budget spent: {name} seed {seed} not started", flush=True)
                 continue
-            r = run_method(name, preset, extra, common, train, seed, work)
+            r = run_method(name, preset, extra, common, train, evalsel, seed, work)
             path.write_text(json.dumps({"key": key, "git_sha": git_sha() or "unknown", "date": dt.datetime.now().isoformat(
                 timespec="seconds"), "load_avg": os.getloadavg(), **{k: (v.tolist() if isinstance(v, np.ndarray)
                                                                            else v) for k, v in r.items()}}))
@@ -211,7 +218,8 @@ def main() -> None:
             + (" — SMOKE RUN: decides nothing" if args.smoke else ""),
             f"Compute per trained method and seed: {args.rounds} rounds x ({args.collect_problems} writer problems + "
             f"{args.lower_iterations} PPO iterations x {args.problems_per_iteration} problems) x "
-            f"{args.n_samples} samples, {args.upper_steps} writer steps per round.", ""]
+            f"{args.n_samples} samples, {args.upper_steps} writer steps per round. Eval: greedy decoding, strategies by "
+            f"softmax(Q / {args.eval_strategy_temperature}) (uniform without Q-values).", ""]
     stem = f"learning_efficacy-{args.env}" + ("-smoke" if args.smoke else "")
     (RESULTS / f"{stem}.md").write_text("\n".join(head + lines) + "\n")
     (RESULTS / f"{stem}.json").write_text(json.dumps({
