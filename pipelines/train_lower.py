@@ -27,7 +27,8 @@ from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.rollout.engines import make_engine
 from tosca_mlmt.rollout.runner import EpisodeRunner
 from tosca_mlmt.seeds import stream
-from tosca_mlmt.snapshot import load_snapshot, write_snapshot
+from tosca_mlmt.snapshot import write_snapshot
+from tosca_mlmt.snapshot_index import full_ids, open_snapshot
 from tosca_mlmt.tasks import make_task
 from tosca_mlmt.train.checkpoint import CheckpointManager
 from tosca_mlmt.pipelines.provenance import snapshot_manifest
@@ -80,7 +81,8 @@ def train_lower(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
     rd = RunDir(out, "train-lower", console)
     run = rd.path
     lo = cfg.lower
-    snapshot_ids = snapshot_ids or []
+    # prefixes become full ids before run.json records them: a resume compares full ids
+    snapshot_ids = full_ids(snapshot_root, snapshot_ids or [])
     _open_run(rd, cfg, resume, allow_drift, snapshot_ids)
     timer = StageTimer()
     ck = CheckpointManager(run, keep=lo.keep_checkpoints)
@@ -206,7 +208,7 @@ def _load_offline(ids: list[str], root, verify: bool) -> list[tuple]:
     """(snapshot, episodes) per id."""
     out = []
     for sid in ids:
-        snap = load_snapshot(root, sid, verify=verify)
+        snap = open_snapshot(root, sid, verify=verify)
         out.append((snap, snap.episodes()))
     if not any(eps for _, eps in out):
         raise MlmtError("the given snapshots hold no episodes")

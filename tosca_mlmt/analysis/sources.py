@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 
 from tosca_mlmt.errors import MlmtError, SnapshotError
 from tosca_mlmt.snapshot import read_manifest
+from tosca_mlmt.snapshot_index import find_snapshot_dirs, matching_ids, resolve_snapshot
 
 # ``snapshot_id`` is the name Snapshot.tables() gives the id (added on read: see there);
 # ``snapshot`` holds the same id, under the name the report's tables group by.
@@ -65,7 +66,8 @@ def _add_run(src: Sources, run: Path) -> None:
 
 
 def resolve(args: list[str], root: Path) -> Sources:
-    """Each argument: a run folder, a snapshot folder, or a snapshot id under ``root``."""
+    """Each argument: a run folder, a snapshot folder, or a snapshot id or unique id prefix at any
+    depth under ``root``."""
     src = Sources()
     for arg in args:
         p = Path(arg)
@@ -73,8 +75,8 @@ def resolve(args: list[str], root: Path) -> Sources:
             _add_snapshot(src, p)
         elif p.is_dir():
             _add_run(src, p)
-        elif (root / arg / "manifest.json").exists():
-            _add_snapshot(src, root / arg)
+        elif root.is_dir() and matching_ids(find_snapshot_dirs(root), arg):
+            _add_snapshot(src, resolve_snapshot(root, arg))  # an ambiguous prefix raises, naming the candidates
         else:
             raise MlmtError(f"'{arg}' is not a run folder, a snapshot folder, or a snapshot id under {root}")
     return src
