@@ -52,6 +52,16 @@ def _check_ref(ref) -> None:
         raise SnapshotError(f"{ref!r} is not a snapshot id")
 
 
+def _unique(root, found: dict, ref: str) -> str | None:
+    """The one id ``ref`` names among ``found``; None for none; several raise, listing them."""
+    hits = matching_ids(found, ref)
+    if len(hits) > 1:
+        shown = ", ".join(hits[:10]) + (f" and {len(hits) - 10} more" if len(hits) > 10 else "")
+        raise SnapshotError(f"snapshot id prefix '{ref}' is ambiguous under {root}: it matches {shown}; "
+                            "give more characters")
+    return hits[0] if hits else None
+
+
 def resolve_snapshot(root: str | Path, ref: str) -> Path:
     """The folder of the snapshot ``ref`` names under ``root``: a full id, or a prefix of
     exactly one id ("snap-3f2a", or "3f2a" without the "snap-"). No match or several
@@ -60,20 +70,26 @@ def resolve_snapshot(root: str | Path, ref: str) -> Path:
     if _is_snapshot(Path(root) / ref):  # a full id where stages keep them: no search
         return Path(root) / ref
     found = find_snapshot_dirs(root)
-    hits = matching_ids(found, ref)
-    if not hits:
+    sid = _unique(root, found, ref)
+    if sid is None:
         raise SnapshotError(f"no snapshot '{ref}' under {root}")
-    if len(hits) > 1:
-        shown = ", ".join(hits[:10]) + (f" and {len(hits) - 10} more" if len(hits) > 10 else "")
-        raise SnapshotError(f"snapshot id prefix '{ref}' is ambiguous under {root}: it matches {shown}; "
-                            "give more characters")
-    return found[hits[0]]
+    return found[sid]
 
 
 def full_ids(root: str | Path, refs) -> list[str]:
     """Each of ``refs`` (ids or unique prefixes) as its full id, in order: what stages record, so
-    a run started with a prefix resumes with the full id (and the other way round)."""
-    return [resolve_snapshot(root, r).name for r in refs]
+    a run started with a prefix resumes with the full id (and the other way round). An ambiguous
+    prefix raises here; one that names nothing is kept as given, for the reader to report
+    missing once the stage has checked its run folder and config."""
+    found = None
+    out = []
+    for ref in refs:
+        _check_ref(ref)
+        if not _is_snapshot(Path(root) / ref):
+            found = find_snapshot_dirs(root) if found is None else found
+            ref = _unique(root, found, ref) or ref
+        out.append(ref)
+    return out
 
 
 def open_snapshot(root: str | Path, ref: str, verify: bool = True) -> Snapshot:
