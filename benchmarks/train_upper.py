@@ -47,7 +47,7 @@ def parse_args(argv=None):
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16"))
-    ap.add_argument("--snapshot", default="", help="use this snapshot's decisions instead of synthetic ones")
+    ap.add_argument("--snapshot", default="", help="use this snapshot's decisions instead of synthetic ones (an id or a unique prefix under --root)")
     ap.add_argument("--root", default="snapshots")
     ap.add_argument("--out", default=str(RESULTS))
     return ap.parse_args(argv)
@@ -101,10 +101,10 @@ def main(argv=None) -> int:
     load_s = time.perf_counter() - t0
     strategies = cfg0.episode.strategies
     if args.snapshot:
-        from tosca_mlmt.snapshot import load_snapshot
+        from tosca_mlmt.snapshot_index import open_snapshot
         from tosca_mlmt.upper.dataset import build_transitions, check_strategies
 
-        snap = load_snapshot(args.root, args.snapshot)
+        snap = open_snapshot(args.root, args.snapshot)  # an id or a unique prefix, at any depth
         strategies = check_strategies([snap.manifest])
         transitions = build_transitions([(snap.id, snap.episodes())])
     else:

@@ -77,3 +77,15 @@ def print_summary(title: str, summary: dict) -> None:
     for k, v in summary.items():
         t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
     err.print(t)
+
+
+def print_rows(title: str, rows: list[dict]) -> None:
+    """``rows`` (dicts with the same keys) as one table on stderr; None shows as '-'."""
+    if not rows:
+        return
+    t = Table(title=title, show_header=True)
+    for c in rows[0]:
+        t.add_column(c, justify="left" if c == "snapshot" else "right")
+    for r in rows:
+        t.add_row(*("-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()))
+    err.print(t)

@@ -13,8 +13,8 @@ from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SE
 
 def train_lower(
     out: Path = typer.Option(..., "--out", "-o", help="Run folder (checkpoints, metrics, snapshots, final adapter)."),
-    snapshot: list[str] = typer.Option([], "--snapshot", help="Train on these snapshots instead of collecting (repeatable)."),
-    root: Path = typer.Option(Path("snapshots"), help="Snapshot root for --snapshot."),
+    snapshot: list[str] = typer.Option([], "--snapshot", help="Train on these snapshots (ids, or prefixes of exactly one id under --root) instead of collecting (repeatable)."),
+    root: Path = typer.Option(Path("snapshots"), help="Folder searched (recursively) for --snapshot."),
     iterations: Optional[int] = typer.Option(None, help="PPO iterations (lower.iterations)."),
     task: Optional[str] = typer.Option(None, help="Task: arith, gsm8k, math500, mbpp, jsonl (with "
                                                   "--set task.path=FILE), an installed 'tosca_mlmt.tasks' "

@@ -2,8 +2,9 @@
 
 ``show ID --episodes N`` is the episode viewer: each episode as problem, gold answer, the first
 attempt z, then per feedback round the strategy, the feedback g (flagged when it gives the gold
-answer away) and the refine ŷ with its reward. It prints to stdout, as the command's result, so
-``| less -R`` works; texts are printed as text, never parsed as rich markup.
+answer away) and the refine ŷ with its reward and the solver's context bonus (the value its
+PPO update used and the raw term; "n/a" for episodes no update saw). It prints to stdout, as
+the command's result, so ``| less -R`` works; texts are printed as text, never parsed as rich markup.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def _attempt(title: str, text: str, correct, reward, extracted, extras: dict) ->
 
 def render_episode(r: dict, i: int, n: int) -> Group:
     """One decoded episode (samples.episode_record) as rich renderables."""
+    from tosca_mlmt.pipelines.snapshots import bonus_text
+
     parts = [Rule(Text(f"{i}/{n}  {r['episode_id']}  {r['outcome'].replace('_to_', ' -> ')}"), align="left"),
              Text.assemble(("problem  ", "bold"), r["problem"]),
              Text.assemble(("gold     ", "bold"), str(r["gold"])),
@@ -97,7 +100,8 @@ def render_episode(r: dict, i: int, n: int) -> Group:
             title.append("  LEAKS THE ANSWER", style="bold yellow")
         parts.append(Panel(Text(rd["g"] or ""), title=title, title_align="left",
                            border_style="yellow" if leak else "blue"))
-        extras = {k: v for k, v in rd.items() if k in ("counterfactual_reward", "bonus")}
+        extras = {k: v for k, v in rd.items() if k == "counterfactual_reward"}
+        extras["bonus"] = bonus_text(rd.get("bonus"), rd.get("bonus_raw"))
         parts.append(_attempt(f"ŷ (attempt {rd['round'] + 1})", rd["y"], rd["correct"], rd["reward"],
                               rd["extracted"], extras))
     return Group(*parts)

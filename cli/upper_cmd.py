@@ -17,7 +17,7 @@ from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SE
 
 
 def train_upper(
-    snapshot: list[str] = typer.Option(..., "--snapshot", "-s", help="Snapshot id to learn from (repeatable)."),
+    snapshot: list[str] = typer.Option(..., "--snapshot", "-s", help="Snapshot id to learn from, or a prefix of exactly one id under --root (repeatable)."),
     root: Optional[Path] = typer.Option(None, help="Snapshot root folder (default: collect.out)."),
     out: Path = typer.Option(..., help="Run folder (config, metrics, checkpoints, writer/, report.md)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its latest checkpoint."),

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from tosca_mlmt.models.loading import resolve_model
-from tosca_mlmt.samples import episode_record, select
-from tosca_mlmt.snapshot import load_snapshot, read_manifest, verify_snapshot
-from tosca_mlmt.snapshot_index import environment_of, resolve_snapshot, row_line, snapshot_rows
+from tosca_mlmt.samples import bonus_text, episode_record, select  # noqa: F401 (bonus_text: for cli/)
+from tosca_mlmt.snapshot import read_manifest, verify_snapshot
+from tosca_mlmt.snapshot_index import environment_of, open_snapshot, resolve_snapshot, row_line, snapshot_rows
 
 
 def prepare_model(name: str) -> Path:
@@ -26,8 +26,7 @@ def summary_lines(root: Path) -> list[str]:
 
 def manifest(root: Path, ref: str) -> dict:
     """The snapshot's manifest, unverified: this is how a damaged snapshot is inspected."""
-    path = resolve_snapshot(root, ref)
-    return load_snapshot(path.parent, path.name, verify=False).manifest
+    return open_snapshot(root, ref, verify=False).manifest
 
 
 def problems(root: Path, ref: str) -> tuple[str, list[str]]:
@@ -42,7 +41,6 @@ def episode_records(root: Path, ref: str, n: int, which: str | None = None,
                     verify: bool = True) -> tuple[dict, list[dict]]:
     """The snapshot's id, kind and environment, and its first ``n`` episodes passing ``which``
     (samples.FILTERS), decoded for reading (samples.episode_record)."""
-    path = resolve_snapshot(root, ref)
-    snap = load_snapshot(path.parent, path.name, verify=verify)
+    snap = open_snapshot(root, ref, verify=verify)
     head = {"id": snap.id, "kind": str(snap.manifest.get("kind") or "?"), "environment": environment_of(snap.manifest)}
     return head, [episode_record(ep) for ep in select(snap.episodes(), n, which)]

@@ -66,6 +66,25 @@ def round_line(r: int, rounds: int, rec: dict, seconds: float) -> str:
     return f"round {r + 1}/{rounds}: " + ", ".join(parts)
 
 
+def summary_rows(manifest: dict) -> list[dict]:
+    """One row per round of a joint run's manifest, for the table printed once at the end: the
+    same headline numbers as the per-round lines, for every round (a resumed run printed lines
+    only for the rounds it ran itself). What a round did not measure is None."""
+    def get(rec, part, key):
+        v = (rec.get(part) or {}).get(key)
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    rows = []
+    for rec in manifest.get("rounds", []):
+        rows.append({"round": rec["round"] + 1, "snapshot": rec.get("snapshot"),
+                     "acc_t1": get(rec, "collect_metrics", "acc_t1"),
+                     "acc_final": get(rec, "collect_metrics", "acc_final"),
+                     "ppo_reward": get(rec, "lower_metrics", "reward_mean"),
+                     "eval_acc_final": get(rec, "eval_metrics", "acc_final"),
+                     "minutes": sum((rec.get("seconds") or {}).values()) / 60})
+    return rows
+
+
 class RoundsBar:
     """One bar over rounds x (collect + upper steps + PPO iterations), with an ETA. The stages'
     own bars are off under train-joint (rich shows one live display at a time); this one moves

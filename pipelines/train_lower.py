@@ -1,9 +1,10 @@
 """``mlmt train-lower``: PPO for the solver, online or from snapshots.
 
 Per iteration (each step timed): pick problems -> generate (episodes, scored) ->
-snapshot -> old/ref log-probs, advantages, bonus, update (inside LowerLearner) ->
-weight sync -> metrics -> checkpoint. The problems of iteration i are a pure function
-of (seed, i), so a resumed run sees exactly the data the uninterrupted run would have.
+old/ref log-probs, advantages, bonus, update (inside LowerLearner) -> snapshot (the batch,
+each refine turn with its bonus) -> weight sync -> metrics -> checkpoint. The problems of
+iteration i are a pure function of (seed, i), so a resumed run sees exactly the data the
+uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
 from tosca_mlmt.errors import MlmtError
 from tosca_mlmt.lower.learner import LowerLearner
-from tosca_mlmt.lower.stats import group_reward_stats
+from tosca_mlmt.lower.stats import group_reward_stats, with_refine_bonus
 from tosca_mlmt.lower.trajectory import episode_to_trajectory
 from tosca_mlmt.metrics import StageTimer, summarize
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.rollout.engines import make_engine
 from tosca_mlmt.rollout.runner import EpisodeRunner
 from tosca_mlmt.seeds import stream
-from tosca_mlmt.snapshot import load_snapshot, write_snapshot
+from tosca_mlmt.snapshot import write_snapshot
+from tosca_mlmt.snapshot_index import full_ids, open_snapshot
 from tosca_mlmt.tasks import make_task
 from tosca_mlmt.train.checkpoint import CheckpointManager
 from tosca_mlmt.pipelines.provenance import snapshot_manifest
@@ -80,7 +82,8 @@ def train_lower(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
     rd = RunDir(out, "train-lower", console)
     run = rd.path
     lo = cfg.lower
-    snapshot_ids = snapshot_ids or []
+    # prefixes become full ids before run.json records them: a resume compares full ids
+    snapshot_ids = full_ids(snapshot_root, snapshot_ids or [])
     _open_run(rd, cfg, resume, allow_drift, snapshot_ids)
     timer = StageTimer()
     ck = CheckpointManager(run, keep=lo.keep_checkpoints)
@@ -136,26 +139,31 @@ def train_lower(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
                     episodes = dist.gather_sharded(local, len(idx) * cfg.episode.n_samples)
                 it_timer.seconds["generate"] = runner.gen_seconds - gen0
                 it_timer.seconds["score"] = it_timer.seconds.pop("episodes") - it_timer.seconds["generate"]
-                gen_tokens, sid = int(dist.all_sum({"t": runner.gen_tokens - score0})["t"]), None
+                gen_tokens, sid, manifest = int(dist.all_sum({"t": runner.gen_tokens - score0})["t"]), None, None
                 if lo.keep_snapshots:
                     with it_timer("snapshot"):
-                        # the same manifest as collect's, so train-upper can learn from these batches
+                        # the same manifest as collect's, so train-upper can learn from these batches;
+                        # taken before the update: the fingerprints are of the solver that sampled
                         manifest = snapshot_manifest(
                             "train-lower-batch", cfg, task=task, problems=[pool[i] for i in idx],
                             skipped_rows=loaded.skipped_rows, iteration=it, strategies=runner.strategies,
                             # every rank: fingerprints are collectives under ZeRO-3
                             models={r: policies.fingerprint(r) for r in ("solver", "writer")},
                             summary=summarize(episodes), timings=it_timer.as_metrics(""))
-                        if dist.is_main():
-                            sid, _ = write_snapshot(run / "snapshots", episodes, manifest.to_dict())
             else:
                 per = lo.problems_per_iteration * cfg.episode.n_samples
                 episodes = [offline[(it * per + j) % len(offline)] for j in range(per)]
-                gen_tokens, sid = 0, None
-            trajs = [t for t in map(episode_to_trajectory, episodes) if t is not None]
+                gen_tokens, sid, manifest = 0, None, None
+            kept = [(i, t) for i, t in enumerate(map(episode_to_trajectory, episodes)) if t is not None]
+            rows, trajs = [i for i, _ in kept], [t for _, t in kept]
             if len(trajs) < len(episodes):
                 warnings.warn(f"{len(episodes) - len(trajs)} episodes had truncated prompts and were not trained on")
             upd = trainer.update(trajs, it, it_timer)
+            if manifest is not None and dist.is_main():
+                with it_timer("snapshot"):
+                    # written after the update, so each refine turn carries the bonus it was trained with
+                    sid, _ = write_snapshot(run / "snapshots", with_refine_bonus(episodes, rows, trainer.refine_bonus),
+                                            manifest.to_dict())
             with it_timer("weight_sync"):
                 if offline is None:
                     engine.sync_weights("solver")
@@ -206,7 +214,7 @@ def _load_offline(ids: list[str], root, verify: bool) -> list[tuple]:
     """(snapshot, episodes) per id."""
     out = []
     for sid in ids:
-        snap = load_snapshot(root, sid, verify=verify)
+        snap = open_snapshot(root, sid, verify=verify)
         out.append((snap, snap.episodes()))
     if not any(eps for _, eps in out):
         raise MlmtError("the given snapshots hold no episodes")

@@ -16,7 +16,7 @@ Run folder::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tosca_mlmt import runtime
@@ -25,7 +25,7 @@ from tosca_mlmt.config import Config
 from tosca_mlmt.errors import MlmtError, SnapshotError
 from tosca_mlmt.metrics import StageTimer
 from tosca_mlmt.models.policies import PolicyPair
-from tosca_mlmt.snapshot import load_snapshot
+from tosca_mlmt.snapshot_index import full_ids, open_snapshot
 from tosca_mlmt.train.checkpoint import CheckpointManager
 from tosca_mlmt.upper.dataset import build_transitions, check_strategies
 from tosca_mlmt.upper.learner import UpperLearner
@@ -55,6 +55,9 @@ def train_upper(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
     uc = cfg.upper
     if not uc.snapshots:
         raise MlmtError("no snapshot to learn from: pass --snapshot ID (repeatable) or set upper.snapshots")
+    # prefixes become full ids before anything records the config: a resume compares full ids
+    cfg = replace(cfg, upper=replace(uc, snapshots=full_ids(_root(cfg), uc.snapshots)))
+    uc = cfg.upper
     rd = RunDir(out, "train-upper", console)
     run_dir = rd.path
     timer = StageTimer()
@@ -147,9 +150,12 @@ def train_upper(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
 # ---------------------------------------------------------------------- helpers
 
 
+def _root(cfg: Config) -> str:
+    return cfg.upper.snapshot_root or cfg.collect.out
+
+
 def _load_snapshots(cfg: Config, verify: bool = True):
-    root = cfg.upper.snapshot_root or cfg.collect.out
-    return [load_snapshot(root, sid, verify=verify) for sid in cfg.upper.snapshots]
+    return [open_snapshot(_root(cfg), sid, verify=verify) for sid in cfg.upper.snapshots]
 
 
 def _provenance(rd: RunDir, cfg: Config, snaps, policies: PolicyPair, transitions, strategies) -> dict:

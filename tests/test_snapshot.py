@@ -164,8 +164,9 @@ def test_an_edited_manifest_with_a_recomputed_hash_fails_verify(tmp_path, edit):
 
 
 def test_replaced_data_files_with_a_matching_file_table_still_fail(tmp_path):
-    """Rewriting the rewards and the file table (sizes, hashes, manifest hash) changes the id;
-    under the old id's folder name that is caught."""
+    """Rewriting the rewards and the stored files' table (sizes, hashes, manifest hash): the files
+    say another id, and the id still stands for the old content; under the old id's folder name
+    a recomputed id is caught too."""
     from tosca_mlmt.snapshot import sha256_file
 
     sid, _ = write_snapshot(tmp_path, make_episodes(), {})
@@ -174,13 +175,19 @@ def test_replaced_data_files_with_a_matching_file_table_still_fail(tmp_path):
         (tmp_path / sid / f).write_bytes((tmp_path / "o" / other / f).read_bytes())
 
     def table(m):
-        for f in m["files"]:
-            m["files"][f] = {"sha256": sha256_file(tmp_path / sid / f), "bytes": (tmp_path / sid / f).stat().st_size}
+        for f in m["stored_files"]:
+            m["stored_files"][f] = {"sha256": sha256_file(tmp_path / sid / f),
+                                    "bytes": (tmp_path / sid / f).stat().st_size}
 
     _rewrite_manifest(tmp_path / sid, table)
-    assert any("does not match its content" in p for p in verify_snapshot(tmp_path / sid))
+    problems = verify_snapshot(tmp_path / sid)
+    assert len(problems) == 2 and all(f"snapshot_id column says {other}, not {sid}" in p for p in problems)
     _rewrite_manifest(tmp_path / sid, lambda m: m.update(id=other))  # even with the new id recomputed
-    assert verify_snapshot(tmp_path / sid) == [f"folder name {sid} differs from manifest id {other}"]
+    problems = verify_snapshot(tmp_path / sid)
+    assert [p.split(":")[0] for p in problems[:2]] == ["episodes.parquet", "turns.parquet"]
+    assert all("does not hash to the id's content" in p for p in problems[:2])  # the old id's content, not these
+    assert problems[2:] == [f"manifest.json: id {other} does not match its content (manifest edited)",
+                            f"folder name {sid} differs from manifest id {other}"]
 
 
 def test_a_truncated_data_file_is_named_by_its_size_before_any_hashing(tmp_path):
@@ -270,7 +277,7 @@ def test_turns_written_before_the_typed_feedback_span_are_read(tmp_path):
     assert solve.feedback_span is None and not any(t.truncated for t in back[0].turns)
 
 
-def test_loaded_tables_carry_the_snapshot_id_and_the_files_stay_as_hashed(tmp_path):
+def test_loaded_tables_carry_the_snapshot_id(tmp_path):
     import pyarrow as pa
 
     from tosca_mlmt.analysis.sources import read_turns
@@ -281,8 +288,8 @@ def test_loaded_tables_carry_the_snapshot_id_and_the_files_stay_as_hashed(tmp_pa
     assert set(eps["snapshot_id"].to_pylist()) == {sid} and turns["snapshot_id"].to_pylist() == [sid] * 9
     both = pa.concat_tables([load_snapshot(tmp_path, s).tables()[1] for s in (sid, other)])
     assert both["snapshot_id"].to_pylist() == [sid] * 9 + [other] * 9  # rows still say where they came from
-    # the column is added on read: the data files (and so the id) are untouched, episodes() still works
-    assert "snapshot_id" not in pq.read_table(tmp_path / sid / "turns.parquet").column_names
+    # the files hold it too, for readers other than ours (tests/test_snapshot_id_column.py)
+    assert pq.read_table(tmp_path / sid / "turns.parquet")["snapshot_id"].to_pylist() == [sid] * 9
     assert verify_snapshot(tmp_path / sid) == [] and len(load_snapshot(tmp_path, sid).episodes()) == 3
     snaps = {s: (tmp_path / s, json.loads((tmp_path / s / "manifest.json").read_text())) for s in (sid, other)}
     assert set(read_turns(snaps)["snapshot_id"]) == {sid, other}

@@ -139,6 +139,7 @@ def test_cli_shows_episodes_decoded_and_filtered(run):
                    "Check [bold]your[/] sum."):  # feedback text is printed verbatim, never as markup
         assert needle in out, needle
     assert "What is 5 + 7?" not in out  # only two episodes
+    assert out.count("bonus n/a") == 2  # no PPO update saw these episodes: no context bonus stored
     res = cli.invoke(app, ["snapshots", "show", a, "--root", str(path), "-n", "5", "--filter", "wrong_to_wrong"])
     assert res.exit_code == 0 and "Recompute 3 + 4." in res.stdout and "What is 3 + 7?" not in res.stdout
     res = cli.invoke(app, ["snapshots", "show", a, "--root", str(path), "-n", "5", "--filter", "leak"])

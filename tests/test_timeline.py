@@ -11,7 +11,7 @@ from conftest import FP32
 from tosca_mlmt.config import load_config
 from tosca_mlmt.lower.stats import group_reward_stats
 from tosca_mlmt.pipelines.rundir import RunDir
-from tosca_mlmt.pipelines.timeline import Timeline, round_line
+from tosca_mlmt.pipelines.timeline import Timeline, round_line, summary_rows
 
 
 def test_group_reward_stats_on_hand_made_groups():
@@ -59,6 +59,18 @@ def test_round_line_names_the_headline_numbers_and_leaves_out_what_was_not_measu
     assert round_line(1, 4, rec, 186) == ("round 2/4: acc_t1 0.21 -> final 0.24 (collect), PPO reward 0.18 ±0.30, "
                                           "zero-std groups 62%, Q spread 0.12, 3.1 min")
     assert round_line(0, 1, {}, 60) == "round 1/1: 1.0 min"  # frozen writer and solver: only the time
+
+
+def test_the_final_summary_is_one_row_per_round_with_the_round_lines_numbers():
+    man = {"rounds": [
+        {"round": 0, "snapshot": "snap-a", "collect_metrics": {"acc_t1": 0.21, "acc_final": 0.24},
+         "lower_metrics": {"reward_mean": 0.18}, "eval_metrics": {"acc_final": 0.3}, "seconds": {"collect": 30, "lower": 90}},
+        {"round": 1, "snapshot": None, "seconds": {"lower": 6}}]}  # a frozen writer: nothing collected
+    assert summary_rows(man) == [
+        {"round": 1, "snapshot": "snap-a", "acc_t1": 0.21, "acc_final": 0.24, "ppo_reward": 0.18,
+         "eval_acc_final": 0.3, "minutes": 2.0},
+        {"round": 2, "snapshot": None, "acc_t1": None, "acc_final": None, "ppo_reward": None,
+         "eval_acc_final": None, "minutes": 0.1}]
 
 
 def wandb_history(run_file: Path, expect: int = 0, wait: float = 60) -> list[tuple[int, dict]]:

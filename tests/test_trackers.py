@@ -130,3 +130,61 @@ def test_bad_tracker_lists_are_one_config_error_naming_the_field(value):
 
 def test_markdown_cells_keep_their_text():
     assert markdown_table(["a"], [[None], ["x\\y"], ["p\r\nq"]]) == "| a |\n|---|\n|  |\n| x\\\\y |\n| p<br>q |"
+
+
+def _run_ids(folder) -> set[str]:
+    """The run ids of the offline wandb runs under ``folder`` (offline-run-<time>-<id>)."""
+    return {p.name.rsplit("-", 1)[1] for p in folder.glob("wandb/offline-run-*")}
+
+
+def test_a_second_sink_on_the_same_folder_continues_its_wandb_run(tmp_path, monkeypatch):
+    from tosca_mlmt.trackers import WANDB_RUN_ID
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for step in (1, 2):  # a run, then its --resume
+        sink = MetricsSink(tmp_path / "run", {}, ["wandb"], enabled=True)
+        sink.log({"loss": float(step)}, step=step)
+        sink.close()
+    stored = (tmp_path / "run" / WANDB_RUN_ID).read_text().strip()
+    assert len(list((tmp_path / "run").glob("wandb/offline-run-*"))) == 2 and _run_ids(tmp_path / "run") == {stored}
+    files = sorted((tmp_path / "run").glob("wandb/offline-run-*/run-*.wandb"))
+    assert [s for f in files for s, _ in wandb_history(f, expect=1)] == [1, 2]
+    other = MetricsSink(tmp_path / "other", {}, ["wandb"], enabled=True)  # another folder, another run
+    other.close()
+    assert _run_ids(tmp_path / "other") == {(tmp_path / "other" / WANDB_RUN_ID).read_text().strip()} != {stored}
+
+
+def test_a_damaged_run_id_file_is_an_error_naming_it(tmp_path):
+    from tosca_mlmt.errors import MlmtError
+    from tosca_mlmt.trackers import WANDB_RUN_ID, wandb_run_id
+
+    (tmp_path / WANDB_RUN_ID).write_text("../not an id")
+    with pytest.raises(MlmtError, match=f"{WANDB_RUN_ID}: not a wandb run id"):
+        wandb_run_id(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_killed_and_resumed_train_lower_logs_to_one_wandb_run(debug_cfg, debug_policies, tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from tosca_mlmt.pipelines.train_lower import train_lower
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = replace(debug_cfg, solver_sampling=replace(debug_cfg.solver_sampling, max_new_tokens=6),
+                  task=replace(debug_cfg.task, level=1),
+                  logging=replace(debug_cfg.logging, wandb=True, trackers=["wandb"]),
+                  lower=replace(debug_cfg.lower, iterations=2, problems_per_iteration=1, save_every=1,
+                                minibatch_size=2, keep_snapshots=False))
+    model = debug_policies.model("solver")
+    init = {n: p.detach().clone() for n, p in model.named_parameters() if ".solver." in n}
+    try:
+        train_lower(cfg, tmp_path / "run", policies=debug_policies, stop_after=1)  # killed after iteration 1
+        train_lower(cfg, tmp_path / "run", policies=debug_policies, resume=True)
+    finally:
+        for n, p in model.named_parameters():
+            if n in init:
+                p.data.copy_(init[n])
+    runs = sorted((tmp_path / "run").glob("wandb/offline-run-*"))
+    assert len(runs) == 2 and len(_run_ids(tmp_path / "run")) == 1
+    steps = [s for r in runs for s, _ in wandb_history(next(r.glob("run-*.wandb")), expect=1)]
+    assert steps == [1, 2]  # the resumed process logs iteration 2 into the same run

@@ -14,8 +14,13 @@ from tosca_mlmt.leak import episode_leaks
 # Turn-1 correctness -> final correctness (metrics.summarize's 2x2 table).
 OUTCOMES = ("right_to_wrong", "wrong_to_right", "right_to_right", "wrong_to_wrong")
 FILTERS = (*OUTCOMES, "leak")
-# Refine info keys worth showing when a run logged them (episode.counterfactual; a bonus).
-LOGGED_EXTRAS = ("counterfactual_reward", "bonus")
+# Refine info keys worth showing when a run logged them (episode.counterfactual).
+LOGGED_EXTRAS = ("counterfactual_reward",)
+# The solver's context bonus of a refine, stored by train-lower with its batch snapshots
+# (lower/stats.with_refine_bonus): the value added to the refine's advantages (summed over its
+# tokens) and the raw, unclipped log-ratio term. Every record has both keys: None where no PPO
+# update saw the episode (collect and eval snapshots, lower.bonus.coef 0), shown as "n/a".
+BONUS_KEYS = ("bonus", "bonus_raw")
 
 
 def outcome(ep) -> str:
@@ -62,21 +67,31 @@ def episode_record(ep) -> dict:
     z = solver[0]
     rounds = []
     for k, (g, y) in enumerate(zip(feedback, solver[1:])):
-        extras = {key: y.info[key] for key in LOGGED_EXTRAS if key in (y.info or {})}
+        info = y.info or {}
+        extras = {key: info[key] for key in LOGGED_EXTRAS if key in info}
         rounds.append({"round": k + 1, "strategy": g.strategy_name, "g": g.text, "leaked": leaks[k],
-                       "y": y.text, "reward": y.reward, "correct": y.correct, "extracted": y.extracted, **extras})
+                       "y": y.text, "reward": y.reward, "correct": y.correct, "extracted": y.extracted,
+                       **{key: info.get(key) for key in BONUS_KEYS}, **extras})
     return {"episode_id": ep.episode_id, "task": ep.problem.task, "problem": ep.problem.question,
             "gold": ep.problem.answer, "outcome": outcome(ep), "z": z.text, "r1": z.reward, "correct1": z.correct,
             "extracted1": z.extracted, "rounds": rounds}
 
 
 SAMPLE_COLUMNS = ("episode_id", "outcome", "problem", "gold", "z", "r1", "strategy", "g", "y_hat", "r_final",
-                  "rewards", "leaked")
+                  "rewards", "bonus", "leaked")
+
+
+def bonus_text(value, raw) -> str:
+    """A refine's bonus for reading: "0.0123 (raw 0.456)", or "n/a" when none was stored."""
+    if value is None:
+        return "n/a"
+    return f"{value:.4g}" + ("" if raw is None else f" (raw {raw:.4g})")
 
 
 def sample_rows(episodes, n: int = 16) -> list[dict]:
     """Up to ``n`` flat rows (SAMPLE_COLUMNS, plain str/float values) for a wandb table, spread
-    over the outcome classes. With several rounds, strategy and g list every round's, in order."""
+    over the outcome classes. With several rounds, strategy, g and bonus list every round's, in
+    order."""
     rows = []
     for ep in spread(episodes, n):
         r = episode_record(ep)
@@ -89,6 +104,7 @@ def sample_rows(episodes, n: int = 16) -> list[dict]:
             "y_hat": r["rounds"][-1]["y"] if r["rounds"] else "",
             "r_final": _num(r["rounds"][-1]["reward"] if r["rounds"] else r["r1"]),
             "rewards": " ".join(f"{_num(x):g}" for x in [r["r1"], *(x["reward"] for x in r["rounds"])]),
+            "bonus": " | ".join(bonus_text(x["bonus"], x["bonus_raw"]) for x in r["rounds"]),
             "leaked": ",".join("-" if x["leaked"] is None else str(bool(x["leaked"])).lower() for x in r["rounds"]),
         })
     return rows

@@ -12,6 +12,19 @@ episodes from the same settings get the same id. Editing a covered field or a da
 breaks the id, which ``verify`` and every reader check. Format 1 (id = hash of the data
 files only) is still read and verified by its own, weaker, rules.
 
+The ``snapshot_id`` column: both data files carry the id in a last ``snapshot_id`` column, so
+rows read from several snapshots by any parquet reader say where they came from. A file
+cannot hold a hash of itself, so the id hashes the *canonical* files, the same tables written
+without that column (``files`` in the manifest: the bytes the id stands for, exactly what
+snapshots written before the column had on disk, so the same episodes keep the same id), and
+``stored_files`` (outside the id, under ``manifest_sha256``) are the files as stored. ``verify``
+checks the stored bytes, that every ``snapshot_id`` value is the manifest's id (an edited or
+copied value is a problem), and that the tables without the column re-encode to the canonical
+hashes (an edit of the data is a problem even when ``stored_files`` was rewritten to match).
+That re-encoding is pyarrow's parquet writer: a pyarrow that encodes differently from the one
+that wrote the snapshot (``packages.pyarrow``) cannot confirm it, and the problem says so.
+Snapshots without ``stored_files`` (written before the column) are verified as before.
+
 Folders are built under ``<root>/.tmp-<pid>-<rand>`` and renamed into place in one step:
 a reader never sees a half-written snapshot, an existing snapshot is never overwritten,
 and a writer that loses a race to an identical snapshot checks the winner's and succeeds.
@@ -35,7 +48,8 @@ import pyarrow.parquet as pq
 from tosca_mlmt.errors import SnapshotError
 from tosca_mlmt.fsutil import sha256_file
 from tosca_mlmt.records import Episode
-from tosca_mlmt.snapshot_tables import episodes_to_tables, read_tables, tables_to_episodes, with_snapshot_id
+from tosca_mlmt.snapshot_tables import (SNAPSHOT_ID, canonical_bytes, episodes_to_tables, parquet_bytes, read_tables,
+                                        tables_to_episodes, with_snapshot_id)
 
 FORMAT_VERSION = 2
 SUPPORTED_VERSIONS = (1, 2)
@@ -43,7 +57,7 @@ DATA_FILES = ("episodes.parquet", "turns.parquet")
 # Manifest fields that describe the writing, not the data: left out of the id so that the
 # same episodes written again (later, elsewhere, by a newer build) keep their id.
 INFORMATIONAL = ("id", "manifest_sha256", "created_at", "timings", "summary", "tosca_mlmt_version", "git_sha",
-                 "packages")
+                 "packages", "stored_files")
 # Config fields that say where things live or how they are logged, not what the data is.
 LOCATION_FIELDS = ("logging", "collect.out", "upper.snapshot_root", "task.data_path", "task.path",
                    "model.solver_adapter", "model.writer_adapter", "distributed")
@@ -122,6 +136,10 @@ def build_manifest(manifest: dict, files: dict[str, dict], rows: dict[str, int])
     return m
 
 
+def _entry(data: bytes) -> dict:
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
 def write_snapshot(root: str | Path, episodes: list[Episode], manifest: dict) -> tuple[str, bool]:
     """Write atomically; returns (id, created). ``created`` is False when an identical
     snapshot already existed (it is verified and left untouched)."""
@@ -131,12 +149,15 @@ def write_snapshot(root: str | Path, episodes: list[Episode], manifest: dict) ->
     tmp = root / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        ep_t, turn_t = episodes_to_tables(episodes)
-        pq.write_table(ep_t, tmp / "episodes.parquet")
-        pq.write_table(turn_t, tmp / "turns.parquet")
-        files = {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in DATA_FILES}
-        m = build_manifest(manifest, files, {"episodes": ep_t.num_rows, "turns": turn_t.num_rows})
+        tables = dict(zip(DATA_FILES, episodes_to_tables(episodes)))
+        files = {f: _entry(parquet_bytes(t)) for f, t in tables.items()}  # canonical: what the id hashes
+        m = build_manifest(manifest, files, {"episodes": tables["episodes.parquet"].num_rows,
+                                             "turns": tables["turns.parquet"].num_rows})
         sid = m["id"]
+        for f, t in tables.items():
+            pq.write_table(with_snapshot_id(t, sid), tmp / f)
+        m["stored_files"] = {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in DATA_FILES}
+        m["manifest_sha256"] = _manifest_sha(m)
         with open(tmp / "manifest.json", "w") as f:
             json.dump(m, f, indent=2, sort_keys=True)
             f.flush()
@@ -179,13 +200,13 @@ def snapshot_path(root: str | Path, sid: str) -> Path:
     return p
 
 
-def _check_files_table(files, version: int) -> str | None:
-    """What is wrong with a manifest's file table, or None."""
+def _check_files_table(files, version: int, key: str = "files") -> str | None:
+    """What is wrong with a manifest's file table ``key``, or None."""
     if not isinstance(files, dict):
-        return "has no file table ('files')"
+        return f"has no file table ('{key}')"
     missing = [f for f in DATA_FILES if f not in files]
     if missing:
-        return f"its file table lacks {', '.join(missing)}"
+        return f"its file table ('{key}') lacks {', '.join(missing)}"
     for name in DATA_FILES:
         e = files[name]
         if version == 1:
@@ -214,6 +235,8 @@ def read_manifest(path: Path) -> dict:
     if not isinstance(m.get("id"), str):
         raise SnapshotError(f"{where}: has no id")
     bad = _check_files_table(m.get("files"), v)
+    if not bad and "stored_files" in m:
+        bad = _check_files_table(m["stored_files"], 2, "stored_files")
     if bad:
         raise SnapshotError(f"{where}: {bad}")
     rows = m.get("rows")
@@ -236,6 +259,25 @@ def _file_problem(path: Path, name: str, want, version: int) -> str | None:
     return None if got == sha else f"{name}: sha256 mismatch (file changed since it was written)"
 
 
+def _canonical_problem(path: Path, name: str, m: dict) -> str | None:
+    """Whether a stored file holds the id and, without that column, the content the id hashes."""
+    try:
+        t = pq.read_table(path / name)
+        data = canonical_bytes(t)
+    except (OSError, pa.ArrowException, ValueError) as e:
+        return f"{name}: unreadable ({type(e).__name__}: {e})"
+    if SNAPSHOT_ID not in t.column_names:
+        return f"{name}: has no {SNAPSHOT_ID} column, but the manifest lists stored_files"
+    others = sorted(set(t[SNAPSHOT_ID].unique().to_pylist()) - {m["id"]}, key=str)
+    if others:
+        return f"{name}: its {SNAPSHOT_ID} column says {', '.join(map(str, others[:3]))}, not {m['id']} (edited or copied)"
+    if hashlib.sha256(data).hexdigest() != m["files"][name]["sha256"]:
+        wrote = (m.get("packages") or {}).get("pyarrow", "?") if isinstance(m.get("packages"), dict) else "?"
+        return (f"{name}: its data without the {SNAPSHOT_ID} column does not hash to the id's content (edited; or "
+                f"this pyarrow {pa.__version__} encodes parquet unlike the writer's {wrote})")
+    return None
+
+
 def verify_snapshot(path: Path) -> list[str]:
     """Re-hash everything; returns a list of problems (empty = intact)."""
     try:
@@ -246,7 +288,10 @@ def verify_snapshot(path: Path) -> list[str]:
     problems = []
     if m.get("manifest_sha256") != _manifest_sha(m):
         problems.append("manifest.json: content does not match its manifest_sha256 (edited or corrupted)")
-    problems += [p for name in DATA_FILES if (p := _file_problem(path, name, m["files"][name], v))]
+    on_disk = m.get("stored_files", m["files"])  # stored_files: the files carry a snapshot_id column
+    problems += [p for name in DATA_FILES if (p := _file_problem(path, name, on_disk[name], v))]
+    if "stored_files" in m and not problems:  # only intact files are parsed
+        problems += [p for name in DATA_FILES if (p := _canonical_problem(path, name, m))]
     want_id = _snapshot_id_v1(m["files"]) if v == 1 else snapshot_id(m)
     if v >= 2 and want_id != m["id"]:
         problems.append(f"manifest.json: id {m['id']} does not match its content (manifest edited)")
@@ -277,10 +322,9 @@ class Snapshot:
         return self.manifest["id"]
 
     def tables(self) -> tuple[pa.Table, pa.Table]:
-        """Episodes and turns, each with a last ``snapshot_id`` column. The id is a hash over the
-        data files, so it cannot be written inside them (a file holding its own hash cannot be
-        hashed); it is added here, on read, so rows concatenated from several snapshots still
-        say where they came from, and existing snapshots keep their bytes and ids."""
+        """Episodes and turns, each with a last ``snapshot_id`` column: the files' own (verified to
+        be the id), or for snapshots written before the files carried it, added here, so rows
+        concatenated from several snapshots of any age say where they came from."""
         try:
             tables = read_tables(self.path)
         except (OSError, pa.ArrowException, ValueError) as e:

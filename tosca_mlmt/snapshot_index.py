@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from tosca_mlmt.errors import SnapshotError
-from tosca_mlmt.snapshot import read_manifest
+from tosca_mlmt.snapshot import Snapshot, load_snapshot, read_manifest
 
 
 def _is_snapshot(path: Path) -> bool:
@@ -38,24 +38,65 @@ def find_snapshot_dirs(root: str | Path) -> dict[str, Path]:
     return found
 
 
-def resolve_snapshot(root: str | Path, ref: str) -> Path:
-    """The folder of the snapshot ``ref`` names under ``root``: a full id, or a prefix of
-    exactly one id ("snap-3f2a", or "3f2a" without the "snap-"). No match or several
-    matches raise SnapshotError (the latter listing the candidates)."""
+def matching_ids(found, ref: str) -> list[str]:
+    """The ids among ``found`` that ``ref`` names: itself when it is a full id, else those it is a
+    prefix of ("snap-3f2a", or "3f2a" without the "snap-"), sorted."""
+    if ref in found:
+        return [ref]
+    want = ref if ref.startswith("snap-") or "snap-".startswith(ref) else "snap-" + ref
+    return sorted(sid for sid in found if sid.startswith(want))
+
+
+def _check_ref(ref) -> None:
     if not isinstance(ref, str) or not ref or "/" in ref or ref.startswith("."):
         raise SnapshotError(f"{ref!r} is not a snapshot id")
-    found = find_snapshot_dirs(root)
-    if ref in found:
-        return found[ref]
-    want = ref if ref.startswith("snap-") or "snap-".startswith(ref) else "snap-" + ref
-    hits = sorted(sid for sid in found if sid.startswith(want))
-    if not hits:
-        raise SnapshotError(f"no snapshot '{ref}' under {root}")
+
+
+def _unique(root, found: dict, ref: str) -> str | None:
+    """The one id ``ref`` names among ``found``; None for none; several raise, listing them."""
+    hits = matching_ids(found, ref)
     if len(hits) > 1:
         shown = ", ".join(hits[:10]) + (f" and {len(hits) - 10} more" if len(hits) > 10 else "")
         raise SnapshotError(f"snapshot id prefix '{ref}' is ambiguous under {root}: it matches {shown}; "
                             "give more characters")
-    return found[hits[0]]
+    return hits[0] if hits else None
+
+
+def resolve_snapshot(root: str | Path, ref: str) -> Path:
+    """The folder of the snapshot ``ref`` names under ``root``: a full id, or a prefix of
+    exactly one id ("snap-3f2a", or "3f2a" without the "snap-"). No match or several
+    matches raise SnapshotError (the latter listing the candidates)."""
+    _check_ref(ref)
+    if _is_snapshot(Path(root) / ref):  # a full id where stages keep them: no search
+        return Path(root) / ref
+    found = find_snapshot_dirs(root)
+    sid = _unique(root, found, ref)
+    if sid is None:
+        raise SnapshotError(f"no snapshot '{ref}' under {root}")
+    return found[sid]
+
+
+def full_ids(root: str | Path, refs) -> list[str]:
+    """Each of ``refs`` (ids or unique prefixes) as its full id, in order: what stages record, so
+    a run started with a prefix resumes with the full id (and the other way round). An ambiguous
+    prefix raises here; one that names nothing is kept as given, for the reader to report
+    missing once the stage has checked its run folder and config."""
+    found = None
+    out = []
+    for ref in refs:
+        _check_ref(ref)
+        if not _is_snapshot(Path(root) / ref):
+            found = find_snapshot_dirs(root) if found is None else found
+            ref = _unique(root, found, ref) or ref
+        out.append(ref)
+    return out
+
+
+def open_snapshot(root: str | Path, ref: str, verify: bool = True) -> Snapshot:
+    """The snapshot ``ref`` (an id or unique prefix) names at any depth under ``root``; with
+    ``verify`` checked first, as ``snapshot.load_snapshot``."""
+    path = resolve_snapshot(root, ref)
+    return load_snapshot(path.parent, path.name, verify=verify)
 
 
 def environment_of(m: dict) -> str:

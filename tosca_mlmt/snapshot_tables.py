@@ -35,6 +35,9 @@ TURN_SCHEMA = pa.schema([
 # Columns added after format 2 was first written: older files lack them and read as these
 # defaults (their feedback span is still in ``info``, where the runner used to put it).
 LATE_TURN_COLUMNS = {"feedback_span": None, "truncated": False}
+# Written into both files, outside the id (see snapshot.py): rows read or concatenated from
+# several snapshots by any parquet reader still say where they came from.
+SNAPSHOT_ID = "snapshot_id"
 _TURN_FIELDS = [f.name for f in TURN_SCHEMA
                 if f.name not in ("episode_id", "problem_id", "turn_index", "info", "feedback_span")]
 
@@ -62,12 +65,32 @@ def episodes_to_tables(episodes: list[Episode]) -> tuple[pa.Table, pa.Table]:
 
 def with_snapshot_id(table: pa.Table, sid: str) -> pa.Table:
     """``table`` with a constant ``snapshot_id`` (string) column appended."""
-    return table.append_column("snapshot_id", pa.array([sid] * table.num_rows, pa.string()))
+    return table.append_column(SNAPSHOT_ID, pa.array([sid] * table.num_rows, pa.string()))
+
+
+def without_snapshot_id(table: pa.Table) -> pa.Table:
+    return table.drop_columns([SNAPSHOT_ID]) if SNAPSHOT_ID in table.column_names else table
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    """``table`` as the parquet file ``pq.write_table`` writes (same bytes, in memory)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+def canonical_bytes(stored: pa.Table) -> bytes:
+    """The file the writer hashed for the id, re-derived from a stored table: without its
+    ``snapshot_id`` column, and with list items named as Arrow names them before parquet renames
+    them ``element``; the stored file's own columns, so files of older schemas re-derive alike."""
+    t = without_snapshot_id(stored)
+    schema = pa.schema([pa.field(f.name, pa.list_(f.type.value_type), f.nullable) if pa.types.is_list(f.type)
+                        else f for f in t.schema])
+    return parquet_bytes(t.cast(schema))
 
 
 def tables_to_episodes(ep_table: pa.Table, turn_table: pa.Table) -> list[Episode]:
-    if "snapshot_id" in turn_table.column_names:  # added on read (Snapshot.tables), not an Episode field
-        turn_table = turn_table.drop_columns(["snapshot_id"])
+    turn_table = without_snapshot_id(turn_table)  # where the rows came from, not an Episode field
     by_ep: dict[str, list[Turn]] = {}
     for r in turn_table.to_pylist():
         info = json.loads(r.pop("info") or "{}")
@@ -93,7 +116,8 @@ def _with_late_columns(turns: pa.Table) -> pa.Table:
 
 
 def read_tables(folder: Path) -> tuple[pa.Table, pa.Table]:
-    """(episodes, turns) of a snapshot folder, cast to the current schemas; raises what
+    """(episodes, turns) of a snapshot folder, cast to the current schemas (no ``snapshot_id``
+    column: ``Snapshot.tables`` adds the verified id); raises what
     pyarrow raises on unreadable files (the caller names the snapshot)."""
-    return (pq.read_table(folder / "episodes.parquet").cast(EPISODE_SCHEMA),
-            _with_late_columns(pq.read_table(folder / "turns.parquet")).cast(TURN_SCHEMA))
+    return (without_snapshot_id(pq.read_table(folder / "episodes.parquet")).cast(EPISODE_SCHEMA),
+            _with_late_columns(without_snapshot_id(pq.read_table(folder / "turns.parquet"))).cast(TURN_SCHEMA))

@@ -21,14 +21,22 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from tosca_mlmt.config.run import TRACKERS
 from tosca_mlmt.errors import MlmtError
+from tosca_mlmt.fsutil import atomic_write_text
 
 TENSORBOARD_DIR = "tb"  # <sink folder>/tb/: the event files of one run
+# <sink folder>/wandb_run_id: the wandb run this folder logs to. Written when the folder first
+# opens one; a later sink on the same folder (a --resume, in this process or another) reads it
+# and continues that run (resume="allow") instead of starting a second one.
+WANDB_RUN_ID = "wandb_run_id"
+_RUN_ID = re.compile(r"[a-z0-9]{1,64}")
 
 
 def _standalone(tracker):
@@ -42,14 +50,33 @@ def _standalone(tracker):
     return tracker
 
 
+def wandb_run_id(folder: Path) -> str:
+    """The wandb run id of the sink folder ``folder``: the stored one, else a new one, stored
+    (atomically) before the run opens, so a kill right after still resumes into it."""
+    path = folder / WANDB_RUN_ID
+    try:
+        stored = path.read_text().strip()
+    except FileNotFoundError:
+        stored = None
+    if stored is not None:
+        if not _RUN_ID.fullmatch(stored):
+            raise MlmtError(f"{path}: not a wandb run id ({stored[:40]!r}); delete the file to start a new run")
+        return stored
+    new = uuid.uuid4().hex[:16]  # wandb's own ids are 8 of [a-z0-9]; any such string is one
+    atomic_write_text(path, new + "\n")
+    return new
+
+
 def _wandb(folder: Path, config: dict, project: str, name: str | None, wandb_mode: str):
     os.environ.setdefault("WANDB_SILENT", "true")
     from accelerate.tracking import WandBTracker
 
     # WandBTracker's first argument is wandb's *project*; the rest goes to wandb.init as it is.
-    # reinit: train-joint opens the stages' runs one after another in one process.
+    # reinit: train-joint opens the stages' runs one after another in one process. id + resume:
+    # a resumed run continues the folder's wandb run (offline: a new offline-run-* folder with the
+    # same id, which `wandb sync` uploads into that one run).
     tracker = _standalone(WandBTracker(project, mode=wandb_mode, dir=str(folder), config=config, name=name,
-                                       reinit="finish_previous"))
+                                       reinit="finish_previous", id=wandb_run_id(folder), resume="allow"))
     tracker.start()
     return tracker
 

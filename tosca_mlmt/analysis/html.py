@@ -18,6 +18,7 @@ import pandas as pd
 from tosca_mlmt.analysis.curves import MIN_POINTS_TO_SMOOTH, constant_metrics, single_step_metrics
 from tosca_mlmt.analysis.report import environment_lines
 from tosca_mlmt.analysis.tables import ACCURACY_BOOTSTRAP, EVAL, PLURAL, TRAIN, Tables
+from tosca_mlmt.samples import bonus_text
 
 TEXT_LIMIT = 1500  # characters of one turn's text shown; the snapshot has the rest
 
@@ -151,7 +152,8 @@ def _episodes(t: Tables, samples: pd.DataFrame, texts: list[dict]) -> str:
     src = t.snapshots.set_index("snapshot")["source"]
     parts = [h, f'<p class="muted">From snapshot <code>{html.escape(texts[0]["snapshot"])}</code> '
                 f'({html.escape(src[texts[0]["snapshot"]])}): the first episode of each correction cell. '
-                f'Turn texts are cut at {TEXT_LIMIT} characters.</p>']
+                f'Turn texts are cut at {TEXT_LIMIT} characters. A refine shows the solver\'s context bonus its '
+                f'PPO update used (and the raw log-ratio term): n/a in snapshots no update saw (collect, eval).</p>']
     for ep in texts:
         parts.append(f'<div class="episode"><h3>{html.escape(cell[ep["episode_id"]])}: '
                      f'<code>{html.escape(ep["episode_id"])}</code></h3>'
@@ -161,6 +163,8 @@ def _episodes(t: Tables, samples: pd.DataFrame, texts: list[dict]) -> str:
             what = f'{turn["role"]} · {turn["kind"]} · round {turn["round"]}'
             if turn["strategy_name"]:
                 what += f' · strategy <code>{html.escape(turn["strategy_name"])}</code>'
+            if turn["kind"] == "refine":  # the solver's context bonus, as train-lower used it
+                what += f' · bonus {html.escape(bonus_text(turn.get("bonus"), turn.get("bonus_raw")))}'
             text = turn["text"] or ""
             cut = text[:TEXT_LIMIT] + (" …" if len(text) > TEXT_LIMIT else "")
             parts.append(f'<div class="turn">{what} {_verdict(turn["correct"])}<pre>{html.escape(cut)}</pre></div>')

@@ -18,7 +18,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tosca_mlmt.errors import MlmtError, SnapshotError
+from tosca_mlmt.samples import BONUS_KEYS
 from tosca_mlmt.snapshot import read_manifest
+from tosca_mlmt.snapshot_index import find_snapshot_dirs, matching_ids, resolve_snapshot
 
 # ``snapshot_id`` is the name Snapshot.tables() gives the id (added on read: see there);
 # ``snapshot`` holds the same id, under the name the report's tables group by.
@@ -65,7 +67,8 @@ def _add_run(src: Sources, run: Path) -> None:
 
 
 def resolve(args: list[str], root: Path) -> Sources:
-    """Each argument: a run folder, a snapshot folder, or a snapshot id under ``root``."""
+    """Each argument: a run folder, a snapshot folder, or a snapshot id or unique id prefix at any
+    depth under ``root``."""
     src = Sources()
     for arg in args:
         p = Path(arg)
@@ -73,8 +76,8 @@ def resolve(args: list[str], root: Path) -> Sources:
             _add_snapshot(src, p)
         elif p.is_dir():
             _add_run(src, p)
-        elif (root / arg / "manifest.json").exists():
-            _add_snapshot(src, root / arg)
+        elif root.is_dir() and matching_ids(find_snapshot_dirs(root), arg):
+            _add_snapshot(src, resolve_snapshot(root, arg))  # an ambiguous prefix raises, naming the candidates
         else:
             raise MlmtError(f"'{arg}' is not a run folder, a snapshot folder, or a snapshot id under {root}")
     return src
@@ -137,7 +140,9 @@ def read_turns(snapshots: dict[str, tuple[Path, dict]]) -> pd.DataFrame:
 def read_episode_texts(snapshots: dict[str, tuple[Path, dict]], picks: list[tuple[str, str]]) -> list[dict]:
     """The problem and every turn's text of the (snapshot id, episode id) pairs in ``picks``, for
     the report's sample episodes: {"snapshot", "episode_id", "question", "answer", "turns": [{"role",
-    "kind", "round", "strategy_name", "correct", "text"}]}. Only these episodes' rows are kept."""
+    "kind", "round", "strategy_name", "correct", "text", "bonus", "bonus_raw"}]}; the bonus keys
+    are a refine's context bonus as train-lower stored it in ``info`` (None elsewhere). Only these
+    episodes' rows are kept."""
     out = []
     for sid, eid in picks:
         folder = snapshots[sid][0]
@@ -146,9 +151,12 @@ def read_episode_texts(snapshots: dict[str, tuple[Path, dict]], picks: list[tupl
                                filters=[("episode_id", "=", eid)]).to_pylist()
             turns = pq.read_table(folder / "turns.parquet", filters=[("episode_id", "=", eid)],
                                   columns=["turn_index", "round", "role", "kind", "strategy_name", "correct",
-                                           "text"]).to_pylist()
+                                           "text", "info"]).to_pylist()
         except (OSError, pa.ArrowException) as e:
             raise SnapshotError(f"{folder}: unreadable snapshot data ({e})") from None
+        for t in turns:
+            info = json.loads(t.pop("info") or "{}")
+            t.update({k: info.get(k) for k in BONUS_KEYS})
         if ep:
             out.append({"snapshot": sid, "episode_id": eid, "question": ep[0]["question"], "answer": ep[0]["answer"],
                         "turns": sorted(turns, key=lambda t: t["turn_index"])})

@@ -11,9 +11,10 @@ from tosca_mlmt.config.section import Section, need
 
 @dataclass
 class UpperConfig(Section):
-    snapshots: list = knob(dataclasses.MISSING, "Snapshot ids to learn from (train-upper --snapshot, repeatable).",
+    snapshots: list = knob(dataclasses.MISSING, "Snapshot ids, or prefixes of exactly one id, to learn from "
+                           "(train-upper --snapshot, repeatable; recorded as full ids).",
                            default_factory=list, rule=ID_LIST)
-    snapshot_root: str = knob("", "Folder holding the snapshots (empty = collect.out).")
+    snapshot_root: str = knob("", "Folder searched (recursively) for the snapshots (empty = collect.out).")
     # ---- optimisation
     steps: int = knob(200, "Gradient steps (each on one batch of strategy decisions).", min=1)
     batch_size: int = knob(16, "Strategy decisions (writer turns) per gradient step.", min=1)

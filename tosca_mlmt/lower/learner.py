@@ -75,6 +75,9 @@ class LowerLearner:
         self.scorer = SolverScorer(lo, policies, self.value_head)
         self.optimizer_steps = 0
         self._warned_clip = False
+        # the last update's bonus per refine, (row, solver turn, raw term, value used): what
+        # train-lower stores with each batch snapshot's refine turns (stats.with_refine_bonus)
+        self.refine_bonus: list[tuple[int, int, float, float]] = []
 
     @property
     def scheduler(self):
@@ -100,7 +103,9 @@ class LowerLearner:
                 rewards = objective.token_rewards(trajs, tt, scores, lo, step)
                 adv, returns, critic_targets = self._advantages(trajs, tt, rewards, scores)
             with timer("bonus"):
-                bonus, bstats = self.context_bonus(trajs, scores.old_logprobs, scores.ref_logprobs, adv)
+                bonus, terms = self._bonus(trajs, scores.old_logprobs, scores.ref_logprobs, adv)
+                bstats = stats.bonus_stats(terms)
+                self.refine_bonus = stats.refine_bonus_rows(terms)
                 adv = adv + bonus
                 self._warn_if_mostly_clipped(bstats)
         batch = UpdateBatch(tt, scores.old_logprobs, scores.old_values, scores.ref_logprobs, adv, returns,
@@ -126,15 +131,20 @@ class LowerLearner:
                       adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Bonus [B, T] for the advantages ``adv`` [B, T], and its statistics. ``lp_with`` are the
         old policy's log-probs, ``ref_with`` the reference's; ``lower.bonus.model`` picks one."""
+        bonus, terms = self._bonus(trajs, lp_with, ref_with, adv)
+        return bonus, stats.bonus_stats(terms)
+
+    def _bonus(self, trajs, lp_with, ref_with, adv) -> tuple[torch.Tensor, objective.BonusTerms | None]:
+        """Bonus [B, T] and its per-refine terms; None when none was computed (coefficient 0 or
+        no refine with its feedback intact)."""
         bo = self.lo.bonus
         if bo.coef == 0:
-            return torch.zeros_like(lp_with), stats.bonus_stats(None)
+            return torch.zeros_like(lp_with), None
         reference = bo.model == "reference"
         refine = self.scorer.without_feedback(trajs, reference=reference)
         if not refine.where:
-            return torch.zeros_like(lp_with), stats.bonus_stats(None)
-        bonus, terms = objective.refine_bonus(trajs, ref_with if reference else lp_with, refine, adv, bo)
-        return bonus, stats.bonus_stats(terms)
+            return torch.zeros_like(lp_with), None
+        return objective.refine_bonus(trajs, ref_with if reference else lp_with, refine, adv, bo)
 
     def _warn_if_mostly_clipped(self, bstats: dict) -> None:
         if bstats["bonus/clip_rate"] > 0.5 and not self._warned_clip:

@@ -63,6 +63,7 @@ class BonusTerms:
     gate: torch.Tensor
     r_prev: torch.Tensor  # reward of the turn the feedback answered
     r_this: torch.Tensor  # reward of the refine
+    where: list[tuple[int, int]]  # (row, solver turn) of each refine
 
 
 def refine_bonus(trajs: list[SolverTrajectory], lp_with: torch.Tensor, refine: RefineScores, adv: torch.Tensor,
@@ -84,7 +85,7 @@ def refine_bonus(trajs: list[SolverTrajectory], lp_with: torch.Tensor, refine: R
     for i, (b, k) in enumerate(where):
         s, e = trajs[b].turn_spans[k]
         out[b, s:e] = bonus[i, : e - s]
-    return out, BonusTerms(st["raw"], st["clipped"], st["total"], gate, r_prev, r_this)
+    return out, BonusTerms(st["raw"], st["clipped"], st["total"], gate, r_prev, r_this, list(where))
 
 
 @dataclass

@@ -1,6 +1,9 @@
-"""What one lower-level update reports (train-lower logs it under ``lower/``)."""
+"""What one lower-level update reports (train-lower logs it under ``lower/``), and the
+per-refine bonus it hands back for the batch snapshot."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -68,6 +71,37 @@ def bonus_stats(terms: BonusTerms | None) -> dict:
     if total.std() > 0 and terms.r_this.std() > 0:
         stats["bonus/corr_correct"] = float(np.corrcoef(total, terms.r_this.numpy())[0, 1])
     return stats
+
+
+def refine_bonus_rows(terms: BonusTerms | None) -> list[tuple[int, int, float, float]]:
+    """(row, solver turn, raw term, value used) per refine: the raw term is the unclipped
+    log-ratio (``bonus/raw_logratio_mean`` averages it), the value is the bonus added to the
+    refine's advantages summed over its tokens (``bonus/mean`` averages it)."""
+    if terms is None:
+        return []
+    return [(b, k, float(r), float(v)) for (b, k), r, v in zip(terms.where, terms.raw.tolist(), terms.total.tolist())]
+
+
+def with_refine_bonus(episodes: list, rows: list[int], refine: list[tuple[int, int, float, float]]) -> list:
+    """``episodes`` with each refine turn's bonus in its ``info`` (``bonus``: the value used,
+    ``bonus_raw``: the raw term; see refine_bonus_rows). ``rows[b]`` is the index in
+    ``episodes`` of trajectory row b, whose solver turn k is the episode's k-th solver turn.
+    Turns without a bonus (no PPO update saw them) are left as they are; nothing is mutated."""
+    by: dict[int, dict[int, dict]] = {}
+    for b, k, raw, value in refine:
+        by.setdefault(rows[b], {})[k] = {"bonus": value, "bonus_raw": raw}
+    out = []
+    for i, ep in enumerate(episodes):
+        add = by.get(i)
+        if not add:
+            out.append(ep)
+            continue
+        turns, k = [], -1
+        for t in ep.turns:
+            k += t.role == "solver"
+            turns.append(replace(t, info={**t.info, **add[k]}) if t.role == "solver" and k in add else t)
+        out.append(replace(ep, turns=turns))
+    return out
 
 
 class LossMeans:
