@@ -68,11 +68,12 @@ def main() -> None:
             rows.append(row)
             print(json.dumps({k: row[k] for k in ("level", "temperature", "acc_t1", "acc_t1_ci95", "acc_final",
                                                    "format_lost_t1", "format_lost_final", "seconds")}), flush=True)
-    out = {"benchmark": "arith_base_rates", "date": dt.date.today().isoformat(), "machine": platform.processor()
-           or platform.machine(), "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "engine": args.engine,
-           "dtype": str(policies.dtype), "seed": args.seed, "packages": package_versions(), "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "arith_base_rates.json").write_text(json.dumps(out, indent=2))
+            # after every row: a run stopped half-way keeps what it measured
+            out = {"benchmark": "arith_base_rates", "date": dt.date.today().isoformat(), "machine": platform.processor()
+                   or platform.machine(), "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "engine": args.engine,
+                   "dtype": str(policies.dtype), "seed": args.seed, "packages": package_versions(), "rows": rows}
+            RESULTS.mkdir(exist_ok=True)
+            (RESULTS / "arith_base_rates.json").write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
