@@ -219,3 +219,57 @@ def test_train_upper_learns_from_a_train_lower_batch_snapshot(pair, snapshot, tr
                       tmp_path / "upper", policies=pair)
     assert res.step == 1 and (res.writer_dir / "q_head.safetensors").exists()
     assert json.loads((tmp_path / "upper" / "provenance.json").read_text())["parents"] == [sid]
+
+
+def test_a_fresh_q_head_standardises_h_with_the_logged_states_stats(pair, snapshot, trained):
+    """upper.q_standardize: a fresh head's mean/scale are h(s)'s per-feature mean and (floored)
+    std over the logged states; off leaves the identity; a continued head keeps its own stats."""
+    import numpy as np
+
+    from tosca_mlmt.upper.learner import UpperLearner
+
+    root, sid = snapshot
+    trs = build_transitions([(sid, load_snapshot(root, sid).episodes())])
+    cfg = _cfg(snapshot)
+    saved = pair.q_head
+    pair.q_head = None
+    try:
+        fresh = UpperLearner(cfg, pair, trs, cfg.episode.strategies)
+        f = fresh.features_all().double().numpy()
+        fresh.close()
+        q = fresh.critic.q
+        std = f.std(0)
+        np.testing.assert_allclose(q.mean.numpy(), f.mean(0), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(q.scale.numpy(), np.maximum(std, 0.1 * np.median(std)), rtol=1e-4)
+        assert torch.equal(fresh.critic.q_target.mean, q.mean) and torch.equal(fresh.critic.q_target.scale, q.scale)
+        # Q reads the standardised features: a weight on feature 0 alone gives (h0 - mean0) / scale0
+        with torch.no_grad():
+            q.proj.weight.zero_()
+            q.proj.weight[:, 0] = 1.0
+        h = fresh.features_all()
+        np.testing.assert_allclose(q(h)[:, 2].detach().numpy(), (f[:, 0] - f[:, 0].mean()) / q.scale[0].item(), rtol=1e-4,
+                                   atol=1e-4)
+
+        off = UpperLearner(_cfg(snapshot, **{"upper.q_standardize": False}), pair, trs, cfg.episode.strategies)
+        off.close()
+        assert not off.critic.q.has_feature_stats()
+
+        head = fresh.critic.exported_head()
+        head.set_feature_stats(q.mean + 1.0, q.scale * 2.0)
+        pair.q_head = head
+        cont = UpperLearner(cfg, pair, trs, cfg.episode.strategies)
+        cont.close()
+        assert torch.equal(cont.critic.q.mean, q.mean + 1.0) and torch.equal(cont.critic.q.scale, q.scale * 2.0)
+    finally:
+        pair.q_head = saved
+
+
+def test_a_q_head_saved_before_standardisation_loads_as_the_identity():
+    from tosca_mlmt.models.policies import QHead
+
+    old = {"proj.weight": torch.randn(3, 5), "proj.bias": torch.randn(3)}  # what older writers saved
+    head = QHead(5, 3)
+    head.load_state_dict(dict(old))
+    h = torch.randn(4, 5)
+    assert not head.has_feature_stats()
+    assert torch.allclose(head(h), h @ old["proj.weight"].T + old["proj.bias"])

@@ -43,6 +43,10 @@ class UpperConfig(Section):
                          choices=("head", "logits"))
     q_trunk_grad: bool = knob(False, "head only: let TD gradients flow into the writer adapter. Off by default: the "
                                      "adapter is also the feedback-text policy, and a value loss should not drag it.")
+    q_standardize: bool = knob(True, "head only: standardise h(s) per feature (mean and std over the logged states, "
+                                     "fixed when the head is created and saved with it) before the linear Q head. "
+                                     "Raw hidden states are dominated by a few large features common to every "
+                                     "state; what tells states apart (e.g. the verdict) is a small direction.")
     conservatism: str = knob("cql", "Offline over-estimation control. cql (default): the strategy is picked by "
                                     "softmax/argmax over Q at collect time, so Q of never-logged strategies must be "
                                     "held down exactly where it is read; iql backs up through an expectile V(s') and "

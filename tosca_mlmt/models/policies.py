@@ -32,16 +32,34 @@ STRATEGIES_FILE = "strategies.json"
 
 
 class QHead(nn.Module):
-    """Q(s, a) for every strategy a, read from the writer's last hidden state of s."""
+    """Q(s, a) for every strategy a, read from the writer's last hidden state of s.
+
+    ``mean`` / ``scale`` standardise h(s) per feature before the linear map (identity until
+    ``set_feature_stats``; see upper.q_standardize). Heads saved without them load as identity."""
 
     def __init__(self, hidden: int, n_actions: int):
         super().__init__()
         self.proj = nn.Linear(hidden, n_actions)
         nn.init.zeros_(self.proj.weight)
         nn.init.zeros_(self.proj.bias)
+        self.register_buffer("mean", torch.zeros(hidden))
+        self.register_buffer("scale", torch.ones(hidden))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, A]
-        return self.proj(h.float())
+        return self.proj((h.float() - self.mean) / self.scale)
+
+    def set_feature_stats(self, mean: torch.Tensor, scale: torch.Tensor) -> None:
+        self.mean.copy_(mean.float())
+        self.scale.copy_(scale.float())
+
+    def has_feature_stats(self) -> bool:
+        return bool(self.mean.any() or (self.scale != 1).any())
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # heads written before standardisation existed carry no stats: they are the identity
+        for name, fill in (("mean", torch.zeros_like(self.mean)), ("scale", torch.ones_like(self.scale))):
+            state_dict.setdefault(prefix + name, fill)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class PolicyPair:

@@ -31,17 +31,14 @@ from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.models.policies import QHead
 
 
-class VHead(nn.Module):
-    """V(s) from h(s): [B, H] -> [B]. Zero-init like QHead."""
+class VHead(QHead):
+    """V(s) from h(s): [B, H] -> [B]. Zero-init and standardised like QHead."""
 
     def __init__(self, hidden: int):
-        super().__init__()
-        self.proj = nn.Linear(hidden, 1)
-        nn.init.zeros_(self.proj.weight)
-        nn.init.zeros_(self.proj.bias)
+        super().__init__(hidden, 1)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.proj(h.float()).squeeze(-1)
+        return super().forward(h).squeeze(-1)
 
 
 class LogitsQ(nn.Module):
@@ -62,6 +59,17 @@ class LogitsQ(nn.Module):
             head.proj.weight.copy_(self.rows)
             head.proj.bias.copy_(self.bias)
         return head
+
+
+def feature_stats(features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-feature mean and scale of h(s) [N, H] -> ([H], [H]). The scale is floored at a tenth of
+    the median feature's std: a feature that hardly varies over the logged states must not be
+    blown up into the largest input of a fresh state."""
+    f = features.float()
+    mean = f.mean(0)
+    std = f.std(0, unbiased=False) if len(f) > 1 else torch.ones_like(mean)
+    floor = 0.1 * std.median() if bool(std.median() > 0) else torch.tensor(1.0)
+    return mean, std.clamp_min(float(floor))
 
 
 def strategy_token_ids(tokenizer, n_actions: int) -> list[int]:
@@ -94,6 +102,18 @@ class StrategyCritic(nn.Module):
             self.q = LogitsQ(lm_rows, lm_bias)
             self.q_target = self.q  # no parameters: the target lives in the adapter copy
         self.v = VHead(hidden) if cfg.conservatism == "iql" else None
+
+    def needs_feature_stats(self) -> bool:
+        """upper.q_standardize on a fresh head. A head continued from a saved writer keeps the
+        stats it was fitted with: new stats would change what its weights mean."""
+        return self.cfg.q_source == "head" and self.cfg.q_standardize and not self.q.has_feature_stats()
+
+    def set_feature_stats(self, features: torch.Tensor) -> None:
+        """Fix every head's per-feature standardisation from h(s) of the logged states [N, H]."""
+        mean, std = feature_stats(features)
+        for head in (self.q, self.q_target, self.v):
+            if head is not None:
+                head.set_feature_stats(mean, std)
 
     def head_parameters(self) -> list[nn.Parameter]:
         """Trainable head parameters (empty for logits without IQL)."""

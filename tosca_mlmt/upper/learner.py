@@ -46,6 +46,8 @@ class UpperLearner:
             bias = self.trunk.lm_head.bias[ids] if getattr(self.trunk.lm_head, "bias", None) is not None else None
         init = policies.q_head if (policies.q_head is not None and policies.q_head.proj.out_features == A) else None
         self.critic = StrategyCritic(self.uc, self.trunk.hidden_size, A, rows, bias, init_head=init)
+        if self.critic.needs_feature_stats():  # before the engine: ZeRO-3 would partition the trunk first
+            self.critic.set_feature_stats(self.features_all())
         self.target_adapter = (TargetAdapter(self.trunk, self.uc.target_update, self.uc.target_tau,
                                              self.uc.target_sync_every) if self.uc.q_source == "logits" else None)
         groups = [{"params": list(self.trunk.params.values()), "lr": self.uc.lr}]
@@ -177,13 +179,18 @@ class UpperLearner:
     @torch.no_grad()
     def q_all(self) -> torch.Tensor:
         """Q(s, .) [N, A] of every logged state with the current weights."""
+        with dist.full_parameters(self.critic):
+            return self.critic.q(self.features_all())
+
+    @torch.no_grad()
+    def features_all(self) -> torch.Tensor:
+        """h(s) [N, H] of every logged state with the current writer weights, on every rank."""
         out = []
         bs = self.uc.eval_batch_size
-        mine = dist.shard(len(self.transitions))  # each rank scores a share; all get every row
-        with self.policies.use("writer"), self.policies.full_weights(), dist.full_parameters(self.critic):
+        mine = dist.shard(len(self.transitions))  # each rank computes a share; all get every row
+        with self.policies.use("writer"), self.policies.full_weights():
             for s in range(0, len(mine), bs):
-                h = self.trunk.states([self.transitions[i].state_ids for i in mine[s:s + bs]])
-                out.append(self.critic.q(h))
+                out.append(self.trunk.states([self.transitions[i].state_ids for i in mine[s:s + bs]]))
         parts = [torch.cat(p) for p in dist.gather(out) if p]
         return torch.cat(parts)
 
