@@ -9,7 +9,8 @@ checks that
   sampling temperature was used;
 * a changed adapter reaches vLLM through ``sync_weights`` and restoring it gives the
   original logprobs back, while unchanged weights cost no reload; every weight-sync route
-  (in-process runner, collective_rpc bytes, file) loads the same weights;
+  (in-process runner, collective_rpc bytes, file) loads the same weights, and a delta sync
+  (the adapted modules only) leaves vLLM with exactly the weights of a full reload;
 * n > 1 sampling returns n generations with per-token logprobs and finish reasons, and a
   "stop" generation ends with its eos id (the Generation contract, same as HF);
 * a tiny three-turn episode runs on vLLM with token-exact prompt chaining.
@@ -259,6 +260,54 @@ def test_every_sync_route_serves_the_same_weights(env):
     for route, lp in got.items():
         assert _max_diff(lp, got["runner"]) <= RESTORE_TOL, f"{route} loads other weights than the runner"
         assert _max_diff(lp, trainer) < LOGPROB_TOL, f"{route}: vLLM disagrees with the trainer"
+    assert _max_diff(_prompt_logprobs(engine, prompt, response), base) <= RESTORE_TOL
+
+
+def test_delta_sync_leaves_the_same_weights_as_a_full_push(env):
+    """engine.vllm.delta_sync: pushing only the adapted modules (whole fused layers) onto the base
+    vLLM holds gives exactly the log-probs of a full reload, for a whole adapter and for a
+    single module whose q_proj shard alone changed (its k/v shards must travel with it)."""
+    from tosca_mlmt.rollout.engines import vllm_sync
+
+    _, policies, engine, _, fmt = env
+    assert engine.packed is not None, "delta sync is off for the embedded Llama model"
+    prompt = _prompts(fmt, PROMPTS[:1])[0]
+    response = tuple(fmt.encode(" The answer is 22."))
+    base = _prompt_logprobs(engine, prompt, response)
+    lora_b = _lora_b(policies, "solver")
+    saved = {n: p.detach().clone() for n, p in lora_b.items()}
+    gen = torch.Generator().manual_seed(2)
+    got = {}
+    try:
+        with torch.no_grad():
+            for p in lora_b.values():
+                p.add_(0.02 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        engine.sync_weights("solver")
+        assert engine.sync_kind == "delta"
+        got["delta"] = _prompt_logprobs(engine, prompt, response)
+        engine.sync_weights("solver", force=True)
+        assert engine.sync_kind == "full"
+        got["full"] = _prompt_logprobs(engine, prompt, response)
+        trainer = _teacher_forced(policies, "solver", prompt, response)
+        q0 = "model.layers.0.self_attn.q_proj"  # only its adapter changed: a delta of it alone, on the base
+        with torch.no_grad():
+            for n in [n for n in lora_b if f".{q0}." not in n]:
+                lora_b[n].copy_(saved[n])
+        vllm_sync.push(engine.llm, policies.merged_state_dict("writer"), "memory")
+        one = vllm_sync.delta_modules({q0}, engine.packed)
+        vllm_sync.push(engine.llm, policies.merged_state_dict("solver", one), "memory", partial=True)
+        got["q0 delta"] = _prompt_logprobs(engine, prompt, response)
+        vllm_sync.push(engine.llm, policies.merged_state_dict("solver"), "memory")
+        got["q0 full"] = _prompt_logprobs(engine, prompt, response)
+    finally:
+        with torch.no_grad():
+            for n, p in lora_b.items():
+                p.copy_(saved[n])
+        engine.sync_weights("solver", force=True)
+    print(f"vs trainer {_max_diff(got['delta'], trainer):.1e}; q0 moved {_max_diff(got['q0 full'], base):.1e}")
+    assert _max_diff(got["full"], base) > 1e-2 and _max_diff(got["q0 full"], base) > 0.0, "vacuous comparison"
+    assert got["delta"] == got["full"] and got["q0 delta"] == got["q0 full"]
+    assert _max_diff(got["delta"], trainer) < LOGPROB_TOL
     assert _max_diff(_prompt_logprobs(engine, prompt, response), base) <= RESTORE_TOL
 
 

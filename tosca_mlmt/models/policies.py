@@ -166,22 +166,42 @@ class PolicyPair:
         return any(v.abs().sum() > 0 for k, v in self.adapter_state(role).items() if "lora_B" in k)
 
     # ------------------------------------------------------------------ vLLM sync
+    def adapted_modules(self, role: str) -> set[str] | None:
+        """HF names of the base modules whose weights ``role``'s adapter changes (its LoRA
+        layers), or None when the adapter also trains whole modules or tokens (peft's
+        modules_to_save / trainable tokens): then no subset of modules covers what it changes."""
+        from peft.tuners.lora import LoraLayer
+        from peft.utils import AuxiliaryTrainingWrapper
+
+        names = set()
+        for name, mod in self._models[role].get_base_model().named_modules():
+            if isinstance(mod, AuxiliaryTrainingWrapper):
+                return None
+            if isinstance(mod, LoraLayer) and role in mod.lora_A:
+                names.add(name)
+        return names
+
     @torch.no_grad()
-    def merged_state_dict(self, role: str) -> dict[str, torch.Tensor]:
-        """Base + ``role``'s LoRA deltas as a full HF-named state dict (what vLLM loads).
+    def merged_state_dict(self, role: str, modules: set[str] | None = None) -> dict[str, torch.Tensor]:
+        """Base + ``role``'s LoRA deltas as an HF-named state dict (what vLLM loads): every
+        tensor, or with ``modules`` only the tensors of those modules (HF module names; one
+        that ``role`` does not adapt comes out as its base weight). Each tensor is the same
+        whichever way it was asked for.
 
         Computed into new tensors, never by peft's merge/unmerge: ``w -= delta`` is not exact
         in floating point, so every sync would nudge the frozen base (the reference policy)."""
         with full_parameters(self._models[role]):
-            return self._merged(role)
+            return self._merged(role, modules)
 
-    def _merged(self, role: str) -> dict[str, torch.Tensor]:
+    def _merged(self, role: str, modules: set[str] | None) -> dict[str, torch.Tensor]:
         from peft.tuners.lora import LoraLayer
 
         base = self._models[role].get_base_model()
         deltas: dict[str, torch.Tensor] = {}
         for name, mod in base.named_modules():
             if not isinstance(mod, LoraLayer) or role not in mod.lora_A:
+                continue
+            if modules is not None and name not in modules:
                 continue
             if mod.merged or role in getattr(mod, "lora_variant", {}) or mod.lora_bias.get(role, False):
                 raise NotImplementedError(f"{name}: merged adapters, DoRA and LoRA bias are not supported for sync")
@@ -190,8 +210,11 @@ class PolicyPair:
         for k, v in base.state_dict().items():
             if "lora_" in k:
                 continue
+            hf = k.replace(".base_layer.", ".")
+            if modules is not None and hf.rpartition(".")[0] not in modules:
+                continue
             d = deltas.pop(k, None)
-            sd[k.replace(".base_layer.", ".")] = v.detach().clone() if d is None else v.detach() + d.to(v.dtype)
+            sd[hf] = v.detach().clone() if d is None else v.detach() + d.to(v.dtype)
         if deltas:
             raise RuntimeError(f"LoRA layers without a base weight: {sorted(deltas)[:3]}")
         return sd
