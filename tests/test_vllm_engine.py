@@ -12,7 +12,8 @@ checks that
   (in-process runner, collective_rpc bytes, file) loads the same weights, and a delta sync
   (the adapted modules only) leaves vLLM with exactly the weights of a full reload;
 * n > 1 sampling returns n generations with per-token logprobs and finish reasons, and a
-  "stop" generation ends with its eos id (the Generation contract, same as HF);
+  "stop" generation ends with its eos id (the Generation contract, same as HF); greedy n > 1
+  returns n copies on both engines;
 * a tiny three-turn episode runs on vLLM with token-exact prompt chaining.
 
 Skipped when vllm cannot be imported or the embedded model is unavailable. Takes about
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -339,6 +341,17 @@ def test_n_samples_logprobs_and_eos(env):
         assert any(len({g.token_ids for g in gens}) > 1 for gens in out)
     # short-answer prompts: most samples end on eos well within 40 tokens
     assert stops["vllm"] >= 1 and stops["hf"] >= 1, stops
+
+
+def test_greedy_with_n_samples_gives_n_copies_like_hf(env):
+    """episode.n_samples > 1 with temperature 0: vLLM itself refuses n > 1 for greedy sampling;
+    the engine returns n copies of the one greedy decode, as many as the HF engine returns."""
+    _, _, engine, hf, fmt = env
+    prompts = _prompts(fmt, PROMPTS[:2])
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, n=3)
+    one, many = (engine.generate(prompts, replace(params, n=n), "solver") for n in (1, 3))
+    assert [len(g) for g in many] == [3, 3] == [len(g) for g in hf.generate(prompts, params, "solver")]
+    assert all(g == single[0] for gens, single in zip(many, one) for g in gens)
 
 
 def test_seeded_batch_larger_than_one_prefill_step(env):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import torch
 
@@ -161,7 +162,11 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         self.sync_weights(policy)
-        sp = self.sampling_params(params, policy)
+        # vLLM refuses n > 1 at temperature 0 ("n must be 1 when using greedy sampling"); greedy
+        # samples of one prompt are all the same, so decode once and hand out n copies, as many
+        # as the HF engine returns for the same config.
+        copies = params.n if params.greedy else 1
+        sp = self.sampling_params(replace(params, n=1) if copies > 1 else params, policy)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         eos = set(self.policies.eos_ids(policy))
         tok = self.policies.tokenizer(policy)
@@ -176,5 +181,5 @@ class VLLMEngine:
                 # exactly as in the HF engine.
                 reason = "stop" if c.finish_reason == "stop" and ids and ids[-1] in eos else "length"
                 gens.append(apply_stop(Generation(tuple(ids), tuple(lps), reason), tok.decode, params.stop_regex))
-            result.append(gens)
+            result.append(gens * copies)
         return result
