@@ -22,6 +22,7 @@ Skipped when vllm cannot be imported or the embedded model is unavailable. Takes
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import replace
@@ -163,6 +164,25 @@ def _lora_b(policies, role: str) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in policies.model(role).named_parameters() if f"lora_B.{role}." in n}
 
 
+@contextlib.contextmanager
+def _perturbed_solver(policies, engine, seed: int):
+    """The solver's LoRA B matrices moved by 0.02 N(0, 1) for the block, yielded with their saved
+    values; afterwards restored, and vLLM given the original weights back by a full reload."""
+    lora_b = _lora_b(policies, "solver")
+    saved = {n: p.detach().clone() for n, p in lora_b.items()}
+    gen = torch.Generator().manual_seed(seed)
+    try:
+        with torch.no_grad():
+            for p in lora_b.values():
+                p.add_(0.02 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        yield lora_b, saved
+    finally:
+        with torch.no_grad():
+            for n, p in lora_b.items():
+                p.copy_(saved[n])
+        engine.sync_weights("solver", force=True)
+
+
 def test_weight_sync_changes_and_restores_logprobs(env):
     _, policies, engine, _, fmt = env
     prompt = _prompts(fmt, PROMPTS[:1])
@@ -232,14 +252,8 @@ def test_every_sync_route_serves_the_same_weights(env):
     prompt = _prompts(fmt, PROMPTS[:1])[0]
     response = tuple(fmt.encode(" The answer is 22."))
     base = _prompt_logprobs(engine, prompt, response)
-    lora_b = _lora_b(policies, "solver")
-    saved = {n: p.detach().clone() for n, p in lora_b.items()}
-    gen = torch.Generator().manual_seed(1)
     got = {}
-    try:
-        with torch.no_grad():
-            for p in lora_b.values():
-                p.add_(0.02 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    with _perturbed_solver(policies, engine, seed=1):
         sd = policies.merged_state_dict("solver")
         trainer = _teacher_forced(policies, "solver", prompt, response)
         for route, push in (("runner", vllm_sync.push_memory), ("rpc", vllm_sync.push_rpc),
@@ -250,11 +264,6 @@ def test_every_sync_route_serves_the_same_weights(env):
             assert push(engine.llm, sd) == route
             engine.llm.reset_prefix_cache()
             got[route] = _prompt_logprobs(engine, prompt, response)
-    finally:
-        with torch.no_grad():
-            for n, p in lora_b.items():
-                p.copy_(saved[n])
-        engine.sync_weights("solver", force=True)
     moved = _max_diff(got["runner"], base)
     print(f"perturbation moved vLLM logprobs by {moved:.3f}; routes vs trainer: "
           + ", ".join(f"{r} {_max_diff(lp, trainer):.1e}" for r, lp in got.items()))
@@ -276,14 +285,8 @@ def test_delta_sync_leaves_the_same_weights_as_a_full_push(env):
     prompt = _prompts(fmt, PROMPTS[:1])[0]
     response = tuple(fmt.encode(" The answer is 22."))
     base = _prompt_logprobs(engine, prompt, response)
-    lora_b = _lora_b(policies, "solver")
-    saved = {n: p.detach().clone() for n, p in lora_b.items()}
-    gen = torch.Generator().manual_seed(2)
     got = {}
-    try:
-        with torch.no_grad():
-            for p in lora_b.values():
-                p.add_(0.02 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    with _perturbed_solver(policies, engine, seed=2) as (lora_b, saved):
         engine.sync_weights("solver")
         assert engine.sync_kind == "delta"
         got["delta"] = _prompt_logprobs(engine, prompt, response)
@@ -301,11 +304,6 @@ def test_delta_sync_leaves_the_same_weights_as_a_full_push(env):
         got["q0 delta"] = _prompt_logprobs(engine, prompt, response)
         vllm_sync.push(engine.llm, policies.merged_state_dict("solver"), "memory")
         got["q0 full"] = _prompt_logprobs(engine, prompt, response)
-    finally:
-        with torch.no_grad():
-            for n, p in lora_b.items():
-                p.copy_(saved[n])
-        engine.sync_weights("solver", force=True)
     print(f"vs trainer {_max_diff(got['delta'], trainer):.1e}; q0 moved {_max_diff(got['q0 full'], base):.1e}")
     assert _max_diff(got["full"], base) > 1e-2 and _max_diff(got["q0 full"], base) > 0.0, "vacuous comparison"
     assert got["delta"] == got["full"] and got["q0 delta"] == got["q0 full"]
