@@ -1,0 +1,103 @@
+"""`make demo` over several seeds: is its before/after gain more than one lucky run?
+
+Per seed, the demo's three measured commands with `--seed S` (eval of the untrained pair on the
+first N arith level-2 test problems, train-joint with configs/demo.yaml, eval again with
+--compare-to), then the seeds are pooled: paired-bootstrap 95 % intervals over seeds x problems
+for Acc@t1, Acc@final and the after - before difference, and an exact McNemar test per seed.
+Writes benchmarks/results/demo.json (date, machine, load, commit, seeds, per-seed numbers).
+
+    python benchmarks/demo_seeds.py --seeds 0 1 2            # ~8 min per seed on 2 idle cores
+    python benchmarks/demo_seeds.py --seeds 0 1 2 --reuse    # pool seeds whose folders are complete
+
+A seed's folder is <work>/seed<S> with eval-before/, run/ and eval/ (what `make demo` writes, so a
+`make demo DEMO_OUT=<work>/seed0` run counts as seed 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+# the installed console script beside this interpreter (what `make demo` runs)
+MLMT = [str(Path(sys.executable).with_name("mlmt"))]
+
+
+def run_seed(folder: Path, seed: int, problems: int, config: str) -> float:
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               WANDB_MODE="offline", WANDB_SILENT="true")
+    common = ["--config", config, "--seed", str(seed)]
+    t0 = time.time()
+    for args in (["eval", *common, "--out", str(folder / "eval-before"), "--limit", str(problems)],
+                 ["train-joint", *common, "--out", str(folder / "run")],
+                 ["eval", *common, "--run", str(folder / "run"), "--out", str(folder / "eval"), "--limit",
+                  str(problems), "--compare-to", str(folder / "eval-before")]):
+        subprocess.run(MLMT + args, check=True, cwd=ROOT, env=env)
+    return time.time() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--problems", type=int, default=100)
+    ap.add_argument("--config", default="configs/demo.yaml")
+    ap.add_argument("--work", default="/tmp/tosca-demo-seeds")
+    ap.add_argument("--reuse", action="store_true", help="pool complete seed folders instead of rerunning them")
+    args = ap.parse_args()
+    from tosca_mlmt.analysis.stats import mcnemar, paired_bootstrap, wilson
+    from tosca_mlmt.pipelines.evaluate import eval_outcomes
+    from tosca_mlmt.runtime import git_sha
+
+    work = Path(args.work)
+    per, walls = [], {}
+    for seed in args.seeds:
+        folder = work / f"seed{seed}"
+        if not (args.reuse and (folder / "eval" / "eval.json").exists()):
+            walls[seed] = round(run_seed(folder, seed, args.problems, args.config), 1)
+        before, after = eval_outcomes(folder / "eval-before"), eval_outcomes(folder / "eval")
+        if before["ids"] != after["ids"]:
+            raise SystemExit(f"seed {seed}: before and after evaluated different problems")
+        per.append((seed, before, after))
+    arr = {}  # [seeds, problems] 0/1 outcomes
+    for i, when in enumerate(("before", "after")):
+        for k in ("t1", "final"):
+            arr[f"{when}_{k}"] = np.array([outs[i][k] for _, *outs in per], dtype=float)
+    fmt = lambda c: f"{c['mean']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"  # noqa: E731
+    pooled = {k: paired_bootstrap(v) for k, v in arr.items()}
+    pooled["final_difference"] = paired_bootstrap(arr["after_final"], arr["before_final"])
+    pooled["t1_difference"] = paired_bootstrap(arr["after_t1"], arr["before_t1"])
+    seeds = []
+    for seed, before, after in per:
+        n = len(before["ids"])
+        row = {"seed": seed, "problems": n, "environment": after["environment"], "wall_seconds": walls.get(seed)}
+        for name, o in (("before", before), ("after", after)):
+            for k in ("t1", "final"):
+                lo, hi = wilson(sum(o[k]), n)
+                row[f"{name}_acc_{k}"] = {"mean": sum(o[k]) / n, "lo": lo, "hi": hi}
+        row["final_mcnemar"] = mcnemar(np.array(after["final"]), np.array(before["final"]))
+        seeds.append(row)
+        print(f"seed {seed}: Acc@t1 {row['before_acc_t1']['mean']:.2f} -> {row['after_acc_t1']['mean']:.2f}, "
+              f"Acc@final {row['before_acc_final']['mean']:.2f} -> {row['after_acc_final']['mean']:.2f}, "
+              f"McNemar p {row['final_mcnemar']['p']:.3g}")
+    print(f"pooled over {len(per)} seeds x {args.problems} problems: Acc@final after - before "
+          f"{fmt(pooled['final_difference'])}, Acc@t1 after - before {fmt(pooled['t1_difference'])}")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "demo.json").write_text(json.dumps({
+        "benchmark": "demo_seeds", "date": dt.datetime.now().isoformat(timespec="seconds"), "commit": git_sha(),
+        "command": f"benchmarks/demo_seeds.py --seeds {' '.join(map(str, args.seeds))} (make demo's commands, "
+                   f"{args.config}, --seed S)", "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "load_avg": os.getloadavg(), "problems": args.problems, "seeds": seeds, "pooled": pooled}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
