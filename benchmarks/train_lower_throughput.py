@@ -1,13 +1,17 @@
 """Tokens/s of one train-lower PPO iteration (rollout + update) vs TRL's GRPOTrainer.
 
 Same model (embedded SmolLM2-135M), LoRA r=16 on all linear layers, same prompts (arith), same
-group size and completion length, HF generation on CPU for both, one process, run back to back.
-Throughput = generated tokens / wall seconds of an iteration (rollout + scoring + update); the
-first iteration of each is a warm-up and not counted. Peak RSS (ru_maxrss of this process and of
-its children, MiB) is recorded after our run and again after TRL's. Our iteration runs the full three-turn
+group size and completion length, on CPU. Ours generates with ``--engine`` (hf or vllm; or
+``--engines hf vllm`` for both, side by side); TRL generates with HF ``generate``: its vLLM mode
+does not run on CPU, so that is its fastest CPU setting. Each run is its own process, one after
+the other (never two at once), so each has a fresh heap and its own peak RSS (ru_maxrss, MiB);
+the load average is recorded before and after each run. Throughput = generated tokens / wall
+seconds of an iteration (rollout + scoring + update); the first iteration of each is a warm-up
+and not counted. Our vLLM engine starts before the first iteration (``make_engine`` runs ahead of
+the loop), so its start-up is in no iteration's seconds. Our iteration runs the full three-turn
 episode (solve, feedback, refine) and trains on two solver turns; TRL trains one turn.
 
-    python benchmarks/train_lower_throughput.py --problems 4 --group 4 --max-new-tokens 32 --iterations 3
+    python benchmarks/train_lower_throughput.py --engines vllm hf --problems 4 --group 4 --max-new-tokens 32 --iterations 3
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import datetime as dt
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -26,26 +32,35 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 RESULTS = Path(__file__).parent / "results"
 
 
-def run_ours(args) -> dict:
+def run_ours(args, engine: str) -> dict:
     from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.train_lower import train_lower
 
     cfg = load_config(overrides={
-        "model.dtype": "float32", "task.level": 1, "episode.n_samples": args.group, "logging.wandb": False,
+        "engine.name": engine, "model.dtype": "float32", "task.level": 1, "episode.n_samples": args.group, "logging.wandb": False,
         "logging.progress": False, "solver_sampling.max_new_tokens": args.max_new_tokens,
         "writer_sampling.max_new_tokens": args.max_new_tokens, "episode.max_feedback_tokens": args.max_new_tokens,
         "lower.iterations": args.iterations, "lower.problems_per_iteration": args.problems,
         "lower.advantage": "grpo", "lower.minibatch_size": args.problems * args.group, "lower.save_every": 10**6,
         "lower.keep_snapshots": False,
     })
-    out = Path(args.workdir) / f"ours-{int(time.time())}"
+    out = Path(args.workdir) / f"ours-{engine}-{int(time.time())}"
+    t0 = time.perf_counter()
     train_lower(cfg, out)
+    total = time.perf_counter() - t0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     timed = rows[1:] or rows
+    # tokens of the turns the episodes recorded (response ids, eos included, as both engines return them)
     gen = sum(r["lower/len_solve"] * r["lower/episodes"] + r["lower/len_feedback"] * r["lower/episodes"]
               + r["lower/len_refine"] * r["lower/episodes"] for r in timed)
+    # cross-check: the tokens the engine handed back (runner.gen_tokens), from gen_tokens_per_s x the
+    # generate seconds (rounded to 0.1 ms in the log, so equal up to that rounding)
+    engine_gen = sum(r["lower/gen_tokens_per_s"] * r["lower/time/generate"] for r in timed)
     secs = sum(r["lower/iteration_seconds"] for r in timed)
-    return {"generated_tokens": gen, "seconds": secs, "tokens_per_s": gen / secs,
+    return {"engine": engine, "generated_tokens": gen, "engine_generated_tokens": round(engine_gen, 1),
+            "seconds": secs, "tokens_per_s": gen / secs,
+            "warmup_iteration_seconds": rows[0]["lower/iteration_seconds"] if len(rows) > 1 else None,
+            "process_seconds_incl_load_and_engine_start": round(total, 1),
             "time_breakdown": {k.split("/")[-1]: sum(r.get(k, 0) for r in timed) for k in timed[-1]
                                if k.startswith("lower/time/")}}
 
@@ -91,7 +106,34 @@ def run_trl(args) -> dict:
                           peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
     trainer.train()
     t, n = times[1:] or times, toks[1:] or toks
-    return {"generated_tokens": sum(n), "seconds": sum(t), "tokens_per_s": sum(n) / sum(t)}
+    return {"engine": "hf (use_vllm=False)", "generated_tokens": sum(n), "seconds": sum(t),
+            "tokens_per_s": sum(n) / sum(t)}
+
+
+def child(args) -> None:
+    """One run in this process; its result (with this process's peak RSS) goes to ``args.child_out``."""
+    from tosca_mlmt.runtime import peak_rss_mb
+
+    kind, _, engine = args.child.partition(":")
+    res = run_ours(args, engine) if kind == "ours" else run_trl(args)
+    res["peak_rss_mb"] = peak_rss_mb()  # this run alone: model load(s), engine and iterations
+    Path(args.child_out).write_text(json.dumps(res))
+
+
+def spawn(args, what: str) -> dict:
+    out = Path(args.workdir) / f"result-{what.replace(':', '-')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "--child", what, "--child-out", str(out), "--problems", str(args.problems),
+           "--group", str(args.group), "--max-new-tokens", str(args.max_new_tokens),
+           "--iterations", str(args.iterations), "--workdir", args.workdir]
+    before = os.getloadavg()
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    res = json.loads(out.read_text())
+    res["process_wall_s"] = round(time.perf_counter() - t0, 1)
+    res["load_avg_before"], res["load_avg_after"] = list(before), list(os.getloadavg())
+    return res
 
 
 def main() -> None:
@@ -100,27 +142,47 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--iterations", type=int, default=3)
+    ap.add_argument("--engine", choices=("hf", "vllm"), help="our rollout engine (default hf)")
+    ap.add_argument("--engines", nargs="+", choices=("hf", "vllm"),
+                    help="run ours on each, side by side with one TRL run (TRL runs after the first)")
     ap.add_argument("--workdir", default="/tmp/tosca-bench-lower")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from tosca_mlmt.runtime import peak_rss_mb
+    if args.child:
+        return child(args)
+    if args.engine and args.engines:
+        ap.error("give --engine or --engines, not both")
+    engines = args.engines or [args.engine or "hf"]
+    import importlib.util
 
-    load0 = os.getloadavg()[0]
-    ours = run_ours(args)
-    # ru_maxrss only grows: read after ours it is our PPO run's peak (model load + iterations);
-    # after TRL it is the max of both runs.
-    ours["peak_rss_mb"] = peak_rss_mb()
-    trl = run_trl(args)
-    trl["peak_rss_mb_both_runs"] = peak_rss_mb()
+    if importlib.util.find_spec("trl") is None:  # fail before minutes of our runs, not after
+        ap.error("TRL is not installed: pip install 'tosca-mlmt[bench]'")
     res = {"date": dt.datetime.now().isoformat(timespec="seconds"), "machine": platform.processor() or platform.machine(),
-           "cores": os.cpu_count(), "load_avg_before": load0, "load_avg_after": os.getloadavg()[0],
-           "args": vars(args), "ours": ours, "trl_grpo": trl, "ratio_ours_over_trl": ours["tokens_per_s"] / trl["tokens_per_s"]}
+           "cores": os.cpu_count(), "args": {k: v for k, v in vars(args).items() if not k.startswith("child")},
+           "engines": engines, "ours": {}, "trl_grpo": None,
+           "notes": "each run its own process, one after the other; TRL's vLLM mode does not run on CPU, so HF "
+                    "generate is its fastest CPU setting; ours runs three-turn episodes (solve, feedback, refine) "
+                    "and trains two solver turns, TRL one turn; load_avg_* = os.getloadavg() (1, 5, 15 min)"}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "train_lower_throughput.json").write_text(json.dumps(res, indent=2))
-    print(f"{'':<12}{'gen tokens':>12}{'seconds':>10}{'tok/s':>10}")
-    for name in ("ours", "trl_grpo"):
-        r = res[name]
-        print(f"{name:<12}{r['generated_tokens']:>12.0f}{r['seconds']:>10.1f}{r['tokens_per_s']:>10.2f}")
-    print(f"ratio ours / TRL GRPO: {res['ratio_ours_over_trl']:.2f}")
+    path = RESULTS / "train_lower_throughput.json"
+    # TRL runs right after our first engine, so a cut-short invocation still has one ratio; the
+    # JSON is rewritten after every run
+    order = [("ours", engines[0]), ("trl", None)] + [("ours", e) for e in engines[1:]]
+    for kind, engine in order:
+        if kind == "ours":
+            res["ours"][engine] = spawn(args, f"ours:{engine}")
+        else:
+            res["trl_grpo"] = spawn(args, "trl")
+        if res["trl_grpo"]:
+            res["ratio_ours_over_trl"] = {e: r["tokens_per_s"] / res["trl_grpo"]["tokens_per_s"]
+                                          for e, r in res["ours"].items()}
+        path.write_text(json.dumps(res, indent=2))
+    print(f"{'':<12}{'gen tokens':>12}{'seconds':>10}{'tok/s':>10}{'ratio':>8}{'peak MiB':>10}{'load 1m':>12}")
+    for name, r in [(f"ours-{e}", r) for e, r in res["ours"].items()] + [("trl_grpo", res["trl_grpo"])]:
+        ratio = r["tokens_per_s"] / res["trl_grpo"]["tokens_per_s"]
+        print(f"{name:<12}{r['generated_tokens']:>12.0f}{r['seconds']:>10.1f}{r['tokens_per_s']:>10.2f}{ratio:>8.2f}"
+              f"{r['peak_rss_mb']['self']:>10.0f}{r['load_avg_before'][0]:>6.1f}-{r['load_avg_after'][0]:.1f}")
 
 
 if __name__ == "__main__":
