@@ -133,8 +133,9 @@ def test_markdown_cells_keep_their_text():
 
 
 def _run_ids(folder) -> set[str]:
-    """The run ids of the offline wandb runs under ``folder`` (offline-run-<time>-<id>)."""
-    return {p.name.rsplit("-", 1)[1] for p in folder.glob("wandb/offline-run-*")}
+    """The run ids of the offline wandb runs under ``folder``: offline-run-<time>-<id>, with a
+    ``-1`` suffix when two runs of the same id start within one second."""
+    return {p.name.split("-")[3] for p in folder.glob("wandb/offline-run-*")}
 
 
 def test_a_second_sink_on_the_same_folder_continues_its_wandb_run(tmp_path, monkeypatch):
