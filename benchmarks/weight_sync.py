@@ -93,7 +93,7 @@ def main(argv=None) -> int:
                 p.add_(0.01 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
     # every route leaves vLLM holding the solver's merged weights, so each delta lands on what a
     # delta sync finds in training: the base outside the adapted modules
-    modules = engine.delta_plan("solver")
+    modules = engine.delta_plan(engine.policies.adapted_modules("solver"))
     if modules is None:
         raise SystemExit("delta sync is unavailable for this model (vllm_sync.packed_modules)")
     push = {"file": lambda sd: vllm_sync.push(engine.llm, sd, "file"),

@@ -133,7 +133,8 @@ def train_joint(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
                     elif step == "upper":
                         _upper(cfg, rec, manifest, run, rdir, snap_root, policies, console, r, timeline.tee("upper"))
                     else:
-                        _lower(cfg, rec, manifest, run, rdir, policies, engine, console, r, timeline.tee("lower"))
+                        samples = _lower(cfg, rec, manifest, run, rdir, policies, engine, console, r,
+                                         timeline.tee("lower"))
                     # the rollout engine must serve what the trainers just produced (vLLM: a full
                     # state-dict reload; the writer's weights follow lazily on its next turn)
                     engine.sync_weights("solver")
@@ -148,7 +149,8 @@ def train_joint(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
                               **{f"joint/collect/{k}": v for k, v in rec.get("collect_metrics", {}).items()
                                  if step == "collect"},
                               **{f"eval/{k}": v for k, v in rec.get("eval_metrics", {}).items() if step == "eval"}})
-                sink.log_table("joint/samples", samples, step=timeline.step)  # the round's episodes (trackers only)
+                # the round's episodes (trackers only): collect's, and the last PPO batch's with its bonus
+                sink.log_table("joint/samples" if step == "collect" else f"{step}/samples", samples, step=timeline.step)
                 bar.done(r, step)
                 if step == steps[-1]:
                     rd.say(round_line(r, jc.rounds, rec, sum(rec["seconds"].values())))
@@ -236,10 +238,11 @@ def _upper(cfg, rec, manifest, run, rdir, snap_root, policies, console, r, tee=N
     rec["upper_metrics"] = {k: v for k, v in res.metrics.items() if isinstance(v, (int, float))}
 
 
-def _lower(cfg, rec, manifest, run, rdir, policies, engine, console, r, tee=None) -> None:
+def _lower(cfg, rec, manifest, run, rdir, policies, engine, console, r, tee=None) -> list[dict]:
+    """Runs the round's PPO iterations; returns the last batch's sample rows, bonus included."""
     if cfg.joint.freeze_solver:
         rec["lower"] = None
-        return
+        return []
     lcfg = replace(cfg, seed=cfg.seed + 1000 * r + 1, lower=replace(cfg.lower, iterations=cfg.joint.lower_iterations),
                    logging=_inner_logging(cfg))
     out = rdir / "lower"
@@ -253,6 +256,7 @@ def _lower(cfg, rec, manifest, run, rdir, policies, engine, console, r, tee=None
     manifest["solver"] = str((out / "solver").relative_to(run))
     rec["lower_metrics"] = {k.split("/", 1)[1]: v for k, v in res.last_metrics.items()
                             if isinstance(v, (int, float)) and k.startswith("lower/")}
+    return res.samples
 
 
 def _publish(run: Path, manifest: dict) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +27,7 @@ from tosca_mlmt.metrics import StageTimer, summarize
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.rollout.engines import make_engine
 from tosca_mlmt.rollout.runner import EpisodeRunner
+from tosca_mlmt.samples import sample_rows
 from tosca_mlmt.seeds import stream
 from tosca_mlmt.snapshot import write_snapshot
 from tosca_mlmt.snapshot_index import full_ids, open_snapshot
@@ -41,6 +42,7 @@ class LowerResult:
     run_dir: Path
     iterations: int
     last_metrics: dict
+    samples: list[dict] = field(default_factory=list)  # the last batch, readable, with its bonus (samples.sample_rows)
 
 
 def iteration_indices(n_pool: int, per_iter: int, iteration: int, seed: int) -> list[int]:
@@ -120,7 +122,7 @@ def train_lower(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
         runner = EpisodeRunner(cfg, task, engine, policies)
     sink = rd.sink(cfg, tee=tee)
     metrics: dict = {}
-    done = start
+    done, samples = start, []
     progress = rd.progress(cfg)
     with progress:
         bar = progress.add_task("", total=lo.iterations, completed=start)
@@ -162,8 +164,9 @@ def train_lower(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
             if manifest is not None and dist.is_main():
                 with it_timer("snapshot"):
                     # written after the update, so each refine turn carries the bonus it was trained with
-                    sid, _ = write_snapshot(run / "snapshots", with_refine_bonus(episodes, rows, trainer.refine_bonus),
-                                            manifest.to_dict())
+                    trained = with_refine_bonus(episodes, rows, trainer.refine_bonus)
+                    sid, _ = write_snapshot(run / "snapshots", trained, manifest.to_dict())
+                    samples = sample_rows(trained)
             with it_timer("weight_sync"):
                 if offline is None:
                     engine.sync_weights("solver")
@@ -192,13 +195,15 @@ def train_lower(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
                                                  "metrics_bytes": rd.metrics_bytes()})
             if stop_after is not None and done >= stop_after:
                 break
+    # the last batch's episodes with the bonus each refine was trained with (offline: no new batch)
+    sink.log_table("lower/samples", samples, step=done)
     if done == lo.iterations:
         _describe_final(policies, run, snapshot_ids, metrics, done)
         policies.save_role("solver", run / "solver")  # every rank: a collective under ZeRO-3
     trainer.close()
     rd.close()
     dist.barrier()
-    return LowerResult(run, done, metrics)
+    return LowerResult(run, done, metrics, samples)
 
 
 def _describe_final(policies: PolicyPair, run: Path, snapshot_ids, metrics: dict, done: int) -> None:

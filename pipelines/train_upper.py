@@ -78,7 +78,7 @@ def train_upper(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
         if policies.strategies and [s["name"] for s in policies.strategies] != [s["name"] for s in strategies]:
             raise SnapshotError("the loaded writer (model.writer_adapter) was trained on a different strategy set "
                                 "than the snapshots")
-        learner = UpperLearner(cfg, policies, transitions, strategies)
+        learner = UpperLearner(cfg, policies, transitions, strategies, resuming=latest is not None)
     policies.describe("writer", stage="train-upper", config=cfg, snapshots=list(uc.snapshots))
 
     rd.claim(cfg)

@@ -27,6 +27,12 @@ def test_tiny_train_joint_through_the_cli_then_eval_and_analyze(tmp_path):
     p = run_mlmt("train-joint", "--out", run, *sets, check=True, env=env)
     assert p.stdout.strip().splitlines()[-1] == str(run)
     assert_one_timeline(run, p.stderr)
+    # the PPO batch's episodes as a table per round, each refine with the bonus it was trained with
+    tables = sorted(run.glob("wandb/offline-run-*/files/media/table/lower/samples_*.table.json"))
+    assert len(tables) == 2
+    t = json.loads(tables[-1].read_text())
+    bonus = [row[t["columns"].index("bonus")] for row in t["data"]]
+    assert bonus and all("raw" in b for b in bonus), bonus
     man = json.loads((run / "manifest.json").read_text())
     assert [r["done"] for r in man["rounds"]] == [["collect", "upper", "lower", "eval"]] * 2
     # the per-round held-out eval: test-split snapshots under evals/, its numbers on the timeline

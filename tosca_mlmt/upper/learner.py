@@ -34,7 +34,10 @@ from tosca_mlmt.upper.trunk import TargetAdapter, WriterTrunk
 
 
 class UpperLearner:
-    def __init__(self, cfg: Config, policies: PolicyPair, transitions: list[Transition], strategies: list[dict]):
+    def __init__(self, cfg: Config, policies: PolicyPair, transitions: list[Transition], strategies: list[dict],
+                 resuming: bool = False):
+        """``resuming``: a checkpoint will be loaded next, and with it the head's feature stats, so
+        the forward over every logged state that fixes them for a fresh head is skipped."""
         self.cfg, self.uc = cfg, cfg.upper
         self.policies, self.transitions, self.strategies = policies, transitions, strategies
         self.trunk = WriterTrunk(policies)
@@ -46,7 +49,7 @@ class UpperLearner:
             bias = self.trunk.lm_head.bias[ids] if getattr(self.trunk.lm_head, "bias", None) is not None else None
         init = policies.q_head if (policies.q_head is not None and policies.q_head.proj.out_features == A) else None
         self.critic = StrategyCritic(self.uc, self.trunk.hidden_size, A, rows, bias, init_head=init)
-        if self.critic.needs_feature_stats():  # before the engine: ZeRO-3 would partition the trunk first
+        if not resuming and self.critic.needs_feature_stats():  # before the engine: ZeRO-3 would partition the trunk first
             self.critic.set_feature_stats(self.features_all())
         self.target_adapter = (TargetAdapter(self.trunk, self.uc.target_update, self.uc.target_tau,
                                              self.uc.target_sync_every) if self.uc.q_source == "logits" else None)

@@ -118,10 +118,10 @@ class VLLMEngine:
             self.loaded_key = key
             self.check_seconds += time.perf_counter() - t0
             return 0.0
-        modules = self.delta_plan(policy, force)
+        adapted = self.policies.adapted_modules(policy)
+        modules = self.delta_plan(adapted, force)
         self.load_state_dict(self.policies.merged_state_dict(policy, modules), partial=modules is not None)
         if modules is None:  # after a full push, only the adapted modules differ from the base
-            adapted = self.policies.adapted_modules(policy)
             modules = None if adapted is None or self.packed is None else vllm_sync.delta_modules(adapted, self.packed)
         self.stale = modules
         self.loaded_key = key
@@ -130,12 +130,12 @@ class VLLMEngine:
         self.sync_seconds += dt
         return dt
 
-    def delta_plan(self, policy: str, force: bool = False) -> set[str] | None:
-        """The HF modules a delta sync of ``policy`` pushes, or None for a full push (forced, deltas
-        off or unsafe, an adapter with modules_to_save, or vLLM's state unknown). The delta holds
+    def delta_plan(self, adapted: set[str] | None, force: bool = False) -> set[str] | None:
+        """The HF modules a delta sync pushes for a policy whose adapter touches ``adapted``
+        (policies.adapted_modules), or None for a full push (forced, deltas off or unsafe, an
+        adapter with modules_to_save, or vLLM's state unknown). The delta holds
         the policy's adapted modules and those an earlier delta (of the other policy) changed,
         which must go back to the base, each with the modules fused into the same vLLM layer."""
-        adapted = self.policies.adapted_modules(policy)
         if force or self.packed is None or adapted is None or self.stale is None:
             return None
         return vllm_sync.delta_modules(adapted | self.stale, self.packed)
