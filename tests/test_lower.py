@@ -307,8 +307,8 @@ def test_zero_kl_coef_skips_the_reference_pass_and_changes_nothing(debug_cfg, de
         reference_calls.append(reference)
         return forward(self, *args, reference=reference, **kw)
 
-    def score_with_reference(self, tt, trajs, values, features):  # what kl_coef > 0 would compute
-        s = score(self, tt, trajs, values, features)
+    def score_with_reference(self, tt, trajs, values, features, **kw):  # what kl_coef > 0 would compute
+        s = score(self, tt, trajs, values, features, **kw)
         return replace(s, ref_logprobs=self._sharded(tt, trajs, reference=True)[0])
 
     monkeypatch.setattr(SolverScorer, "forward", counting_forward)
@@ -329,3 +329,48 @@ def test_zero_kl_coef_skips_the_reference_pass_and_changes_nothing(debug_cfg, de
     moved = max(float((w0[k] - state[k]).abs().max()) for k in state)
     assert moved > 0, "the update did not move the adapter: the weight comparison is vacuous"
     assert all(torch.equal(w0[k], w1[k]) for k in w0), "skipping the reference pass changed the update"
+
+
+@pytest.mark.slow
+def test_auto_old_logprobs_skip_the_pass_only_where_pi_old_is_pi_theta(debug_cfg, debug_policies, monkeypatch):
+    """lower.old_logprobs=auto on a batch that is one optimizer step and has no reader of pi_old
+    before the update (no bonus on refines, values or reference): no scoring forward runs, and the
+    update is bit-for-bit the one recompute makes, entropy diagnostic included. With two
+    minibatches the second step's pi_old is not the current weights, so the pass runs."""
+    from peft import set_peft_model_state_dict
+
+    from tosca_mlmt.lower.learner import LowerLearner
+    from tosca_mlmt.lower.scoring import SolverScorer
+
+    policies = debug_policies
+    cfg, trajs = _lower_setup(debug_cfg, policies)
+    # the random debug model is never right: reward alternate samples so GRPO has a signal
+    trajs = [replace(t, turn_rewards=[float(i % 2)] * len(t.turn_rewards)) for i, t in enumerate(trajs)]
+    lo = replace(cfg.lower, kl_coef=0.0, advantage="grpo", minibatch_size=len(trajs),
+                 bonus=replace(cfg.lower.bonus, coef=0.0))
+    state = copy.deepcopy(policies.adapter_state("solver"))
+    grad_modes, forward = [], SolverScorer.forward
+
+    def counting_forward(self, *args, **kw):
+        grad_modes.append(torch.is_grad_enabled())
+        return forward(self, *args, **kw)
+
+    monkeypatch.setattr(SolverScorer, "forward", counting_forward)
+    runs = {}
+    for mode, mb in (("auto", len(trajs)), ("recompute", len(trajs)), ("auto-two-steps", len(trajs) // 2)):
+        grad_modes.clear()
+        learner = LowerLearner(replace(cfg, lower=replace(lo, old_logprobs=mode.split("-")[0], minibatch_size=mb)),
+                               policies)
+        metrics = learner.update(trajs, step=0)
+        runs[mode] = (metrics, grad_modes.count(False), learner.skipped_old,
+                      copy.deepcopy(policies.adapter_state("solver")))
+        set_peft_model_state_dict(policies.model("solver"), state, adapter_name="solver")
+    (m0, nograd0, skipped0, w0), (m1, nograd1, skipped1, w1) = runs["auto"], runs["recompute"]
+    assert skipped0 and nograd0 == 0, f"auto ran {nograd0} scoring forwards"
+    assert not skipped1 and nograd1 > 0
+    assert runs["auto-two-steps"][2] is False and runs["auto-two-steps"][1] > 0
+    moved = max(float((w0[k] - state[k]).abs().max()) for k in state)
+    assert moved > 0, "the update did not move the adapter: the weight comparison is vacuous"
+    assert all(torch.equal(w0[k], w1[k]) for k in w0), "skipping the pi_old pass changed the update"
+    assert m0["policy_loss"] == m1["policy_loss"] and m0["ratio_mean"] == 1.0
+    assert m0["entropy"] == pytest.approx(m1["entropy"], rel=1e-5) and m0["entropy"] > 0

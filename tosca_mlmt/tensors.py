@@ -59,7 +59,11 @@ def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, i
     for s in range(0, T - 1, chunk):
         e = min(s + chunk, T - 1)
         h, tgt = hidden[:, s:e], targets[:, s:e]
-        if torch.is_grad_enabled() and h.requires_grad:
+        if torch.is_grad_enabled() and h.requires_grad and with_entropy:
+            lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs_entropy, h, tgt, lm_head, use_reentrant=False)
+            lps.append(lp)
+            ents.append(ent)
+        elif torch.is_grad_enabled() and h.requires_grad:
             lps.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, h, tgt, lm_head, use_reentrant=False))
         elif with_entropy:
             logp = torch.log_softmax(fp32_logits(h, lm_head), dim=-1)
@@ -71,6 +75,13 @@ def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, i
     if with_entropy:
         return lp, (torch.cat(ents, dim=1) if len(ents) > 1 else torch.zeros_like(lp))
     return lp
+
+
+def _chunk_logprobs_entropy(h: torch.Tensor, tgt: torch.Tensor, lm_head: torch.nn.Module):
+    """(log-probs with grad, entropy without): the entropy of a training forward is a diagnostic."""
+    logp = torch.log_softmax(fp32_logits(h, lm_head), dim=-1)
+    ent = -(logp.detach().exp() * logp.detach()).sum(-1)
+    return logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1), ent
 
 
 def _chunk_logprobs(h: torch.Tensor, tgt: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:

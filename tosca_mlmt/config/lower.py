@@ -79,9 +79,14 @@ class LowerConfig(Section):
                              choices=("each", "final"))
     score: ScoreShaping = field(default_factory=ScoreShaping)
     bonus: ContextBonus = field(default_factory=ContextBonus)
-    old_logprobs: str = knob("recompute", "PPO's pi_old: recompute with the weights that sampled (on-policy), or the "
-                                          "engine's logged sampling logprobs (needed for off-policy snapshots).",
-                             choices=("recompute", "behaviour"))
+    old_logprobs: str = knob("auto", "PPO's pi_old: recompute = a no-grad forward with the weights that sampled "
+                                     "(on-policy); auto = the same, but the forward is skipped where pi_old is "
+                                     "exactly pi_theta at the loss (one optimizer step per batch: epochs 1, the "
+                                     "batch in one minibatch) and nothing else reads it (no value head, critic, "
+                                     "reference, or bonus on refines), as TRL does with num_iterations 1; "
+                                     "behaviour = the engine's logged sampling logprobs (needed for off-policy "
+                                     "snapshots).",
+                             choices=("auto", "recompute", "behaviour"))
     logprob_chunk: int = knob(256, "Positions per LM-head chunk (memory ~ chunk x vocab, not length x vocab).", min=1)
     score_batch: int = knob(0, "Rows per no-grad scoring forward (old/ref/bonus log-probs); 0 = a rank's whole "
                                   "share at once. Bounds memory, and with a value that divides every rank's share "

@@ -75,6 +75,7 @@ class LowerLearner:
         self.scorer = SolverScorer(lo, policies, self.value_head)
         self.optimizer_steps = 0
         self._warned_clip = False
+        self.skipped_old = False  # whether the last update ran without a pi_old pass
         # the last update's bonus per refine, (row, solver turn, raw term, value used): what
         # train-lower stores with each batch snapshot's refine turns (stats.with_refine_bonus)
         self.refine_bonus: list[tuple[int, int, float, float]] = []
@@ -98,7 +99,9 @@ class LowerLearner:
         # ZeRO-3: weights whole for the scoring block, so ranks may run different forwards
         with torch.no_grad(), self.policies.full_weights(), dist.full_parameters(self.value_head, self.critic):
             with timer("old_ref_logprobs"):
-                scores = self.scorer.score(tt, trajs, values=VALUES in needs, features=CRITIC in needs)
+                self.skipped_old = self.old_is_current(len(trajs), tt.n_turns)
+                scores = self.scorer.score(tt, trajs, values=VALUES in needs, features=CRITIC in needs,
+                                           skip_old=self.skipped_old)
             with timer("advantages"):
                 rewards = objective.token_rewards(trajs, tt, scores, lo, step)
                 adv, returns, critic_targets = self._advantages(trajs, tt, rewards, scores)
@@ -113,6 +116,14 @@ class LowerLearner:
         with timer("update"):
             upd = self._epochs(batch, step)
         return {**stats.iteration_stats(tt, rewards, scores, adv, returns), **bstats, **upd}
+
+    def old_is_current(self, rows: int, n_turns: int) -> bool:
+        """Whether pi_old needs no pass of its own (lower.old_logprobs=auto): the batch is one
+        optimizer step (one epoch, one minibatch), so the loss's forward runs with the very weights
+        that sampled, and no bonus reads pi_old's log-probs on refines before the update."""
+        lo = self.lo
+        bonus_reads_it = lo.bonus.coef > 0 and n_turns > 1
+        return lo.old_logprobs == "auto" and lo.epochs == 1 and rows <= lo.minibatch_size and not bonus_reads_it
 
     def _advantages(self, trajs, tt: TrajectoryTensors, rewards: objective.TokenRewards, scores: Scores):
         """(advantages [B, T], returns [B, T], the critic's targets when it trains)."""
@@ -139,11 +150,11 @@ class LowerLearner:
         no refine with its feedback intact)."""
         bo = self.lo.bonus
         if bo.coef == 0:
-            return torch.zeros_like(lp_with), None
+            return torch.zeros_like(adv), None
         reference = bo.model == "reference"
         refine = self.scorer.without_feedback(trajs, reference=reference)
         if not refine.where:
-            return torch.zeros_like(lp_with), None
+            return torch.zeros_like(adv), None
         return objective.refine_bonus(trajs, ref_with if reference else lp_with, refine, adv, bo)
 
     def _warn_if_mostly_clipped(self, bstats: dict) -> None:
@@ -189,7 +200,8 @@ class LowerLearner:
 
     def loss(self, mb: UpdateBatch) -> tuple[torch.Tensor, dict]:
         """One micro-batch's loss; runs inside the engine, so DDP sees the forward."""
-        fwd = self.scorer.forward(mb.tt.input_ids, mb.tt.attention_mask, values=mb.old_values is not None)
+        fwd = self.scorer.forward(mb.tt.input_ids, mb.tt.attention_mask, values=mb.old_values is not None,
+                                  entropy=mb.old_logprobs is None)
         return objective.ppo_loss(self.lo, fwd, mb, self.critic)
 
     def save(self, folder: Path) -> None:

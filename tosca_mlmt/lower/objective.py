@@ -41,9 +41,9 @@ def token_rewards(trajs: list[SolverTrajectory], tt: TrajectoryTensors, scores: 
                   step: int) -> TokenRewards:
     turn_r, kl_w, stage = shaped_turn_rewards(trajs, lo, step)
     old_lp, ref_lp = scores.old_logprobs, scores.ref_logprobs
-    rewards = torch.zeros_like(old_lp)
-    kl = kl_estimate(old_lp, ref_lp, lo.kl_estimator) * tt.mask if ref_lp is not None else torch.zeros_like(old_lp)
-    kl_weight = torch.zeros_like(old_lp)
+    rewards = torch.zeros(tt.mask.shape)
+    kl = kl_estimate(old_lp, ref_lp, lo.kl_estimator) * tt.mask if ref_lp is not None else torch.zeros_like(rewards)
+    kl_weight = torch.zeros_like(rewards)
     for b, t in enumerate(trajs):
         for k, (s, e) in enumerate(t.turn_spans):
             rewards[b, e - 1] += turn_r[b][k]
@@ -92,7 +92,7 @@ def refine_bonus(trajs: list[SolverTrajectory], lp_with: torch.Tensor, refine: R
 class UpdateBatch:
     """What the losses of one update read, fixed before its first step; ``select`` takes rows."""
     tt: TrajectoryTensors
-    old_logprobs: torch.Tensor  # [B, T]
+    old_logprobs: torch.Tensor | None  # [B, T]; None = pi_theta detached at the loss (scoring skipped)
     old_values: torch.Tensor | None  # [B, T]; present exactly when the value head trains
     ref_logprobs: torch.Tensor | None  # [B, T]
     advantages: torch.Tensor  # [B, T] estimator + bonus
@@ -107,7 +107,7 @@ class UpdateBatch:
         def take(x):
             return None if x is None else x[rows]
 
-        return UpdateBatch(self.tt.select(rows), self.old_logprobs[rows], take(self.old_values),
+        return UpdateBatch(self.tt.select(rows), take(self.old_logprobs), take(self.old_values),
                            take(self.ref_logprobs), self.advantages[rows], self.returns[rows], self.kl_weight[rows],
                            None if self.critic is None else self.critic.select(rows))
 
@@ -116,10 +116,14 @@ def ppo_loss(lo: "LowerConfig", fwd: Forward, mb: UpdateBatch, critic: archer.Ut
              ) -> tuple[torch.Tensor, dict]:
     """(loss, diagnostics) of a micro-batch from the training forward ``fwd`` of its rows."""
     m = mb.tt.mask
-    pg, info = POLICY_LOSSES[lo.policy_loss](fwd.logprobs, mb.old_logprobs, mb.advantages, m, agg=lo.loss_agg,
+    # no pi_old pass: this forward runs with the weights that sampled, so pi_old is its own detached value
+    old = mb.old_logprobs if mb.old_logprobs is not None else fwd.logprobs.detach()
+    pg, info = POLICY_LOSSES[lo.policy_loss](fwd.logprobs, old, mb.advantages, m, agg=lo.loss_agg,
                                              clip_low=lo.clip_low, clip_high=lo.clip_high)
     loss = pg
     info = {"policy_loss": float(pg.detach()), **info}
+    if fwd.entropy is not None:  # the skipped pass's diagnostic, from this forward (mean over micro-batches)
+        info["entropy"] = float(masked_mean(fwd.entropy, m))
     if fwd.values is not None:
         vl, vinfo = value_loss(fwd.values, mb.old_values, mb.returns, m, lo.value_clip)
         loss = loss + lo.vf_coef * vl

@@ -38,8 +38,9 @@ class Forward:
 @dataclass
 class Scores:
     """What the update needs from the models before it starts; every rank holds all B rows."""
-    old_logprobs: torch.Tensor  # [B, T] pi_old (the engine's own on action tokens with old_logprobs=behaviour)
-    entropy: torch.Tensor  # [B, T] of pi_old
+    old_logprobs: torch.Tensor | None  # [B, T] pi_old (the engine's own on action tokens with old_logprobs=behaviour);
+    # None when the pass was skipped: pi_old is pi_theta at the loss (old_logprobs=auto)
+    entropy: torch.Tensor | None  # [B, T] of pi_old; None when skipped (the training forward logs it)
     old_values: torch.Tensor | None  # [B, T] value head, for estimators that need values
     ref_logprobs: torch.Tensor | None  # [B, T] adapters off; when KL, SCoRe or a reference bonus needs them
     turn_features: tuple[torch.Tensor, torch.Tensor] | None  # (state, action) [B, K, H] for the critic
@@ -102,14 +103,22 @@ class SolverScorer:
         parts = [q for q in dist.gather(part) if q is not None]
         return [_cat(parts, i) for i in range(5)]
 
-    @torch.no_grad()
-    def score(self, tt: TrajectoryTensors, trajs: list[SolverTrajectory], values: bool, features: bool) -> Scores:
+    def needs_reference(self) -> bool:
         lo = self.lo
+        return lo.kl_coef > 0 or lo.score.enabled or lo.bonus.model == "reference"
+
+    @torch.no_grad()
+    def score(self, tt: TrajectoryTensors, trajs: list[SolverTrajectory], values: bool, features: bool,
+              skip_old: bool = False) -> Scores:
+        """``skip_old``: pi_old is pi_theta when the loss runs and only it reads the pass, so there
+        is no forward (the caller decides; see LowerLearner.old_is_current)."""
+        lo = self.lo
+        if skip_old and not (values or features or self.needs_reference()):
+            return Scores(None, None, None, None, None)
         lp, v, ent, hs, ha = self._sharded(tt, trajs, values=values, entropy=True, features=features)
         if lo.old_logprobs == "behaviour":
             lp = torch.where(tt.mask > 0, tt.behaviour_logprobs, lp)
-        need_ref = lo.kl_coef > 0 or lo.score.enabled or lo.bonus.model == "reference"
-        ref = self._sharded(tt, trajs, reference=True)[0] if need_ref else None
+        ref = self._sharded(tt, trajs, reference=True)[0] if self.needs_reference() else None
         return Scores(lp, ent, v, ref, (hs, ha) if features else None)
 
     @torch.no_grad()

@@ -21,10 +21,12 @@ def iteration_stats(tt: TrajectoryTensors, rewards: TokenRewards, scores: Scores
                     returns: torch.Tensor) -> dict:
     m = tt.mask
     out = {
-        "stage": rewards.stage, "kl": float(masked_mean(rewards.kl, m)), "entropy": float(masked_mean(scores.entropy, m)),
+        "stage": rewards.stage, "kl": float(masked_mean(rewards.kl, m)),
         "adv_mean": float(masked_mean(adv, m)), "adv_std": float(adv[m > 0].std()) if m.sum() > 1 else 0.0,
         "token_reward_sum": float(rewards.rewards.sum() / len(m)), "train_tokens": int(m.sum()),
     }
+    if scores.entropy is not None:  # else the update's forward logs it
+        out["entropy"] = float(masked_mean(scores.entropy, m))
     for k in range(tt.n_turns):
         out[f"kl/turn{k}"] = float(masked_mean(rewards.kl, m * (tt.turn_ids == k)))
     if scores.old_values is not None:
