@@ -10,8 +10,11 @@ seconds of an iteration (rollout + scoring + update); the first iteration of eac
 and not counted. Our vLLM engine starts before the first iteration (``make_engine`` runs ahead of
 the loop), so its start-up is in no iteration's seconds. Our iteration runs the full three-turn
 episode (solve, feedback, refine) and trains on two solver turns; TRL trains one turn.
+``--single-turn`` makes ours the same work as TRL's: turn 1 only (episode.rounds 0), GRPO, beta 0,
+one optimizer step per batch; results go to train_lower_throughput-single-turn.json.
 
     python benchmarks/train_lower_throughput.py --engines vllm hf --problems 4 --group 4 --max-new-tokens 32 --iterations 3
+    python benchmarks/train_lower_throughput.py --engines vllm --single-turn
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def run_ours(args, engine: str) -> dict:
         "writer_sampling.max_new_tokens": args.max_new_tokens, "episode.max_feedback_tokens": args.max_new_tokens,
         "lower.iterations": args.iterations, "lower.problems_per_iteration": args.problems,
         "lower.advantage": "grpo", "lower.minibatch_size": args.problems * args.group, "lower.save_every": 10**6,
-        "lower.keep_snapshots": False,
+        "lower.keep_snapshots": False, **({"episode.rounds": 0} if args.single_turn else {}),
     })
     out = Path(args.workdir) / f"ours-{engine}-{int(time.time())}"
     t0 = time.perf_counter()
@@ -51,8 +54,8 @@ def run_ours(args, engine: str) -> dict:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     timed = rows[1:] or rows
     # tokens of the turns the episodes recorded (response ids, eos included, as both engines return them)
-    gen = sum(r["lower/len_solve"] * r["lower/episodes"] + r["lower/len_feedback"] * r["lower/episodes"]
-              + r["lower/len_refine"] * r["lower/episodes"] for r in timed)
+    gen = sum((r["lower/len_solve"] + r.get("lower/len_feedback", 0) + r.get("lower/len_refine", 0))
+              * r["lower/episodes"] for r in timed)
     # cross-check: the tokens the engine handed back (runner.gen_tokens), from gen_tokens_per_s x the
     # generate seconds (rounded to 0.1 ms in the log, so equal up to that rounding)
     engine_gen = sum(r["lower/gen_tokens_per_s"] * r["lower/time/generate"] for r in timed)
@@ -126,7 +129,7 @@ def spawn(args, what: str) -> dict:
     out.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--child", what, "--child-out", str(out), "--problems", str(args.problems),
            "--group", str(args.group), "--max-new-tokens", str(args.max_new_tokens),
-           "--iterations", str(args.iterations), "--workdir", args.workdir]
+           "--iterations", str(args.iterations), "--workdir", args.workdir] + (["--single-turn"] if args.single_turn else [])
     before = os.getloadavg()
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
@@ -145,6 +148,7 @@ def main() -> None:
     ap.add_argument("--engine", choices=("hf", "vllm"), help="our rollout engine (default hf)")
     ap.add_argument("--engines", nargs="+", choices=("hf", "vllm"),
                     help="run ours on each, side by side with one TRL run (TRL runs after the first)")
+    ap.add_argument("--single-turn", action="store_true", help="ours trains turn 1 only, as TRL does")
     ap.add_argument("--workdir", default="/tmp/tosca-bench-lower")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -162,10 +166,12 @@ def main() -> None:
            "cores": os.cpu_count(), "args": {k: v for k, v in vars(args).items() if not k.startswith("child")},
            "engines": engines, "ours": {}, "trl_grpo": None,
            "notes": "each run its own process, one after the other; TRL's vLLM mode does not run on CPU, so HF "
-                    "generate is its fastest CPU setting; ours runs three-turn episodes (solve, feedback, refine) "
-                    "and trains two solver turns, TRL one turn; load_avg_* = os.getloadavg() (1, 5, 15 min)"}
+                    "generate is its fastest CPU setting; " + (
+                        "ours trains turn 1 only (episode.rounds 0), the same work as TRL" if args.single_turn else
+                        "ours runs three-turn episodes (solve, feedback, refine) and trains two solver turns, TRL "
+                        "one turn") + "; load_avg_* = os.getloadavg() (1, 5, 15 min)"}
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "train_lower_throughput.json"
+    path = RESULTS / ("train_lower_throughput-single-turn.json" if args.single_turn else "train_lower_throughput.json")
     # TRL runs right after our first engine, so a cut-short invocation still has one ratio; the
     # JSON is rewritten after every run
     order = [("ours", engines[0]), ("trl", None)] + [("ours", e) for e in engines[1:]]
