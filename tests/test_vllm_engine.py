@@ -363,6 +363,27 @@ def test_seeded_batch_larger_than_one_prefill_step(env):
 
 
 # ----------------------------------------------------------------------------- (d)
+def test_prefix_cache_hits_are_counted(env):
+    """The engine's prefix-hit counters (the collect benchmark's hit rate): a prompt sent again is
+    served from vLLM's cache in whole blocks (128 tokens on CPU), and a reset empties it."""
+    from tosca_mlmt.rollout.engines.base import SamplingParams
+
+    _, _, engine, _, fmt = env
+    prompt = fmt.first_prompt(" ".join(["Add the numbers 12 and 30 and explain each step."] * 30))
+    assert len(prompt) > 300
+    engine.llm.reset_prefix_cache()
+    counts = []
+    for reset in (False, False, True):
+        if reset:
+            engine.llm.reset_prefix_cache()
+        p0, c0 = engine.prompt_tokens, engine.cached_prompt_tokens
+        engine.generate([prompt], SamplingParams(max_new_tokens=2), "solver")
+        counts.append((engine.prompt_tokens - p0, engine.cached_prompt_tokens - c0))
+    assert [p for p, _ in counts] == [len(prompt)] * 3
+    assert counts[0][1] == 0 and counts[2][1] == 0
+    assert counts[1][1] == (len(prompt) - 1) // 128 * 128 > 0
+
+
 def test_episode_runner_on_vllm(env):
     from tosca_mlmt.rollout.runner import EpisodeRunner
     from tosca_mlmt.tasks import make_task
@@ -375,8 +396,15 @@ def test_episode_runner_on_vllm(env):
     problems = task.load("train", 2).problems
     assert len(problems) == 2
     syncs0 = engine.syncs
+    engine.llm.reset_prefix_cache()
+    prompt0, cached0 = engine.prompt_tokens, engine.cached_prompt_tokens
     runner = EpisodeRunner(cfg, task, engine, policies)
     episodes = runner.run(problems)
+    # every prompt token handed to vLLM is counted (the n turn-1 samples of a problem are one request)
+    solve = {ep.problem.id: len(ep.turns[0].prompt_ids) for ep in episodes}
+    later = sum(len(t.prompt_ids) for ep in episodes for t in ep.turns[1:])
+    assert engine.prompt_tokens - prompt0 == sum(solve.values()) + later
+    assert 0 <= engine.cached_prompt_tokens - cached0 <= engine.prompt_tokens - prompt0
     assert len(episodes) == 2 * cfg.episode.n_samples
     assert engine.syncs == syncs0, "zero adapters: solver and writer share weights, no reload per turn"
     assert runner.gen_tokens > 0

@@ -73,6 +73,10 @@ class VLLMEngine:
         self.sync_seconds = 0.0  # time in syncs that pushed weights (key check + merge + reload)
         self.check_seconds = 0.0  # time in sync checks that found nothing to load (~0.1 s each)
         self.syncs = 0  # reloads pushed into vLLM (delta or full)
+        # prompt tokens handed to vLLM and those its prefix cache served (turn 3 extends turn 1's
+        # ids, so a warm cache skips most of a refine's prefill): the prefix hit rate
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
         self.weight_sync = cfg.weight_sync  # "memory" | "file"; benchmarks switch it on a live engine
         self.sync_route: str | None = None  # how the last reload travelled: runner, rpc or file
         self.sync_kind: str | None = None  # what the last reload carried: "delta" or "full"
@@ -172,6 +176,8 @@ class VLLMEngine:
         tok = self.policies.tokenizer(policy)
         result = []
         for o in outs:
+            self.prompt_tokens += len(o.prompt_token_ids or ())
+            self.cached_prompt_tokens += o.num_cached_tokens or 0
             gens = []
             for c in sorted(o.outputs, key=lambda c: c.index):
                 ids = list(c.token_ids)
