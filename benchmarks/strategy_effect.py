@@ -4,7 +4,10 @@ A writer can learn only what its decisions change. For each strategy this counts
 first attempts, the refines that broke them and, among wrong ones, the refines that fixed them,
 with Wilson 95 % intervals, and tests whether the outcome depends on the strategy at all: a
 permutation test of the chi-square statistic (strategies shuffled over the attempts, 10,000 draws).
-A large p-value says the logged decisions carry no signal a Q-function could fit.
+A large p-value says the logged decisions carry no signal a Q-function could fit. It also counts
+whether the writer's own text passes on the first attempt's correctness: each feedback is classed by
+keywords as calling the attempt right ("correct", "right"), wrong ("incorrect", "wrong", "mistake",
+"error") or neither, split by the attempt's real correctness.
 
     mlmt collect -c mlmt --task arith --level 2 --limit 160 --engine vllm --out /tmp/snaps \\
         --set episode.writer_sees=verdict --set episode.max_prompt_tokens=768 --set engine.vllm.max_model_len=1024
@@ -21,7 +24,8 @@ import datetime as dt
 import json
 import os
 import platform
-from collections import defaultdict
+import re
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +58,17 @@ def permutation_p(actions: np.ndarray, outcomes: np.ndarray, n_actions: int, dra
     return (hits + 1) / (draws + 1)
 
 
+NEGATIVE = re.compile(r"\b(incorrect|not correct|wrong|mistakes?|errors?)\b", re.I)
+POSITIVE = re.compile(r"\b(correct|right)\b", re.I)
+
+
+def text_says(text: str) -> str:
+    """'wrong', 'right' or 'neither': what a feedback text calls the attempt (keywords; 'wrong' wins)."""
+    if NEGATIVE.search(text):
+        return "wrong"
+    return "right" if POSITIVE.search(text) else "neither"
+
+
 def main() -> None:
     from tosca_mlmt.analysis.stats import wilson
     from tosca_mlmt.snapshot_index import open_snapshot
@@ -67,6 +82,7 @@ def main() -> None:
     snap = open_snapshot(args.root, args.snapshot)
     names: list[str] = []
     rows = defaultdict(lambda: {"right": 0, "broken": 0, "wrong": 0, "fixed": 0})
+    says = Counter()
     acts = {"right": [], "wrong": []}
     outs = {"right": [], "wrong": []}
     for ep in snap.episodes():
@@ -78,6 +94,7 @@ def main() -> None:
             names.append(fb.strategy_name)
         r = rows[fb.strategy_name]
         kind = "right" if z.correct else "wrong"
+        says[(kind, text_says(fb.text))] += 1
         changed = (not y.correct) if z.correct else bool(y.correct)
         r[kind] += 1
         r["broken" if z.correct else "fixed"] += int(changed)
@@ -99,7 +116,9 @@ def main() -> None:
               "snapshot": snap.id, "label": args.label, "sampling": m.get("sampling"),
               "environment": (m.get("summary") or {}).get("environment"), "episodes": sum(
                   r["right"] + r["wrong"] for r in rows.values()), "per_strategy": table, **tests,
-              "permutation_draws": args.draws}
+              "permutation_draws": args.draws,
+              "feedback_text_says": {f"attempt_{k}": {w: says[(k, w)] for w in ("right", "wrong", "neither")}
+                                     for k in ("right", "wrong")}}
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"strategy_effect-{args.label}.json"
     out.write_text(json.dumps(report, indent=1, default=str) + "\n")
@@ -109,6 +128,8 @@ def main() -> None:
         f = f"{r['fix_rate']:.2f} [{r['fix_ci'][0]:.2f}, {r['fix_ci'][1]:.2f}]" if r["wrong"] else "-"
         print(f"{name:<22}{r['right']:>6}{r['broken']:>8}  {b:<22}{r['wrong']:>6}{r['fixed']:>7}  {f}")
     print(", ".join(f"{k} {v:.3g}" for k, v in tests.items()))
+    for k, v in report["feedback_text_says"].items():
+        print(f"feedback text on {k.split('_')[1]} attempts: " + ", ".join(f"says {w} {n}" for w, n in v.items()))
     print(f"wrote {out}")
 
 
