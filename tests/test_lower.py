@@ -374,3 +374,44 @@ def test_auto_old_logprobs_skip_the_pass_only_where_pi_old_is_pi_theta(debug_cfg
     assert all(torch.equal(w0[k], w1[k]) for k in w0), "skipping the pi_old pass changed the update"
     assert m0["policy_loss"] == m1["policy_loss"] and m0["ratio_mean"] == 1.0
     assert m0["entropy"] == pytest.approx(m1["entropy"], rel=1e-5) and m0["entropy"] > 0
+
+
+@pytest.mark.slow
+def test_micro_batches_are_cut_to_their_longest_row_without_changing_the_loss(debug_cfg, debug_policies):
+    """UpdateBatch.select drops the right padding past the selected rows' longest sequence; the
+    loss and its gradient on the cut micro-batch equal those on the full width (fp32)."""
+    from tosca_mlmt.lower import objective
+    from tosca_mlmt.lower.scoring import SolverScorer
+
+    policies = debug_policies
+    cfg, trajs = _lower_setup(debug_cfg, policies)
+    # the random model writes every turn to max_new_tokens: shorten two refines so rows differ
+    for i in (0, 1):
+        t = trajs[i]
+        s, e = t.turn_spans[-1]
+        k = (e - s) // 2
+        trajs[i] = replace(t, ids=t.ids[: e - k], turn_spans=[*t.turn_spans[:-1], (s, e - k)],
+                           behaviour_logprobs=[*t.behaviour_logprobs[:-1], t.behaviour_logprobs[-1][: e - k - s]])
+    tt = to_tensors(trajs, policies.tokenizer("solver").pad_token_id or 0)
+    lengths = tt.attention_mask.sum(1)
+    rows = torch.argsort(lengths)[:2]  # the two shortest: the most padding to drop
+    assert int(lengths[rows].max()) < tt.input_ids.shape[1]
+    gen = torch.Generator().manual_seed(0)
+    adv = torch.randn(tt.mask.shape, generator=gen) * tt.mask
+    zeros = torch.zeros(tt.mask.shape)
+    full = objective.UpdateBatch(tt, None, None, None, adv, zeros, zeros, None)
+    cut = full.select(rows)
+    assert cut.tt.input_ids.shape == (2, int(lengths[rows].max()))
+    uncut = objective.UpdateBatch(tt.select(rows), None, None, None, adv[rows], zeros[rows], zeros[rows], None)
+    scorer = SolverScorer(cfg.lower, policies, torch.nn.Linear(1, 1))
+    params = [p for p in policies.model("solver").parameters() if p.requires_grad]
+    out = []
+    for mb in (cut, uncut):
+        with policies.use("solver"):
+            fwd = scorer.forward(mb.tt.input_ids, mb.tt.attention_mask)
+        loss, _ = objective.ppo_loss(cfg.lower, fwd, mb, None)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        out.append((loss.detach(), [g for g in grads if g is not None]))
+    assert out[0][1], "no gradient reached the adapter"
+    assert torch.allclose(out[0][0], out[1][0], rtol=1e-5, atol=1e-7)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(out[0][1], out[1][1]))

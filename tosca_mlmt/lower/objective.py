@@ -13,7 +13,7 @@ changes a group's normalization, the critic's return target, or turn 1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -104,11 +104,20 @@ class UpdateBatch:
         return self.tt.input_ids.shape[0]
 
     def select(self, rows: torch.Tensor) -> "UpdateBatch":
-        def take(x):
-            return None if x is None else x[rows]
+        """The rows, cut to the longest of them: the batch is right-padded to its longest row, and
+        pads past a micro-batch's own longest sequence change nothing a causal model computes
+        there, but each costs a forward and backward position."""
+        width = int(self.tt.attention_mask[rows].sum(1).max())
 
-        return UpdateBatch(self.tt.select(rows), take(self.old_logprobs), take(self.old_values),
-                           take(self.ref_logprobs), self.advantages[rows], self.returns[rows], self.kl_weight[rows],
+        def take(x):
+            return None if x is None else x[rows, :width]
+
+        tt = self.tt.select(rows)
+        tt = replace(tt, input_ids=tt.input_ids[:, :width], attention_mask=tt.attention_mask[:, :width],
+                     mask=tt.mask[:, :width], turn_ids=tt.turn_ids[:, :width],
+                     behaviour_logprobs=tt.behaviour_logprobs[:, :width])
+        return UpdateBatch(tt, take(self.old_logprobs), take(self.old_values), take(self.ref_logprobs),
+                           take(self.advantages), take(self.returns), take(self.kl_weight),
                            None if self.critic is None else self.critic.select(rows))
 
 
