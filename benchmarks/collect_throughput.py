@@ -50,6 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--prefix-caching", default="on", choices=("on", "off"),
                     help="vLLM prefix caching (engine.vllm.enable_prefix_caching) for collect and raw runs")
+    ap.add_argument("--block-size", type=int, default=0, help="engine.vllm.block_size (0 = vLLM's own)")
     ap.add_argument("--raw-runs", type=int, default=2, help="raw vLLM runs, alternating around the vLLM collect")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS))
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
     overrides = {
         "seed": args.seed, "model.dtype": args.dtype, "engine.threads": args.threads,
         "engine.vllm.kv_cache_gb": args.kv_cache_gb, "engine.vllm.max_model_len": args.max_model_len,
-        "engine.vllm.enable_prefix_caching": args.prefix_caching == "on",
+        "engine.vllm.enable_prefix_caching": args.prefix_caching == "on", "engine.vllm.block_size": args.block_size,
         "task.name": args.task, "task.level": args.level, "task.limit": args.limit,
         "episode.n_samples": args.n_samples, "episode.rounds": args.rounds,
         "episode.max_feedback_tokens": args.feedback_tokens, "solver_sampling.max_new_tokens": args.max_new_tokens,

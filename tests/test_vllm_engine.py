@@ -365,7 +365,8 @@ def test_seeded_batch_larger_than_one_prefill_step(env):
 # ----------------------------------------------------------------------------- (d)
 def test_prefix_cache_hits_are_counted(env):
     """The engine's prefix-hit counters (the collect benchmark's hit rate): a prompt sent again is
-    served from vLLM's cache in whole blocks (128 tokens on CPU), and a reset empties it."""
+    served from vLLM's cache in whole blocks (engine.vllm.block_size; 128 tokens on CPU by
+    default), and a reset empties it."""
     from tosca_mlmt.rollout.engines.base import SamplingParams
 
     _, _, engine, _, fmt = env
@@ -381,7 +382,8 @@ def test_prefix_cache_hits_are_counted(env):
         counts.append((engine.prompt_tokens - p0, engine.cached_prompt_tokens - c0))
     assert [p for p, _ in counts] == [len(prompt)] * 3
     assert counts[0][1] == 0 and counts[2][1] == 0
-    assert counts[1][1] == (len(prompt) - 1) // 128 * 128 > 0
+    block = engine.llm.llm_engine.vllm_config.cache_config.block_size
+    assert counts[1][1] == (len(prompt) - 1) // block * block > 0
 
 
 def test_episode_runner_on_vllm(env):
