@@ -51,8 +51,9 @@ class VLLMEngine:
         kwargs = dict(model=str(policies.base_paths["solver"]), dtype=dtype, seed=seed,
                       enforce_eager=cfg.enforce_eager, max_model_len=cfg.max_model_len,
                       enable_prefix_caching=cfg.enable_prefix_caching)
-        if cfg.block_size:
-            kwargs["block_size"] = cfg.block_size
+        block = cfg.block_size or (32 if self.on_cpu else 0)
+        if block:
+            kwargs["block_size"] = block
         if cfg.weight_sync == "memory":
             # the memory sync's receiver in multiprocess workers (unused in-process); left out with
             # weight_sync=file, so that fallback does not depend on importing it in the worker
