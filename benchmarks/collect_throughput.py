@@ -8,7 +8,7 @@ In ONE process (one model load, one vLLM start-up) it measures:
 * ``raw_vllm``: one flat ``LLM.generate`` call over the same turn-1 prompts with n samples,
   the same model, sampling and max_new_tokens. n is chosen from the collect run so the
   generated-token count roughly matches (the comparison is in tokens/s, so it need not be
-  exact). It runs before and after the vLLM collect run (``--raw-runs 2``) because the
+  exact), or set by ``--raw-n`` (``--raw-n`` = ``--n-samples``: the loop's own batch). It runs before and after the vLLM collect run (``--raw-runs 2``) because the
   machine is shared and its load drifts.
 
 It prints a table with collect/raw ratios and writes ``benchmarks/results/collect_throughput.json``
@@ -51,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefix-caching", default="on", choices=("on", "off"),
                     help="vLLM prefix caching (engine.vllm.enable_prefix_caching) for collect and raw runs")
     ap.add_argument("--block-size", type=int, default=0, help="engine.vllm.block_size (0 = vLLM's own)")
+    ap.add_argument("--raw-n", type=int, default=0,
+                    help="samples per prompt of the raw runs; 0 = as many as match the loop's token count (raw then "
+                         "batches more sequences per call than any turn of the loop); --n-samples = the loop's batch")
     ap.add_argument("--raw-runs", type=int, default=2, help="raw vLLM runs, alternating around the vLLM collect")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS))
@@ -246,7 +249,7 @@ def main(argv=None) -> int:
             solve_mean = max(ref["turns"][0]["gen_tokens_mean"], 1.0)
             return max(1, round(ref["gen_tokens"] / (len(p1) * solve_mean)))
 
-        n_raw = size_raw(results["collect_hf"]) if "collect_hf" in results else None
+        n_raw = args.raw_n or (size_raw(results["collect_hf"]) if "collect_hf" in results else None)
         if "vllm" in engines:
             if n_raw is not None and args.raw_runs > 0:  # raw before and after the collect run
                 run_raw(n_raw)
