@@ -122,7 +122,7 @@ def train_lower(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
         runner = EpisodeRunner(cfg, task, engine, policies)
     sink = rd.sink(cfg, tee=tee)
     metrics: dict = {}
-    done, samples = start, []
+    done, last_batch = start, []
     progress = rd.progress(cfg)
     with progress:
         bar = progress.add_task("", total=lo.iterations, completed=start)
@@ -164,9 +164,8 @@ def train_lower(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
             if manifest is not None and dist.is_main():
                 with it_timer("snapshot"):
                     # written after the update, so each refine turn carries the bonus it was trained with
-                    trained = with_refine_bonus(episodes, rows, trainer.refine_bonus)
-                    sid, _ = write_snapshot(run / "snapshots", trained, manifest.to_dict())
-                    samples = sample_rows(trained)
+                    last_batch = with_refine_bonus(episodes, rows, trainer.refine_bonus)
+                    sid, _ = write_snapshot(run / "snapshots", last_batch, manifest.to_dict())
             with it_timer("weight_sync"):
                 if offline is None:
                     engine.sync_weights("solver")
@@ -196,6 +195,7 @@ def train_lower(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
             if stop_after is not None and done >= stop_after:
                 break
     # the last batch's episodes with the bonus each refine was trained with (offline: no new batch)
+    samples = sample_rows(last_batch) if last_batch else []
     sink.log_table("lower/samples", samples, step=done)
     if done == lo.iterations:
         _describe_final(policies, run, snapshot_ids, metrics, done)

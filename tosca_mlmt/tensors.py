@@ -59,18 +59,16 @@ def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, i
     for s in range(0, T - 1, chunk):
         e = min(s + chunk, T - 1)
         h, tgt = hidden[:, s:e], targets[:, s:e]
-        if torch.is_grad_enabled() and h.requires_grad and with_entropy:
-            lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs_entropy, h, tgt, lm_head, use_reentrant=False)
-            lps.append(lp)
-            ents.append(ent)
-        elif torch.is_grad_enabled() and h.requires_grad:
-            lps.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, h, tgt, lm_head, use_reentrant=False))
-        elif with_entropy:
-            logp = torch.log_softmax(fp32_logits(h, lm_head), dim=-1)
-            lps.append(logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1))
-            ents.append(-(logp.exp() * logp).sum(-1))
+        fn = _chunk_logprobs_entropy if with_entropy else _chunk_logprobs
+        if torch.is_grad_enabled() and h.requires_grad:
+            out = torch.utils.checkpoint.checkpoint(fn, h, tgt, lm_head, use_reentrant=False)
         else:
-            lps.append(_chunk_logprobs(h, tgt, lm_head))
+            out = fn(h, tgt, lm_head)
+        if with_entropy:
+            lps.append(out[0])
+            ents.append(out[1])
+        else:
+            lps.append(out)
     lp = torch.cat(lps, dim=1)
     if with_entropy:
         return lp, (torch.cat(ents, dim=1) if len(ents) > 1 else torch.zeros_like(lp))

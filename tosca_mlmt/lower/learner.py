@@ -99,7 +99,7 @@ class LowerLearner:
         # ZeRO-3: weights whole for the scoring block, so ranks may run different forwards
         with torch.no_grad(), self.policies.full_weights(), dist.full_parameters(self.value_head, self.critic):
             with timer("old_ref_logprobs"):
-                self.skipped_old = self.old_is_current(len(trajs), tt.n_turns)
+                self.skipped_old = self.old_is_current(len(trajs), tt.n_turns, needs)
                 scores = self.scorer.score(tt, trajs, values=VALUES in needs, features=CRITIC in needs,
                                            skip_old=self.skipped_old)
             with timer("advantages"):
@@ -117,13 +117,16 @@ class LowerLearner:
             upd = self._epochs(batch, step)
         return {**stats.iteration_stats(tt, rewards, scores, adv, returns), **bstats, **upd}
 
-    def old_is_current(self, rows: int, n_turns: int) -> bool:
-        """Whether pi_old needs no pass of its own (lower.old_logprobs=auto): the batch is one
+    def old_is_current(self, rows: int, n_turns: int, needs) -> bool:
+        """Whether the scoring pass can be skipped (lower.old_logprobs=auto): the batch is one
         optimizer step (one epoch, one minibatch), so the loss's forward runs with the very weights
-        that sampled, and no bonus reads pi_old's log-probs on refines before the update."""
+        that sampled, and nothing reads the pass before the update: no bonus on refines, value
+        head, critic features or reference."""
         lo = self.lo
         bonus_reads_it = lo.bonus.coef > 0 and n_turns > 1
-        return lo.old_logprobs == "auto" and lo.epochs == 1 and rows <= lo.minibatch_size and not bonus_reads_it
+        others_read_it = VALUES in needs or CRITIC in needs or self.scorer.needs_reference()
+        return (lo.old_logprobs == "auto" and lo.epochs == 1 and rows <= lo.minibatch_size
+                and not bonus_reads_it and not others_read_it)
 
     def _advantages(self, trajs, tt: TrajectoryTensors, rewards: objective.TokenRewards, scores: Scores):
         """(advantages [B, T], returns [B, T], the critic's targets when it trains)."""

@@ -13,7 +13,7 @@ changes a group's normalization, the critic's return target, or turn 1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -112,11 +112,7 @@ class UpdateBatch:
         def take(x):
             return None if x is None else x[rows, :width]
 
-        tt = self.tt.select(rows)
-        tt = replace(tt, input_ids=tt.input_ids[:, :width], attention_mask=tt.attention_mask[:, :width],
-                     mask=tt.mask[:, :width], turn_ids=tt.turn_ids[:, :width],
-                     behaviour_logprobs=tt.behaviour_logprobs[:, :width])
-        return UpdateBatch(tt, take(self.old_logprobs), take(self.old_values), take(self.ref_logprobs),
+        return UpdateBatch(self.tt.select(rows, width), take(self.old_logprobs), take(self.old_values), take(self.ref_logprobs),
                            take(self.advantages), take(self.returns), take(self.kl_weight),
                            None if self.critic is None else self.critic.select(rows))
 

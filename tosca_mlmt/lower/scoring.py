@@ -110,10 +110,10 @@ class SolverScorer:
     @torch.no_grad()
     def score(self, tt: TrajectoryTensors, trajs: list[SolverTrajectory], values: bool, features: bool,
               skip_old: bool = False) -> Scores:
-        """``skip_old``: pi_old is pi_theta when the loss runs and only it reads the pass, so there
-        is no forward (the caller decides; see LowerLearner.old_is_current)."""
+        """``skip_old``: pi_old is pi_theta when the loss runs and nothing else reads the pass, so
+        there is no forward (the caller decides; see LowerLearner.old_is_current)."""
         lo = self.lo
-        if skip_old and not (values or features or self.needs_reference()):
+        if skip_old:
             return Scores(None, None, None, None, None)
         lp, v, ent, hs, ha = self._sharded(tt, trajs, values=values, entropy=True, features=features)
         if lo.old_logprobs == "behaviour":

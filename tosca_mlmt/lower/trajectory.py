@@ -70,9 +70,12 @@ class TrajectoryTensors:
         """[B, K] bool: trajectory b has a turn k (trajectories may have fewer turns than K)."""
         return torch.stack([(self.turn_ids == k).any(1) for k in range(self.n_turns)], 1)
 
-    def select(self, rows: torch.Tensor) -> "TrajectoryTensors":
-        return TrajectoryTensors(self.input_ids[rows], self.attention_mask[rows], self.mask[rows],
-                                 self.turn_ids[rows], self.behaviour_logprobs[rows], self.groups[rows], self.n_turns)
+    def select(self, rows: torch.Tensor, width: int | None = None) -> "TrajectoryTensors":
+        """The rows, and with ``width`` only their first ``width`` positions."""
+        cols = slice(None, width)
+        return TrajectoryTensors(self.input_ids[rows, cols], self.attention_mask[rows, cols], self.mask[rows, cols],
+                                 self.turn_ids[rows, cols], self.behaviour_logprobs[rows, cols], self.groups[rows],
+                                 self.n_turns)
 
 
 def to_tensors(trajs: list[SolverTrajectory], pad_id: int) -> TrajectoryTensors:
