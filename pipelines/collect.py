@@ -76,7 +76,8 @@ def collect(cfg: Config, out: str | Path | None = None, *, console=None, policie
         bar = progress.add_task(cfg.task.name, total=n_mine * n * turns_per_episode)
         runner = EpisodeRunner(cfg, task, engine, policies,
                                on_turn=lambda kind, k: progress.update(bar, advance=k * {"solve": n, "counterfactual": 0}.get(kind, 1),
-                                                                        description=f"{cfg.task.name}: {kind}"))
+                                                                        description=f"{cfg.task.name}: {kind}"),
+                               refine_temperature=cfg.collect.refine_temperature)
         with timer("episodes"), policies.full_weights():  # ZeRO-3: whole weights, no per-forward collectives
             # Under several processes each rank plays a contiguous share of the batches, so the
             # snapshot holds the same episodes, in the same order, as a one-process run.

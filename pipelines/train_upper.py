@@ -115,23 +115,24 @@ def train_upper(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
                     sink.log({"upper/" + k: v for k, v in m.items()}, step=step)
                 if step % uc.eval_every == 0 or step == uc.steps:
                     with timer("eval"):
-                        last_q = learner.q_all()
-                        last_eval = evaluate_q(last_q, transitions, strategies, learner.policy)
+                        last_q = learner.q_eval()
+                        last_eval = evaluate_q(last_q, learner.eval_transitions, strategies, learner.policy)
                     sink.log({"upper/" + k: v for k, v in last_eval.items()}, step=step)
                 if step % uc.save_every == 0 or step == uc.steps:
                     with timer("checkpoint"):
                         ckm.save(step, learner.save, {"snapshots": list(uc.snapshots), "stage": "upper",
                                                       "metrics_bytes": rd.metrics_bytes()})
         if last_q is None:
-            last_q = learner.q_all()  # resumed at the very end: nothing was evaluated in this process
-            last_eval = evaluate_q(last_q, transitions, strategies, learner.policy)
+            last_q = learner.q_eval()  # resumed at the very end: nothing was evaluated in this process
+            last_eval = evaluate_q(last_q, learner.eval_transitions, strategies, learner.policy)
         policies.describe("writer", eval={k: v for k, v in last_eval.items() if isinstance(v, (int, float))},
                           eval_source="off-policy evaluation on the training snapshots (see report.md)")
         with timer("save_writer"):
             writer_dir = learner.export_writer(run_dir / "writer")
         with timer("report"):
-            table = preference_table(last_q, transitions, strategies, learner.policy)
-            info = {"snapshots": list(uc.snapshots), "transitions": len(transitions), "steps": learner.step,
+            table = preference_table(last_q, learner.eval_transitions, strategies, learner.policy)
+            info = {"snapshots": list(uc.snapshots), "transitions": len(transitions),
+                    "evaluated": len(learner.eval_transitions), "steps": learner.step,
                     "episodes": len({(t.snapshot_id, t.episode_id) for t in transitions}), "q_source": uc.q_source,
                     "conservatism": uc.conservatism, "selection": cfg.episode.strategy_selection}
             rd.write_text("report.md", render_markdown(table, last_eval, info))

@@ -13,6 +13,8 @@ from tosca_mlmt.config.section import Section
 # tosca_mlmt/trackers.py (which builds each through accelerate), because config/ may import only
 # the ground floor; tests/test_trackers.py fails when the two lists differ.
 TRACKERS = ("wandb", "tensorboard")
+REFINE_TEMPERATURE = Rule("-1 (the solver's own temperature), 0 (greedy) or >= 0.001",
+                          lambda v: v == -1 or v == 0 or v >= 1e-3)
 TRACKER_LIST = Rule(f"a list of distinct names from: {', '.join(TRACKERS)}",
                     lambda v: all(isinstance(s, str) and s in TRACKERS for s in v) and len(set(v)) == len(v))
 
@@ -45,6 +47,12 @@ class CollectConfig(Section):
     out: str = knob("snapshots", "Snapshot root folder.", rule=NON_EMPTY)
     parents: list = knob(dataclasses.MISSING, "Parent snapshot ids recorded in provenance.", default_factory=list,
                          rule=ID_LIST)
+    refine_temperature: float = knob(-1.0, "Solver temperature of the refine turns that collect (and train-joint's "
+                                           "writer collect) logs; -1 = solver_sampling.temperature. 0 decodes "
+                                           "them greedily, as mlmt eval does, so the writer's reward measures what "
+                                           "its feedback does to the solver it is evaluated with, not sampling "
+                                           "noise. Turn 1 keeps solver_sampling (the states stay diverse), and "
+                                           "train-lower's PPO batches always sample.", rule=REFINE_TEMPERATURE)
 
 
 @dataclass

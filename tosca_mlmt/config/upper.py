@@ -85,6 +85,10 @@ class UpperConfig(Section):
     log_every: int = knob(10, "Metrics period in steps.", min=1)
     eval_every: int = knob(50, "Full-dataset Q evaluation period (Q by strategy, importance-weighted policy value).",
                            min=1)
+    eval_states: int = knob(0, "Logged decisions the periodic evaluation and the report read: a fixed seeded "
+                               "sample of whole episodes with at least this many decisions; 0 = all. Each is a "
+                               "writer forward, so over a growing replay (train-joint) the full evaluation costs "
+                               "more than the update itself.", min=0)
     eval_batch_size: int = knob(16, "States per forward pass in evaluation and the report.", min=1)
 
     def check(self, prefix: str) -> None:

@@ -14,6 +14,7 @@ numbers are never mixed with honest ones.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
@@ -40,8 +41,12 @@ class EpisodeRunner:
     """Runs episodes on an engine; ``policies`` supplies tokenizers, eos ids and Q-values."""
 
     def __init__(self, cfg: Config, task: Task, engine: Engine, policies,
-                 on_turn: Callable[[str, int], None] | None = None):
+                 on_turn: Callable[[str, int], None] | None = None, refine_temperature: float = -1.0):
+        """``refine_temperature`` >= 0 decodes refine (and counterfactual) turns at that temperature
+        instead of solver_sampling's (collect.refine_temperature)."""
         self.cfg, self.task, self.engine, self.policies = cfg, task, engine, policies
+        self.refine_sampling = (cfg.solver_sampling if refine_temperature < 0
+                                else dataclasses.replace(cfg.solver_sampling, temperature=refine_temperature))
         self.fmt = {r: ChatFormat(policies.tokenizer(r), policies.eos_ids(r)) for r in ("solver", "writer")}
         self.strategies = policies.strategies or cfg.episode.strategies
         self.on_turn = on_turn or (lambda kind, n: None)
@@ -214,7 +219,7 @@ class EpisodeRunner:
             # Where g (prefix + feedback) sits in the refine prompt: the bonus removes exactly this span.
             fb_spans.append(FeedbackSpan(len(ctx) + cut[0], len(ctx) + cut[2]))
             refine_prompts.append(ctx + cont)
-        ref_gens, ref_seen = self._gen(refine_prompts, to_params(cfg.solver_sampling, self._seed(rnd, "refine", batch_index),
+        ref_gens, ref_seen = self._gen(refine_prompts, to_params(self.refine_sampling, self._seed(rnd, "refine", batch_index),
                                                        stop_regex=self.stop_regex), "solver", "refine")
         for i, (ep, gs) in enumerate(zip(episodes, ref_gens)):
             g = gs[0]
@@ -235,7 +240,7 @@ class EpisodeRunner:
         the score goes to the refine's info as ``counterfactual_reward``: what the solver would
         have got without the feedback (upper.reward=counterfactual)."""
         cut = [span.cut(p) for p, span in zip(prompts, spans)]
-        params = to_params(self.cfg.solver_sampling, self._seed(rnd, "counterfactual", batch_index),
+        params = to_params(self.refine_sampling, self._seed(rnd, "counterfactual", batch_index),
                            stop_regex=self.stop_regex)
         for ep, gs in zip(episodes, self._gen(cut, params, "solver", "counterfactual")[0]):
             v = self.task.verify(ep.problem, self._solver_text(gs[0].token_ids))

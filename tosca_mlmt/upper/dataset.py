@@ -177,3 +177,22 @@ def batch_indices(n: int, batch_size: int, seed: int, step: int) -> list[int]:
 @functools.lru_cache(maxsize=4)
 def _permutation(n: int, seed: int, epoch: int) -> tuple[int, ...]:
     return tuple(torch.randperm(n, generator=torch_stream(seed, "decisions", epoch)).tolist())
+
+
+def eval_sample(transitions: list[Transition], at_least: int, seed: int) -> list[int]:
+    """Indices (ascending) of the decisions of a seeded random set of whole episodes holding at
+    least ``at_least`` decisions; every index when ``at_least`` is 0 or covers them all. Whole
+    episodes, so an off-policy estimate over the sample still sees each episode's every round."""
+    if at_least <= 0 or at_least >= len(transitions):
+        return list(range(len(transitions)))
+    episodes: dict[tuple[str, str], list[int]] = {}
+    for i, t in enumerate(transitions):
+        episodes.setdefault((t.snapshot_id, t.episode_id), []).append(i)
+    keys = list(episodes)
+    order = torch.randperm(len(keys), generator=torch_stream(seed, "upper_eval")).tolist()
+    chosen: list[int] = []
+    for k in order:
+        if len(chosen) >= at_least:
+            break
+        chosen += episodes[keys[k]]
+    return sorted(chosen)

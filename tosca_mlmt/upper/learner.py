@@ -27,7 +27,7 @@ from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.train.distributed import TrainEngine
 from tosca_mlmt.upper.critic import StrategyCritic, strategy_token_ids
-from tosca_mlmt.upper.dataset import Transition, batch_indices
+from tosca_mlmt.upper.dataset import Transition, batch_indices, eval_sample
 from tosca_mlmt.upper.objective import (DecisionBatch, PolicySpec, advantage_stats, advantages, bc_threshold,
                                         critic_loss, text_loss, text_weights, weight_stats)
 from tosca_mlmt.upper.trunk import TargetAdapter, WriterTrunk
@@ -75,6 +75,10 @@ class UpperLearner:
         self.all_returns = torch.tensor([t.ret for t in transitions], dtype=torch.float32)
         self.bc_cut = (bc_threshold(self.all_returns, self.uc.bc_top_frac) if self.uc.text_loss == "filtered_bc"
                        else None)
+        # upper.eval_states: the periodic evaluation and the report read these (whole episodes, so the
+        # off-policy estimate still sees every round of each); every h(s) is a writer forward
+        self.eval_idx = eval_sample(transitions, self.uc.eval_states, cfg.seed)
+        self.eval_transitions = [transitions[i] for i in self.eval_idx]
         self.step = 0
 
     # ------------------------------------------------------------------ one update
@@ -180,17 +184,19 @@ class UpperLearner:
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def q_all(self) -> torch.Tensor:
-        """Q(s, .) [N, A] of every logged state with the current weights."""
+    def q_eval(self) -> torch.Tensor:
+        """Q(s, .) [M, A] of the evaluated states (``eval_transitions``) with the current weights."""
         with dist.full_parameters(self.critic):
-            return self.critic.q(self.features_all())
+            return self.critic.q(self.features_all(self.eval_idx))
 
     @torch.no_grad()
-    def features_all(self) -> torch.Tensor:
-        """h(s) [N, H] of every logged state with the current writer weights, on every rank."""
+    def features_all(self, idx: list[int] | None = None) -> torch.Tensor:
+        """h(s) [N, H] of every logged state (or those at ``idx``) with the current writer weights,
+        on every rank."""
+        idx = list(range(len(self.transitions))) if idx is None else idx
         out = []
         bs = self.uc.eval_batch_size
-        mine = dist.shard(len(self.transitions))  # each rank computes a share; all get every row
+        mine = [idx[i] for i in dist.shard(len(idx))]  # each rank computes a share; all get every row
         with self.policies.use("writer"), self.policies.full_weights():
             for s in range(0, len(mine), bs):
                 out.append(self.trunk.states([self.transitions[i].state_ids for i in mine[s:s + bs]]))

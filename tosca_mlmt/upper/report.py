@@ -87,7 +87,9 @@ def preference_table(q: torch.Tensor, transitions: list[Transition], strategies:
 def render_markdown(table: dict[str, list[dict]], ope: dict[str, float], run_info: dict) -> str:
     lines = ["# Feedback-writer strategy preferences", ""]
     lines += [f"- snapshots: {', '.join(run_info['snapshots'])}",
-              f"- decisions: {run_info['transitions']} ({run_info['episodes']} episodes), steps: {run_info['steps']}",
+              f"- decisions: {run_info['transitions']} ({run_info['episodes']} episodes), steps: {run_info['steps']}"
+              + (f"; Q evaluated on a sample of {run_info['evaluated']} (upper.eval_states)"
+                 if run_info.get("evaluated", run_info["transitions"]) < run_info["transitions"] else ""),
               f"- Q source: {run_info['q_source']}, conservatism: {run_info['conservatism']}, "
               f"strategy selection at collect: {run_info['selection']}",
               f"- estimated value of that policy (weighted IS): {ope.get('ope/value', float('nan')):.3f} "

@@ -1,0 +1,89 @@
+"""The writer's logged data: refines decoded as eval decodes them (collect.refine_temperature), and
+the Q evaluation's sample of the replay (upper.eval_states)."""
+
+from dataclasses import replace
+
+import pytest
+
+from tosca_mlmt.config import load_config
+from tosca_mlmt.errors import ConfigError
+from tosca_mlmt.rollout.engines.base import Generation
+from tosca_mlmt.rollout.runner import EpisodeRunner
+from tosca_mlmt.tasks.arith import ArithTask
+from tosca_mlmt.upper.dataset import build_transitions, eval_sample
+from tests.test_upper import _episode
+
+
+class TemperatureEngine:
+    """Answers every prompt with fixed tokens; records (policy, temperature, n) of each call."""
+
+    name = "scripted"
+
+    def __init__(self, replies: dict[str, list[int]]):
+        self.replies, self.calls = replies, []
+
+    def generate(self, prompts, params, policy):
+        self.calls.append((policy, params.temperature, params.n))
+        g = Generation(tuple(self.replies[policy]), (-0.5,) * len(self.replies[policy]), "stop")
+        return [[g] * params.n for _ in prompts]
+
+
+def _replies(policies):
+    eos = policies.eos_ids("solver")[0]
+    return {"solver": policies.tokenizer("solver").encode("The answer is 3.") + [eos],
+            "writer": policies.tokenizer("writer").encode("Check the sum.") + [eos]}
+
+
+@pytest.mark.parametrize("refine_t", [-1.0, 0.0, 0.3])
+def test_refine_turns_use_their_own_temperature_and_turn_one_keeps_the_solvers(tiny_cfg, policies, refine_t):
+    cfg = replace(tiny_cfg, solver_sampling=replace(tiny_cfg.solver_sampling, temperature=0.7),
+                  writer_sampling=replace(tiny_cfg.writer_sampling, temperature=0.9),
+                  episode=replace(tiny_cfg.episode, rounds=2, n_samples=2, counterfactual=True))
+    engine = TemperatureEngine(_replies(policies))
+    task = ArithTask(1)
+    EpisodeRunner(cfg, task, engine, policies, refine_temperature=refine_t).run(task.load("train", 2).problems)
+    refine = 0.7 if refine_t < 0 else refine_t
+    # solve (n samples), then per round: feedback, refine, counterfactual refine (one each)
+    assert engine.calls == [("solver", 0.7, 2)] + [("writer", 0.9, 1), ("solver", refine, 1),
+                                                    ("solver", refine, 1)] * 2
+
+
+def test_collect_logs_refines_at_collect_refine_temperature_and_eval_decodes_all_greedily(tiny_cfg, policies,
+                                                                                          tmp_path):
+    from tosca_mlmt.pipelines.collect import collect
+    from tosca_mlmt.pipelines.evaluate import eval_config
+
+    cfg = replace(tiny_cfg, collect=replace(tiny_cfg.collect, refine_temperature=0.0),
+                  episode=replace(tiny_cfg.episode, rounds=1, n_samples=2),
+                  task=replace(tiny_cfg.task, name="arith", level=1, limit=2))
+    engine = TemperatureEngine(_replies(policies))
+    res = collect(cfg, tmp_path / "snaps", policies=policies, engine=engine)
+    t = cfg.solver_sampling.temperature
+    assert t > 0 and engine.calls == [("solver", t, 2), ("writer", cfg.writer_sampling.temperature, 1),
+                                      ("solver", 0.0, 1)]
+    # the setting is part of the snapshot's recorded config
+    from tosca_mlmt.snapshot_index import open_snapshot
+    assert open_snapshot(tmp_path / "snaps", res.snapshot_id).manifest["config"]["collect"]["refine_temperature"] == 0.0
+    # eval's protocol is greedy everywhere: a collect setting must not change it
+    e = eval_config(replace(cfg, collect=replace(cfg.collect, refine_temperature=0.5)))
+    assert e.solver_sampling.temperature == 0.0 and e.collect.refine_temperature == -1.0
+
+
+@pytest.mark.parametrize("bad", [-0.5, 0.0005, "x"])
+def test_refine_temperature_is_validated_at_load(bad):
+    with pytest.raises(ConfigError, match="collect.refine_temperature"):
+        load_config(overrides={"collect.refine_temperature": bad})
+
+
+def test_eval_sample_takes_whole_episodes_seeded_and_all_when_zero():
+    eps = [_episode(f"e{i}", [0.0, 1.0, 1.0], actions=[0, 1]) for i in range(10)]  # 2 decisions each
+    tr = build_transitions([("snap", eps)])
+    assert eval_sample(tr, 0, seed=0) == list(range(20)) == eval_sample(tr, 20, seed=0)
+    idx = eval_sample(tr, 5, seed=0)
+    assert idx == sorted(idx) and len(idx) == 6  # three whole episodes: 6 >= 5 decisions
+    by_episode = {}
+    for i in idx:
+        by_episode.setdefault(tr[i].episode_id, []).append(tr[i].round)
+    assert all(sorted(r) == [1, 2] for r in by_episode.values()) and len(by_episode) == 3
+    assert eval_sample(tr, 5, seed=0) == idx  # a pure function of the seed
+    assert any(eval_sample(tr, 5, seed=s) != idx for s in range(1, 6))
