@@ -60,7 +60,7 @@ ENV_OVERRIDES = {"none": {}, "confidence": {"episode.writer_sees": "confidence"}
 
 
 def run_method(name: str, preset: Path, extra: dict | None, common: dict, train: dict, evalsel: dict, seed: int,
-               work: Path) -> dict:
+               work: Path, sha: str) -> dict:
     from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.evaluate import adapters_from_run, eval_outcomes, evaluate
     from tosca_mlmt.pipelines.train_joint import train_joint
@@ -81,7 +81,7 @@ def run_method(name: str, preset: Path, extra: dict | None, common: dict, train:
     report = evaluate(ecfg, folder / "eval").report
     o = eval_outcomes(folder / "eval")  # per problem, sorted by id: every method pairs up
     out = {"ids": o["ids"], "t1": np.array(o["t1"], dtype=float), "final": np.array(o["final"], dtype=float)}
-    return {"method": name, "seed": seed, "train_seconds": round(train_s, 1),
+    return {"method": name, "seed": seed, "git_sha": sha, "train_seconds": round(train_s, 1),
             "eval_seconds": round(time.time() - t0 - train_s, 1), "used": used,
             "environment": report.get("environment"), **out}
 
@@ -179,6 +179,8 @@ def main() -> None:
     work = Path(args.work) / f"{args.env}-{dt.datetime.now():%Y%m%d-%H%M%S}"
     from tosca_mlmt.runtime import git_sha
 
+    # the code that runs: read before the first unit imports it (a commit may land while units run)
+    sha = git_sha() or "unknown"
     t_start = time.time()
     # seed-major: every method's seed 0 before any seed 1, so a budget cut leaves complete pairings
     for seed in args.seeds:
@@ -191,8 +193,8 @@ def main() -> None:
             if args.budget_minutes and time.time() - t_start > 60 * args.budget_minutes:
                 print(f"budget spent: {name} seed {seed} not started", flush=True)
                 continue
-            r = run_method(name, preset, extra, common, train, evalsel, seed, work)
-            path.write_text(json.dumps({"key": key, "git_sha": git_sha() or "unknown", "date": dt.datetime.now().isoformat(
+            r = run_method(name, preset, extra, common, train, evalsel, seed, work, sha)
+            path.write_text(json.dumps({"key": key, "date": dt.datetime.now().isoformat(
                 timespec="seconds"), "load_avg": os.getloadavg(), **{k: (v.tolist() if isinstance(v, np.ndarray)
                                                                            else v) for k, v in r.items()}}))
             print(f"{name} seed {seed}: Acc@t1 {r['t1'].mean():.3f} Acc@final {r['final'].mean():.3f} "

@@ -273,3 +273,46 @@ def test_a_q_head_saved_before_standardisation_loads_as_the_identity():
     h = torch.randn(4, 5)
     assert not head.has_feature_stats()
     assert torch.allclose(head(h), h @ old["proj.weight"].T + old["proj.bias"])
+
+
+def test_bc_text_loss_reads_only_cloned_feedback_and_updates_as_if_it_read_every_decision(pair, snapshot, trained):
+    """improved_bc weighs a decision 1 only when its round reward is positive: the learner runs the
+    [prompt + feedback] forward on those alone and a state-only forward on the rest. The update
+    (losses, adapter, Q head) equals reading every decision, to float tolerance (other batch shapes)."""
+    import dataclasses
+
+    from tosca_mlmt.upper.learner import UpperLearner
+
+    root, sid = snapshot
+    trs = build_transitions([(sid, load_snapshot(root, sid).episodes())], reward_mode="improvement")
+    trs = [dataclasses.replace(t, reward=1.0 if i % 3 == 0 else -0.5) for i, t in enumerate(trs)]  # some cloned
+    cfg = _cfg(snapshot, **{"upper.text_loss": "improved_bc", "upper.q_trunk_grad": True, "upper.warmup_steps": 0,
+                            "upper.batch_size": 4})
+    saved = pair.q_head
+    runs = []
+    try:
+        for skip in (True, False):
+            _reset_writer(pair, trained["init"])
+            learner = UpperLearner(cfg, pair, trs, cfg.episode.strategies)
+            learner.skip_unweighted_text = skip
+            rows = []
+            full = learner.trunk.full
+            learner.trunk.full = lambda p, r, s: rows.append(len(p)) or full(p, r, s)
+            ms = [learner.update() for _ in range(3)]
+            learner.close()
+            runs.append((ms, rows, WriterTrunk(pair).state_dict(),
+                         {k: v.clone() for k, v in learner.critic.q.state_dict().items()}))
+    finally:
+        pair.q_head = saved
+        _reset_writer(pair, trained["init"])
+    (m_skip, rows_skip, w_skip, q_skip), (m_all, rows_all, w_all, q_all) = runs
+    assert rows_all == [4, 4, 4] and sum(rows_skip) < sum(rows_all)  # fewer feedback forwards...
+    assert sum(m["w_mean"] for m in m_all) > 0  # ...while some decisions were cloned
+    for a, b in zip(m_skip, m_all):
+        for k in ("loss", "td_loss", "cql_term", "text_loss", "q_data"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+    assert any(not torch.equal(trained["init"][n], w_all[n]) for n in w_all)  # the adapter moved
+    for n in w_all:
+        torch.testing.assert_close(w_skip[n], w_all[n], rtol=1e-4, atol=1e-6)
+    for k in q_all:
+        torch.testing.assert_close(q_skip[k], q_all[k], rtol=1e-4, atol=1e-6)

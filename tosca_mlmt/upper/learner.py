@@ -79,6 +79,7 @@ class UpperLearner:
         # off-policy estimate still sees every round of each); every h(s) is a writer forward
         self.eval_idx = eval_sample(transitions, self.uc.eval_states, cfg.seed)
         self.eval_transitions = [transitions[i] for i in self.eval_idx]
+        self.skip_unweighted_text = True  # tests turn it off to compare against reading every decision
         self.step = 0
 
     # ------------------------------------------------------------------ one update
@@ -158,12 +159,26 @@ class UpperLearner:
         trunk_q_grad = uc.q_source == "logits" or uc.q_trunk_grad
         trs = [self.transitions[i] for i in mb]
         b = self._batch(mb)
-        if text_on:
-            h, logp, mask = self.trunk.full([t.prompt_ids for t in trs], [t.response_ids for t in trs],
-                                            [t.state_len for t in trs])
-        else:
+        # Which decisions' feedback the text loss reads. The BC weights are known before any forward,
+        # and a decision of weight 0 adds nothing to it: only its state is read, a shorter forward
+        # (improved_bc clones a few % of decisions). ZeRO-3 gathers inside each forward, so there
+        # every rank keeps the same forwards.
+        text_rows = list(range(len(mb))) if text_on else []
+        if text_on and self.skip_unweighted_text and uc.text_loss != "awr" and self.engine.zero_stage != 3:
+            w0 = text_weights(uc.text_loss, b.returns, b.returns, uc.awr_beta, uc.awr_max_weight, self.bc_cut,
+                              b.rewards)
+            text_rows = [j for j in range(len(mb)) if w0[j] > 0]
+        state_rows = [j for j in range(len(mb)) if j not in set(text_rows)]
+        parts, order = [], text_rows + state_rows
+        if text_rows:
+            h_text, logp, mask = self.trunk.full([trs[j].prompt_ids for j in text_rows],
+                                                 [trs[j].response_ids for j in text_rows],
+                                                 [trs[j].state_len for j in text_rows])
+            parts.append(h_text)
+        if state_rows:
             with torch.set_grad_enabled(trunk_q_grad):
-                h = self.trunk.states([t.state_ids for t in trs])
+                parts.append(self.trunk.states([trs[j].state_ids for j in state_rows]))
+        h = torch.cat(parts)[torch.tensor(order).argsort()]  # back to the batch's order
         h_q = h if trunk_q_grad else h.detach()
         h_bar = h.detach()
         if self.uc.q_source == "logits" and uc.conservatism == "iql":
@@ -176,10 +191,13 @@ class UpperLearner:
         if uc.text_loss != "none":
             out["w"] = text_weights(uc.text_loss, out["adv"], b.returns, uc.awr_beta, uc.awr_max_weight, self.bc_cut,
                                     b.rewards)
-        if text_on:
-            lt, tout = text_loss(logp, mask, out["w"])
+        if text_rows:
+            # the mean over the whole micro-batch, as if every decision had been read
+            lt, tout = text_loss(logp, mask, out["w"][text_rows], over=len(mb))
             loss = loss + uc.text_coef * lt
             out.update(text_loss=float(lt.detach()), text_nll=float(tout["text_nll"]))
+        elif text_on:  # no decision here is cloned: the text loss is exactly 0
+            out.update(text_loss=0.0)
         return loss, out
 
     # ------------------------------------------------------------------ evaluation

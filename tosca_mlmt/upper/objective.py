@@ -130,12 +130,14 @@ def text_weights(kind: str, adv: torch.Tensor, returns: torch.Tensor, beta: floa
     raise ValueError(f"unknown text loss {kind!r}")
 
 
-def text_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """Weighted NLL of the feedback tokens: mean_b w_b * mean_t[-log pi] (mask = feedback tokens).
+def text_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor,
+              over: int | None = None) -> tuple[torch.Tensor, dict]:
+    """Weighted NLL of the feedback tokens: 1/N sum_b w_b * mean_t[-log pi] (mask = feedback tokens).
 
-    logp, mask [B, T]; weights [B]. Each decision's text counts once whatever its length."""
+    logp, mask [B, T]; weights [B]. Each decision's text counts once whatever its length. ``over``:
+    N when the B rows are the weighted part of a batch of N decisions (the rest weigh 0); else B."""
     nll = masked_mean(-logp, mask, dim=1)  # [B]
-    loss = (weights * nll).mean()
+    loss = (weights * nll).sum() / (over or len(nll))
     return loss, {"text_nll": nll.mean().detach(), "weights": weights.detach()}
 
 
