@@ -1,5 +1,5 @@
-"""The writer's logged data: refines decoded as eval decodes them (collect.refine_temperature), and
-the Q evaluation's sample of the replay (upper.eval_states)."""
+"""The writer's logged data: solver turns decoded as eval decodes them (collect.solve_temperature,
+collect.refine_temperature), and the Q evaluation's sample of the replay (upper.eval_states)."""
 
 from dataclasses import replace
 
@@ -34,18 +34,19 @@ def _replies(policies):
             "writer": policies.tokenizer("writer").encode("Check the sum.") + [eos]}
 
 
-@pytest.mark.parametrize("refine_t", [-1.0, 0.0, 0.3])
-def test_refine_turns_use_their_own_temperature_and_turn_one_keeps_the_solvers(tiny_cfg, policies, refine_t):
+@pytest.mark.parametrize("solve_t,refine_t", [(-1.0, -1.0), (-1.0, 0.0), (0.0, 0.3), (0.2, -1.0)])
+def test_solver_turns_use_their_own_temperatures_and_the_writer_keeps_its(tiny_cfg, policies, solve_t, refine_t):
     cfg = replace(tiny_cfg, solver_sampling=replace(tiny_cfg.solver_sampling, temperature=0.7),
                   writer_sampling=replace(tiny_cfg.writer_sampling, temperature=0.9),
                   episode=replace(tiny_cfg.episode, rounds=2, n_samples=2, counterfactual=True))
     engine = TemperatureEngine(_replies(policies))
     task = ArithTask(1)
-    EpisodeRunner(cfg, task, engine, policies, refine_temperature=refine_t).run(task.load("train", 2).problems)
-    refine = 0.7 if refine_t < 0 else refine_t
+    EpisodeRunner(cfg, task, engine, policies, solve_temperature=solve_t,
+                  refine_temperature=refine_t).run(task.load("train", 2).problems)
+    solve, refine = (0.7 if t < 0 else t for t in (solve_t, refine_t))
     # solve (n samples), then per round: feedback, refine, counterfactual refine (one each)
-    assert engine.calls == [("solver", 0.7, 2)] + [("writer", 0.9, 1), ("solver", refine, 1),
-                                                    ("solver", refine, 1)] * 2
+    assert engine.calls == [("solver", solve, 2)] + [("writer", 0.9, 1), ("solver", refine, 1),
+                                                      ("solver", refine, 1)] * 2
 
 
 def test_collect_logs_refines_at_collect_refine_temperature_and_eval_decodes_all_greedily(tiny_cfg, policies,
@@ -53,26 +54,26 @@ def test_collect_logs_refines_at_collect_refine_temperature_and_eval_decodes_all
     from tosca_mlmt.pipelines.collect import collect
     from tosca_mlmt.pipelines.evaluate import eval_config
 
-    cfg = replace(tiny_cfg, collect=replace(tiny_cfg.collect, refine_temperature=0.0),
+    cfg = replace(tiny_cfg, collect=replace(tiny_cfg.collect, solve_temperature=0.3, refine_temperature=0.0),
                   episode=replace(tiny_cfg.episode, rounds=1, n_samples=2),
                   task=replace(tiny_cfg.task, name="arith", level=1, limit=2))
     engine = TemperatureEngine(_replies(policies))
     res = collect(cfg, tmp_path / "snaps", policies=policies, engine=engine)
-    t = cfg.solver_sampling.temperature
-    assert t > 0 and engine.calls == [("solver", t, 2), ("writer", cfg.writer_sampling.temperature, 1),
-                                      ("solver", 0.0, 1)]
+    assert engine.calls == [("solver", 0.3, 2), ("writer", cfg.writer_sampling.temperature, 1), ("solver", 0.0, 1)]
     # the setting is part of the snapshot's recorded config
     from tosca_mlmt.snapshot_index import open_snapshot
-    assert open_snapshot(tmp_path / "snaps", res.snapshot_id).manifest["config"]["collect"]["refine_temperature"] == 0.0
+    recorded = open_snapshot(tmp_path / "snaps", res.snapshot_id).manifest["config"]["collect"]
+    assert (recorded["solve_temperature"], recorded["refine_temperature"]) == (0.3, 0.0)
     # eval's protocol is greedy everywhere: a collect setting must not change it
-    e = eval_config(replace(cfg, collect=replace(cfg.collect, refine_temperature=0.5)))
-    assert e.solver_sampling.temperature == 0.0 and e.collect.refine_temperature == -1.0
+    e = eval_config(replace(cfg, collect=replace(cfg.collect, solve_temperature=0.5, refine_temperature=0.5)))
+    assert e.solver_sampling.temperature == 0.0 and (e.collect.solve_temperature, e.collect.refine_temperature) == (-1, -1)
 
 
+@pytest.mark.parametrize("field", ["solve_temperature", "refine_temperature"])
 @pytest.mark.parametrize("bad", [-0.5, 0.0005, "x"])
-def test_refine_temperature_is_validated_at_load(bad):
-    with pytest.raises(ConfigError, match="collect.refine_temperature"):
-        load_config(overrides={"collect.refine_temperature": bad})
+def test_collect_temperatures_are_validated_at_load(field, bad):
+    with pytest.raises(ConfigError, match=f"collect.{field}"):
+        load_config(overrides={f"collect.{field}": bad})
 
 
 def test_eval_sample_takes_whole_episodes_seeded_and_all_when_zero():

@@ -13,7 +13,7 @@ from tosca_mlmt.config.section import Section
 # tosca_mlmt/trackers.py (which builds each through accelerate), because config/ may import only
 # the ground floor; tests/test_trackers.py fails when the two lists differ.
 TRACKERS = ("wandb", "tensorboard")
-REFINE_TEMPERATURE = Rule("-1 (the solver's own temperature), 0 (greedy) or >= 0.001",
+SOLVER_TEMPERATURE = Rule("-1 (the solver's own temperature), 0 (greedy) or >= 0.001",
                           lambda v: v == -1 or v == 0 or v >= 1e-3)
 TRACKER_LIST = Rule(f"a list of distinct names from: {', '.join(TRACKERS)}",
                     lambda v: all(isinstance(s, str) and s in TRACKERS for s in v) and len(set(v)) == len(v))
@@ -47,12 +47,17 @@ class CollectConfig(Section):
     out: str = knob("snapshots", "Snapshot root folder.", rule=NON_EMPTY)
     parents: list = knob(dataclasses.MISSING, "Parent snapshot ids recorded in provenance.", default_factory=list,
                          rule=ID_LIST)
-    refine_temperature: float = knob(-1.0, "Solver temperature of the refine turns that collect (and train-joint's "
-                                           "writer collect) logs; -1 = solver_sampling.temperature. 0 decodes "
-                                           "them greedily, as mlmt eval does, so the writer's reward measures what "
-                                           "its feedback does to the solver it is evaluated with, not sampling "
-                                           "noise. Turn 1 keeps solver_sampling (the states stay diverse), and "
-                                           "train-lower's PPO batches always sample.", rule=REFINE_TEMPERATURE)
+    solve_temperature: float = knob(-1.0, "Solver temperature of turn 1 in collect (and train-joint's writer "
+                                          "collect); -1 = solver_sampling.temperature. 0 = greedy, as mlmt eval "
+                                          "decodes it: the writer learns on the attempts it will be shown at eval "
+                                          "(greedy attempts are right about twice as often as T = 0.7 ones), and a "
+                                          "problem's n_samples episodes share one attempt and differ only by "
+                                          "strategy and feedback text. train-lower's PPO batches always sample.",
+                                    rule=SOLVER_TEMPERATURE)
+    refine_temperature: float = knob(-1.0, "Solver temperature of the refine turns collect logs; -1 = "
+                                           "solver_sampling.temperature. 0 = greedy, as mlmt eval decodes them: a "
+                                           "decision's reward is then what its feedback does to the solver it is "
+                                           "evaluated with, not sampling noise.", rule=SOLVER_TEMPERATURE)
 
 
 @dataclass

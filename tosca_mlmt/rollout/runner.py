@@ -41,12 +41,13 @@ class EpisodeRunner:
     """Runs episodes on an engine; ``policies`` supplies tokenizers, eos ids and Q-values."""
 
     def __init__(self, cfg: Config, task: Task, engine: Engine, policies,
-                 on_turn: Callable[[str, int], None] | None = None, refine_temperature: float = -1.0):
-        """``refine_temperature`` >= 0 decodes refine (and counterfactual) turns at that temperature
-        instead of solver_sampling's (collect.refine_temperature)."""
+                 on_turn: Callable[[str, int], None] | None = None, solve_temperature: float = -1.0,
+                 refine_temperature: float = -1.0):
+        """``solve_temperature`` / ``refine_temperature`` >= 0 decode turn 1 / the refine (and
+        counterfactual) turns at that temperature instead of solver_sampling's (collect.*)."""
         self.cfg, self.task, self.engine, self.policies = cfg, task, engine, policies
-        self.refine_sampling = (cfg.solver_sampling if refine_temperature < 0
-                                else dataclasses.replace(cfg.solver_sampling, temperature=refine_temperature))
+        at = lambda t: cfg.solver_sampling if t < 0 else dataclasses.replace(cfg.solver_sampling, temperature=t)  # noqa: E731
+        self.solve_sampling, self.refine_sampling = at(solve_temperature), at(refine_temperature)
         self.fmt = {r: ChatFormat(policies.tokenizer(r), policies.eos_ids(r)) for r in ("solver", "writer")}
         self.strategies = policies.strategies or cfg.episode.strategies
         self.on_turn = on_turn or (lambda kind, n: None)
@@ -132,7 +133,7 @@ class EpisodeRunner:
         n = cfg.episode.n_samples
         sfmt = self.fmt["solver"]
         p1 = [sfmt.first_prompt(self.task.instruction(p)) for p in problems]
-        gens, seen = self._gen(p1, to_params(cfg.solver_sampling, self._seed(0, "solve", batch_index), n=n,
+        gens, seen = self._gen(p1, to_params(self.solve_sampling, self._seed(0, "solve", batch_index), n=n,
                                              stop_regex=self.stop_regex), "solver", "solve")
         episodes: list[Episode] = []
         contexts: list[list[int]] = []  # solver context so far (prompt + all turns), per episode
