@@ -165,10 +165,10 @@ class UpperLearner:
         # every rank keeps the same forwards.
         text_rows = list(range(len(mb))) if text_on else []
         if text_on and self.skip_unweighted_text and uc.text_loss != "awr" and self.engine.zero_stage != 3:
-            w0 = text_weights(uc.text_loss, b.returns, b.returns, uc.awr_beta, uc.awr_max_weight, self.bc_cut,
-                              b.rewards)
+            w0 = text_weights(uc.text_loss, None, b.returns, uc.awr_beta, uc.awr_max_weight, self.bc_cut,
+                              b.rewards)  # BC weights read no advantage
             text_rows = [j for j in range(len(mb)) if w0[j] > 0]
-        state_rows = [j for j in range(len(mb)) if j not in set(text_rows)]
+        state_rows = sorted(set(range(len(mb))) - set(text_rows))
         parts, order = [], text_rows + state_rows
         if text_rows:
             h_text, logp, mask = self.trunk.full([trs[j].prompt_ids for j in text_rows],

@@ -115,7 +115,7 @@ def bc_threshold(all_returns: torch.Tensor, top_frac: float) -> tuple[float, boo
     return cut, strict
 
 
-def text_weights(kind: str, adv: torch.Tensor, returns: torch.Tensor, beta: float, max_weight: float,
+def text_weights(kind: str, adv: torch.Tensor | None, returns: torch.Tensor, beta: float, max_weight: float,
                  cut: tuple[float, bool] | None = None, rewards: torch.Tensor | None = None) -> torch.Tensor:
     """Per-decision weights [B] of the feedback-text loss. ``improved_bc``: 1 on the decisions whose
     own round reward is positive (under improvement/counterfactual rewards: the refine fixed the
