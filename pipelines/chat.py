@@ -103,7 +103,8 @@ class ChatSession:
         names = [s["name"] for s in self.runner.strategies]
         q, how = turn.q_values, e.strategy_selection
         if q is None and self.policies.q_head is not None:
-            q = self.policies.q_values([turn.prompt_ids[:turn.state_len]])[0].tolist()
+            q = self.policies.q_values([turn.prompt_ids[:turn.state_len]],
+                                       [turn.info.get("writer_signal", 0)])[0].tolist()
             how = (f"{e.strategy_selection}, uniform: Q fitted on {self.policies.q_decisions} decisions "
                    f"< episode.min_q_decisions={e.min_q_decisions}")
         elif q is None:

@@ -247,3 +247,58 @@ def test_upper_config_is_validated_at_load():
         load_config(overrides={"upper.conservatism": "bcq"})
     with pytest.raises(ConfigError, match="unknown config field 'upper.nope'"):
         load_config(overrides={"upper.nope": 1})
+
+
+def _fit_signal(cfg: UpperConfig, h, acts, rews, signals, steps: int = 400):
+    critic = StrategyCritic(cfg, h.shape[1], A)
+    groups = [{"params": critic.head_parameters(), "lr": 1e-2}]
+    if critic.table_parameters():
+        groups.append({"params": critic.table_parameters(), "lr": cfg.signal_lr})
+    opt = torch.optim.Adam(groups)
+    b = DecisionBatch(acts, rews, torch.ones(len(acts)), rews, signals=signals, next_signals=torch.zeros_like(signals))
+    for step in range(1, steps + 1):
+        loss, _ = critic_loss(critic, b, h, h, None, None, cfg.gamma, cfg.cql_alpha, cfg.iql_tau, PolicySpec())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        critic.update_target(step)
+    return critic
+
+
+def test_the_signal_table_learns_what_the_hidden_state_does_not_show():
+    """upper.q_signal: when the best strategy depends on what the writer was told (o = the state type)
+    and h(s) carries none of it, Q(s, a) = w_a . h + T[o, a] ranks the best strategy first per o;
+    the head alone cannot."""
+    p = torch.tensor([[0.8, 0.3, 0.2, 0.1], [0.2, 0.8, 0.3, 0.1], [0.3, 0.2, 0.1, 0.8]])
+    h, acts, rews, ty, _ = _synthetic(0, p, type_scale=0.0, unlogged={})  # h: the same distribution per type
+    with_table = _fit_signal(UpperConfig(q_signal=True), h, acts, rews, ty)
+    without = _fit_signal(UpperConfig(q_signal=False), h, acts, rews, ty)
+    with torch.no_grad():
+        q_t, q_h = with_table.q(h, ty), without.q(h, ty)
+    for t in range(3):
+        assert int(q_t[ty == t].mean(0).argmax()) == int(p[t].argmax()), (t, q_t[ty == t].mean(0).tolist())
+    # without the table the three types look alike: whatever noise it fits, it cannot pick all three best
+    assert [int(q_h[ty == t].mean(0).argmax()) for t in range(3)] != p.argmax(1).tolist()
+    # the table is in the exported head, and a head without signals reads the features alone
+    head = with_table.exported_head()
+    assert torch.equal(head.signal_table, with_table.q.signal_table)
+    assert torch.allclose(head(h, ty) - head(h), head.signal_table[ty])
+
+
+def test_a_continued_head_keeps_its_table_and_a_head_without_one_gains_a_zero_table():
+    from tosca_mlmt.models.policies import QHead
+
+    old = QHead(8, A)
+    with torch.no_grad():
+        old.proj.weight.normal_()
+    grown = StrategyCritic(UpperConfig(q_signal=True), 8, A, init_head=old)
+    assert grown.q.signal_table.abs().sum() == 0 and torch.equal(grown.q.proj.weight, old.proj.weight)
+    with torch.no_grad():
+        grown.q.signal_table.normal_()
+    kept = StrategyCritic(UpperConfig(q_signal=False), 8, A, init_head=grown.exported_head())
+    assert torch.equal(kept.q.signal_table, grown.q.signal_table) and kept.table_parameters()
+
+
+def test_q_signal_needs_the_head():
+    with pytest.raises(ConfigError, match="upper.q_signal"):
+        load_config(overrides={"upper.q_signal": True, "upper.q_source": "logits"})

@@ -88,3 +88,67 @@ def test_eval_sample_takes_whole_episodes_seeded_and_all_when_zero():
     assert all(sorted(r) == [1, 2] for r in by_episode.values()) and len(by_episode) == 3
     assert eval_sample(tr, 5, seed=0) == idx  # a pure function of the seed
     assert any(eval_sample(tr, 5, seed=s) != idx for s in range(1, 6))
+
+
+class OneRightTask(ArithTask):
+    """arith, but only the first problem's attempts are right (whatever the scripted solver says)."""
+
+    def __init__(self, right_id: str):
+        super().__init__(level=1)
+        self.right_id = right_id
+
+    def verify(self, problem, response):
+        said = f"The answer is: {problem.answer}" if problem.id == self.right_id else "The answer is: -1"
+        return super().verify(problem, said)
+
+
+def test_the_writer_signal_is_logged_and_selects_through_the_q_heads_table(tiny_cfg, policies):
+    """writer_sees=verdict: each feedback turn records o(s) (1 = the attempt was right), and collect's
+    strategy choice reads Q(s, .) + T[o(s), .] from a writer head with a signal table."""
+    import torch
+
+    from tosca_mlmt.models.policies import QHead
+    from tosca_mlmt.upper.dataset import build_transitions
+
+    task0 = ArithTask(1)
+    problems = task0.load("train", 2).problems
+    task = OneRightTask(problems[0].id)
+    cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=1, n_samples=2, writer_sees="verdict",
+                                            strategy_selection="greedy", min_q_decisions=0))
+    head = QHead(policies.model("writer").config.hidden_size, len(cfg.episode.strategies), signals=3)
+    with torch.no_grad():
+        head.signal_table[0, 3] = 5.0  # told "incorrect": start_over
+        head.signal_table[1, 4] = 5.0  # told "correct": confirm
+    saved = policies.q_head, policies.q_decisions
+    policies.q_head, policies.q_decisions = head, 10**6
+    try:
+        episodes = EpisodeRunner(cfg, task, TemperatureEngine(_replies(policies)), policies).run(problems)
+    finally:
+        policies.q_head, policies.q_decisions = saved
+    for ep in episodes:
+        z, fb = ep.turns[0], ep.turns[1]
+        assert fb.info["writer_signal"] == int(z.correct) and z.correct == (ep.problem.id == problems[0].id)
+        assert fb.strategy_name == ("confirm" if z.correct else "start_over")
+        assert fb.q_values[fb.strategy] == pytest.approx(5.0)  # a zero-weight head: Q is the table's cell
+    assert [t.signal for t in build_transitions([("s", episodes)])] == [1, 1, 0, 0]
+
+
+def test_a_saved_head_with_a_signal_table_loads_with_it(policies, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from tosca_mlmt.models.policies import Q_HEAD_FILE, QHead
+
+    head = QHead(16, 6, signals=3)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_()
+    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, tmp_path / Q_HEAD_FILE)
+    saved = policies.q_head, policies.q_decisions, policies.strategies
+    try:
+        policies._load_writer_extras(tmp_path)
+        loaded = policies.q_head
+    finally:
+        policies.q_head, policies.q_decisions, policies.strategies = saved
+    h, o = torch.randn(5, 16), torch.tensor([0, 1, 2, 1, 0])
+    assert torch.equal(loaded(h, o), head(h, o)) and not torch.equal(loaded(h, o), loaded(h))

@@ -14,6 +14,12 @@ from tosca_mlmt.config.section import Section, need, show
 # tuple, so the names exist once.
 SELECTION_MODES = ("auto", "uniform", "softmax", "epsilon_softmax", "epsilon_greedy", "greedy")
 
+# What episode.writer_sees tells the writer about an attempt, as levels; a level's index is the
+# state's writer signal o(s) (0 when it sees nothing), the row of the Q head's signal table
+# (upper.q_signal), which has SIGNAL_BUCKETS rows whatever the channel.
+WRITER_SIGNALS = {"none": ("",), "confidence": ("low", "medium", "high"), "verdict": ("incorrect", "correct")}
+SIGNAL_BUCKETS = max(len(v) for v in WRITER_SIGNALS.values())
+
 # instruction: what the writer is told to do; prefix: the fixed sentence that opens the feedback
 # the solver reads when episode.strategy_prefix is on.
 DEFAULT_STRATEGIES: tuple[dict[str, str], ...] = (
@@ -61,7 +67,7 @@ class EpisodeConfig(Section):
     writer_sees: str = knob("none", "Extra signal in the writer's state per attempt: none; confidence = the solver's "
                                     "mean token log-prob bucketed low/medium/high (honest); verdict = the verifier's "
                                     "right/wrong (privileged: labelled in every summary).",
-                            choices=("none", "confidence", "verdict"))
+                            choices=tuple(WRITER_SIGNALS))
     confidence_edges: list = knob(dataclasses.MISSING, "writer_sees=confidence: mean log-prob edges [low|medium, "
                                                        "medium|high], ascending.",
                                   default_factory=lambda: [-0.6, -0.25], rule=CONFIDENCE_EDGES)

@@ -43,6 +43,14 @@ class UpperConfig(Section):
                          choices=("head", "logits"))
     q_trunk_grad: bool = knob(False, "head only: let TD gradients flow into the writer adapter. Off by default: the "
                                      "adapter is also the feedback-text policy, and a value loss should not drag it.")
+    q_signal: bool = knob(False, "head only: add a table T[o, a] to Q over what episode.writer_sees told the writer "
+                                 "about the last attempt (o: its level, e.g. verdict incorrect/correct; one row "
+                                 "under writer_sees=none, where T is a per-strategy bias). A few hundred decisions "
+                                 "fit 2-3 x A cells; they do not fit a direction in the hidden state. Learned at "
+                                 "upper.signal_lr; saved in the writer's Q head.")
+    signal_lr: float = knob(0.02, "AdamW learning rate of the Q head's signal table (upper.q_signal). Adam moves a "
+                                  "cell ~lr per step it is in the batch, so 0.02 covers a reward of 1 in ~50 steps.",
+                            min=0.0, min_exclusive=True)
     q_standardize: bool = knob(True, "head only: standardise h(s) per feature (mean and std over the logged states, "
                                      "fixed when the head is created and saved with it) before the linear Q head. "
                                      "Raw hidden states are dominated by a few large features common to every "
@@ -92,5 +100,7 @@ class UpperConfig(Section):
     eval_batch_size: int = knob(16, "States per forward pass in evaluation and the report.", min=1)
 
     def check(self, prefix: str) -> None:
+        need(not self.q_signal or self.q_source == "head", f"{prefix}q_signal",
+             "needs q_source=head (the signal table is part of the Q head)")
         need(self.micro_batch_size <= self.batch_size, f"{prefix}micro_batch_size",
              f"must be at most {prefix}batch_size ({self.batch_size}); 0 = the whole batch")

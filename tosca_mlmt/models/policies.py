@@ -35,18 +35,27 @@ class QHead(nn.Module):
     """Q(s, a) for every strategy a, read from the writer's last hidden state of s.
 
     ``mean`` / ``scale`` standardise h(s) per feature before the linear map (identity until
-    ``set_feature_stats``; see upper.q_standardize). Heads saved without them load as identity."""
+    ``set_feature_stats``; see upper.q_standardize). Heads saved without them load as identity.
 
-    def __init__(self, hidden: int, n_actions: int):
+    ``signals`` > 0 adds a table T[o, a] (upper.q_signal): Q(s, a) = w_a . h~(s) + b_a + T[o(s), a],
+    where o(s) is what episode.writer_sees told the writer about the last attempt (its bucket
+    index, rollout/runner.py: writer_signal). A few hundred decisions fit a table of 2-3 x A
+    cells; they do not fit a direction in 576 standardised features."""
+
+    def __init__(self, hidden: int, n_actions: int, signals: int = 0):
         super().__init__()
         self.proj = nn.Linear(hidden, n_actions)
         nn.init.zeros_(self.proj.weight)
         nn.init.zeros_(self.proj.bias)
         self.register_buffer("mean", torch.zeros(hidden))
         self.register_buffer("scale", torch.ones(hidden))
+        self.signal_table = nn.Parameter(torch.zeros(signals, n_actions)) if signals else None
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, A]
-        return self.proj((h.float() - self.mean) / self.scale)
+    def forward(self, h: torch.Tensor, signal: torch.Tensor | None = None) -> torch.Tensor:  # [B, H], [B] -> [B, A]
+        q = self.proj((h.float() - self.mean) / self.scale)
+        if self.signal_table is not None and signal is not None:
+            q = q + self.signal_table[signal.long()]
+        return q
 
     def set_feature_stats(self, mean: torch.Tensor, scale: torch.Tensor) -> None:
         self.mean.copy_(mean.float())
@@ -320,7 +329,9 @@ class PolicyPair:
             self.strategies = json.loads((folder / STRATEGIES_FILE).read_text()) or None
         if (folder / Q_HEAD_FILE).exists():
             sd = load_file(folder / Q_HEAD_FILE)
-            head = QHead(sd["proj.weight"].shape[1], sd["proj.weight"].shape[0])
+            table = sd.get("signal_table")
+            head = QHead(sd["proj.weight"].shape[1], sd["proj.weight"].shape[0],
+                         0 if table is None else table.shape[0])
             head.load_state_dict(sd)
             self.q_head = head
             with safe_open(folder / Q_HEAD_FILE, "pt") as f:
@@ -328,11 +339,13 @@ class PolicyPair:
                 self.q_decisions = int((f.metadata() or {}).get("decisions", 10**9))
 
     @torch.no_grad()
-    def q_values(self, prompts: list[list[int]], batch_size: int = 16) -> torch.Tensor | None:
-        """Q(s, .) for writer states given as token ids; None when the writer has no Q head. The
-        features are the trainer's (models/features.py), so this is the Q train-upper fitted."""
+    def q_values(self, prompts: list[list[int]], signals: list[int] | None = None,
+                 batch_size: int = 16) -> torch.Tensor | None:
+        """Q(s, .) for writer states given as token ids (and, for a head with a signal table, each
+        state's writer_signal); None when the writer has no Q head. The features are the
+        trainer's (models/features.py), so this is the Q train-upper fitted."""
         if self.q_head is None:
             return None
         with self.use("writer") as m:
             h = writer_state_features(m, prompts, self.pad_id("writer"), batch_size=batch_size)
-        return self.q_head(h)
+        return self.q_head(h, None if signals is None else torch.tensor(signals))

@@ -21,6 +21,7 @@ from typing import Callable
 import numpy as np
 
 from tosca_mlmt.config import Config, SamplingConfig
+from tosca_mlmt.config.episode import WRITER_SIGNALS
 from tosca_mlmt.prompts import (REFINE_USER_PREFIX, REFINE_USER_SUFFIX, WRITER_STATE, WRITER_STRATEGY,
                                 WRITER_SYSTEM, ChatFormat)
 from tosca_mlmt.records import Episode, FeedbackSpan, Turn
@@ -83,22 +84,26 @@ class EpisodeRunner:
         turn.reward, turn.correct, turn.extracted = v.reward, v.correct, v.extracted
         turn.info = dict(v.info, feedback_context=v.feedback_context) if v.feedback_context else dict(v.info)
 
-    def _writer_signal(self, turn: Turn) -> str:
-        """What ``episode.writer_sees`` adds to the writer's state about one attempt (module doc)."""
+    def _writer_signal(self, turn: Turn) -> tuple[int, str]:
+        """What ``episode.writer_sees`` tells the writer about one attempt (module doc): the level's
+        index o in WRITER_SIGNALS[sees] (the Q head's signal table row) and the sentence its state gets."""
         sees = self.cfg.episode.writer_sees
         if sees == "confidence":
             lp = float(np.mean(turn.logprobs)) if turn.logprobs else float("-inf")
             lo, hi = self.cfg.episode.confidence_edges
-            level = "low" if lp < lo else ("medium" if lp < hi else "high")
-            return f"The student's confidence in this attempt: {level}."
+            o = 0 if lp < lo else (1 if lp < hi else 2)
+            return o, f"The student's confidence in this attempt: {WRITER_SIGNALS[sees][o]}."
         if sees == "verdict":
-            return f"Checker's verdict on this attempt: {'correct' if turn.correct else 'incorrect'}."
-        return ""
+            o = int(bool(turn.correct))
+            return o, f"Checker's verdict on this attempt: {WRITER_SIGNALS[sees][o]}."
+        return 0, ""
 
-    def _feedback_info(self) -> dict:
-        """Labels on each feedback turn that say what the writer saw and who wrote g (metrics.environment)."""
+    def _feedback_info(self, signal: int) -> dict:
+        """Labels on each feedback turn that say what the writer saw and who wrote g (metrics.environment),
+        and the state's writer signal (upper.q_signal reads it) when it saw one."""
         e = self.cfg.episode
-        return {k: v for k, v in (("writer_sees", e.writer_sees), ("feedback", e.feedback)) if v not in ("none", "generate")}
+        info = {k: v for k, v in (("writer_sees", e.writer_sees), ("feedback", e.feedback)) if v not in ("none", "generate")}
+        return info | ({"writer_signal": signal} if e.writer_sees != "none" else {})
 
     def _feedback_text(self, ep: Episode, action: int) -> str | None:
         """Fixed feedback that replaces the writer model: the strategy's instruction (static) or the
@@ -155,13 +160,13 @@ class EpisodeRunner:
                         rng: np.random.Generator) -> None:
         cfg, sfmt, wfmt = self.cfg, self.fmt["solver"], self.fmt["writer"]
         # ---- turn 2: the writer's state s = (x, z [, earlier rounds]) and its strategy choice
-        states = []
+        states, signals = [], []
         for ep in episodes:
             pieces: list = [WRITER_STATE.format(question=ep.problem.question)]
             solver_turns = ep.solver_turns
             for i, st in enumerate(solver_turns):
                 pieces += [f"Student's attempt {i + 1}:\n", self._attempt_ids_for_writer(st.response_ids), "\n\n"]
-                seen = self._writer_signal(st)
+                signal, seen = self._writer_signal(st)
                 if seen:
                     pieces.append(f"{seen}\n\n")
                 fc = st.info.get("feedback_context")
@@ -171,9 +176,10 @@ class EpisodeRunner:
                     fb = [t for t in ep.turns if t.kind == "feedback"][i]
                     pieces += [f"Feedback after attempt {i + 1}:\n", wfmt.strip_eos(fb.response_ids), "\n\n"]
             states.append(pieces)
+            signals.append(signal)  # about the last attempt: the one this feedback is on
         rendered = [wfmt.user_prompt_with_ids(WRITER_SYSTEM, pieces) for pieces in states]  # (ids, cuts)
         # a Q fitted on too few decisions is noise: selection stays uniform until it has seen enough
-        q = (self.policies.q_values([ids[:cuts[-1]] for ids, cuts in rendered])
+        q = (self.policies.q_values([ids[:cuts[-1]] for ids, cuts in rendered], signals)
              if self.policies.q_decisions >= cfg.episode.min_q_decisions else None)
         q_np = None if q is None else q.numpy()
         actions, chosen_p, probs = self.choose_strategies(q_np, len(episodes), rng)
@@ -203,7 +209,7 @@ class EpisodeRunner:
                 strategy=a, strategy_name=self.strategies[a]["name"], behaviour_prob=float(chosen_p[i]),
                 behaviour_probs=[float(x) for x in probs[i]], q_values=None if q_np is None else [float(x) for x in q_np[i]],
                 # a cut that took the whole state leaves one token of it, so h(s) stays defined
-                state_len=max(rendered[i][1][-1] - shift, 1), truncated=shift > 0, info=self._feedback_info()))
+                state_len=max(rendered[i][1][-1] - shift, 1), truncated=shift > 0, info=self._feedback_info(signals[i])))
         # ---- turn 3: the solver refines with the feedback appended to its own context
         answer_format = getattr(self.task, "answer_format", "")
         refine_prompts, fb_spans = [], []

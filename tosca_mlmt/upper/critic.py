@@ -29,6 +29,7 @@ from tosca_mlmt.algos.qlearning import hard_update, polyak_update, target_due
 from tosca_mlmt.config import UpperConfig
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.models.policies import QHead
+from tosca_mlmt.config.episode import SIGNAL_BUCKETS
 
 
 class VHead(QHead):
@@ -50,8 +51,8 @@ class LogitsQ(nn.Module):
         self.register_buffer("bias", (bias.detach().float().clone() if bias is not None
                                       else torch.zeros(rows.shape[0])))  # [A]
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, A]
-        return nn.functional.linear(h.float(), self.rows, self.bias)
+    def forward(self, h: torch.Tensor, signal: torch.Tensor | None = None) -> torch.Tensor:  # [B, H] -> [B, A]
+        return nn.functional.linear(h.float(), self.rows, self.bias)  # no signal table (q_signal needs a head)
 
     def as_q_head(self) -> QHead:
         head = QHead(self.rows.shape[1], self.rows.shape[0])
@@ -92,9 +93,14 @@ class StrategyCritic(nn.Module):
         self.cfg = cfg
         self.n_actions = n_actions
         if cfg.q_source == "head":
-            self.q = QHead(hidden, n_actions)
+            # a continued head keeps the table it was fitted with
+            table = cfg.q_signal or (init_head is not None and init_head.signal_table is not None)
+            self.q = QHead(hidden, n_actions, SIGNAL_BUCKETS if table else 0)
             if init_head is not None:  # continue from a saved writer's head
-                self.q.load_state_dict(init_head.state_dict())
+                sd = dict(init_head.state_dict())
+                if table:  # a head saved without a table starts with a zero one
+                    sd.setdefault("signal_table", torch.zeros_like(self.q.signal_table))
+                self.q.load_state_dict(sd)
             self.q_target = copy.deepcopy(self.q).requires_grad_(False)
         else:
             if lm_rows is None:
@@ -116,11 +122,16 @@ class StrategyCritic(nn.Module):
                 head.set_feature_stats(mean, std)
 
     def head_parameters(self) -> list[nn.Parameter]:
-        """Trainable head parameters (empty for logits without IQL)."""
-        params = [p for p in self.q.parameters()] if self.cfg.q_source == "head" else []
+        """Trainable head parameters but the signal table (empty for logits without IQL)."""
+        params = [p for n, p in self.q.named_parameters() if n != "signal_table"] if self.cfg.q_source == "head" else []
         if self.v is not None:
             params += list(self.v.parameters())
         return params
+
+    def table_parameters(self) -> list[nn.Parameter]:
+        """The signal table (upper.q_signal; its own learning rate, upper.signal_lr), or nothing."""
+        table = getattr(self.q, "signal_table", None)
+        return [table] if table is not None else []
 
     def update_target(self, step: int) -> bool:
         """Move the head's target after optimiser step ``step``; True if it moved."""
@@ -137,6 +148,7 @@ class StrategyCritic(nn.Module):
         """The Q head the saved writer carries (collect computes softmax over it)."""
         if isinstance(self.q, LogitsQ):
             return self.q.as_q_head()
-        head = QHead(self.q.proj.in_features, self.n_actions)
+        table = self.q.signal_table
+        head = QHead(self.q.proj.in_features, self.n_actions, 0 if table is None else table.shape[0])
         head.load_state_dict({k: v.detach().clone() for k, v in self.q.state_dict().items()})
         return head

@@ -46,6 +46,7 @@ class Transition:
     next_index: int  # index of the next round's transition, -1 when done
     ret: float  # discounted return-to-go G_k
     episode_return: float  # G of the episode's first decision (for off-policy evaluation)
+    signal: int = 0  # o(s): what episode.writer_sees told the writer about the last attempt (0 = nothing)
 
     @property
     def state_ids(self) -> list[int]:
@@ -133,7 +134,8 @@ def episode_transitions(ep: Episode, snapshot_id: str, reward_mode: str, break_p
             prompt_ids=list(t.prompt_ids), state_len=int(t.state_len), response_ids=list(t.response_ids),
             action=int(t.strategy), behaviour_prob=float(t.behaviour_prob),
             behaviour_probs=[float(p) for p in t.behaviour_probs], reward=rewards[k], done=k == K - 1,
-            next_index=offset + k + 1 if k < K - 1 else -1, ret=returns[k], episode_return=returns[0]))
+            next_index=offset + k + 1 if k < K - 1 else -1, ret=returns[k], episode_return=returns[0],
+            signal=int((t.info or {}).get("writer_signal", 0))))
     return out
 
 

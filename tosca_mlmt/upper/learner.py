@@ -56,6 +56,8 @@ class UpperLearner:
         groups = [{"params": list(self.trunk.params.values()), "lr": self.uc.lr}]
         if self.critic.head_parameters():
             groups.append({"params": self.critic.head_parameters(), "lr": self.uc.head_lr})
+        if self.critic.table_parameters():
+            groups.append({"params": self.critic.table_parameters(), "lr": self.uc.signal_lr})
         optimizer = torch.optim.AdamW(groups, weight_decay=self.uc.weight_decay)
         mbs = self.uc.micro_batch_size or self.uc.batch_size
         model = self.trunk.model
@@ -85,10 +87,14 @@ class UpperLearner:
     # ------------------------------------------------------------------ one update
     def _batch(self, idx: list[int]) -> DecisionBatch:
         trs = [self.transitions[i] for i in idx]
+        table = bool(self.critic.table_parameters())
         return DecisionBatch(actions=torch.tensor([t.action for t in trs], dtype=torch.long),
                              rewards=torch.tensor([t.reward for t in trs], dtype=torch.float32),
                              dones=torch.tensor([float(t.done) for t in trs]),
-                             returns=torch.tensor([t.ret for t in trs], dtype=torch.float32))
+                             returns=torch.tensor([t.ret for t in trs], dtype=torch.float32),
+                             signals=torch.tensor([t.signal for t in trs]) if table else None,
+                             next_signals=torch.tensor([self.transitions[t.next_index].signal if t.next_index >= 0
+                                                        else 0 for t in trs]) if table else None)
 
     def _next_features(self, idx: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(online h(s'), target h(s')) [B, H] with zero rows for terminal decisions; None if all terminal."""
@@ -205,7 +211,8 @@ class UpperLearner:
     def q_eval(self) -> torch.Tensor:
         """Q(s, .) [M, A] of the evaluated states (``eval_transitions``) with the current weights."""
         with dist.full_parameters(self.critic):
-            return self.critic.q(self.features_all(self.eval_idx))
+            return self.critic.q(self.features_all(self.eval_idx),
+                                 torch.tensor([t.signal for t in self.eval_transitions]))
 
     @torch.no_grad()
     def features_all(self, idx: list[int] | None = None) -> torch.Tensor:

@@ -38,6 +38,8 @@ class DecisionBatch:
     rewards: torch.Tensor  # [B]
     dones: torch.Tensor  # [B] float, 1 after the last round
     returns: torch.Tensor  # [B] logged return-to-go G
+    signals: torch.Tensor | None = None  # [B] long, o(s) (upper.q_signal); None = no table
+    next_signals: torch.Tensor | None = None  # [B] long, o(s') (0 for terminal rows)
 
 
 @dataclass
@@ -65,7 +67,7 @@ def critic_loss(critic: StrategyCritic, b: DecisionBatch, h: torch.Tensor, h_bar
     h_next, h_next_bar [B, H] or None: online / target features of s' (rows of terminal
     decisions are ignored; None when the whole batch is terminal)."""
     cfg = critic.cfg
-    q = critic.q(h)  # [B, A]
+    q = critic.q(h, b.signals)  # [B, A]
     q_sa = q.gather(1, b.actions[:, None]).squeeze(1)  # [B]
     out: dict = {}
     loss = q.new_zeros(())
@@ -74,7 +76,7 @@ def critic_loss(critic: StrategyCritic, b: DecisionBatch, h: torch.Tensor, h_bar
             boot = critic.v(h_next).detach() if h_next is not None else q.new_zeros(len(q_sa))
             boot = BOOTSTRAPS["value"](v_next=boot)
         else:
-            boot = critic.q_target(h_next_bar) if h_next_bar is not None else q.new_zeros(q.shape)
+            boot = critic.q_target(h_next_bar, b.next_signals) if h_next_bar is not None else q.new_zeros(q.shape)
             boot = BOOTSTRAPS["max"](q_next_target=boot)
         y = td_target(b.rewards, b.dones, boot, gamma)  # [B]
     td = (q_sa - y).pow(2).mean()
@@ -87,7 +89,7 @@ def critic_loss(critic: StrategyCritic, b: DecisionBatch, h: torch.Tensor, h_bar
     if cfg.conservatism == "iql":
         v = critic.v(h.detach())  # [B]
         with torch.no_grad():
-            q_bar_sa = critic.q_target(h_bar).gather(1, b.actions[:, None]).squeeze(1)
+            q_bar_sa = critic.q_target(h_bar, b.signals).gather(1, b.actions[:, None]).squeeze(1)
         v_loss = expectile_loss(q_bar_sa - v, tau).mean()
         loss = loss + v_loss
         out["v_loss"] = v_loss.detach()
