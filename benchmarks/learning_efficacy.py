@@ -50,6 +50,7 @@ METHODS = {
     "single-turn-grpo": (ROOT / "configs" / "single-turn-grpo.yaml", {}),
     "mlmt": (MLMT, {}),
     "mlmt-no-bonus": (MLMT, {"lower.bonus.coef": 0.0}),
+    "mlmt-no-signal-table": (MLMT, {"upper.q_signal": False}),
     "writer-only": (MLMT, {"joint.freeze_solver": True}),
     "solver-only": (MLMT, {"joint.freeze_writer": True}),
 }
