@@ -125,11 +125,16 @@ def _synthetic(seed: int, p: torch.Tensor, type_scale: float, unlogged: dict[int
     return torch.stack(h), torch.tensor(acts), torch.tensor(rews), torch.tensor(ty), p
 
 
-def _fit(cfg: UpperConfig, h, acts, rews, dones=None, h_next=None, steps: int = 400, lr: float = 1e-2):
+def _fit(cfg: UpperConfig, h, acts, rews, dones=None, h_next=None, steps: int = 400, lr: float = 1e-2,
+         signals=None):
     critic = StrategyCritic(cfg, h.shape[1], A)
-    opt = torch.optim.Adam(critic.head_parameters(), lr=lr)
+    groups = [{"params": critic.head_parameters(), "lr": lr}]
+    if critic.table_parameters():  # upper.q_signal: the table at its own rate, as the learner does
+        groups.append({"params": critic.table_parameters(), "lr": cfg.signal_lr})
+    opt = torch.optim.Adam(groups)
     dones = torch.ones(len(acts)) if dones is None else dones
-    b = DecisionBatch(acts, rews, dones, rews)
+    b = DecisionBatch(acts, rews, dones, rews, signals=signals,
+                      next_signals=None if signals is None else torch.zeros_like(signals))
     for step in range(1, steps + 1):
         loss, _ = critic_loss(critic, b, h, h, h_next, h_next, cfg.gamma, cfg.cql_alpha, cfg.iql_tau, PolicySpec())
         opt.zero_grad()
@@ -249,30 +254,14 @@ def test_upper_config_is_validated_at_load():
         load_config(overrides={"upper.nope": 1})
 
 
-def _fit_signal(cfg: UpperConfig, h, acts, rews, signals, steps: int = 400):
-    critic = StrategyCritic(cfg, h.shape[1], A)
-    groups = [{"params": critic.head_parameters(), "lr": 1e-2}]
-    if critic.table_parameters():
-        groups.append({"params": critic.table_parameters(), "lr": cfg.signal_lr})
-    opt = torch.optim.Adam(groups)
-    b = DecisionBatch(acts, rews, torch.ones(len(acts)), rews, signals=signals, next_signals=torch.zeros_like(signals))
-    for step in range(1, steps + 1):
-        loss, _ = critic_loss(critic, b, h, h, None, None, cfg.gamma, cfg.cql_alpha, cfg.iql_tau, PolicySpec())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        critic.update_target(step)
-    return critic
-
-
 def test_the_signal_table_learns_what_the_hidden_state_does_not_show():
     """upper.q_signal: when the best strategy depends on what the writer was told (o = the state type)
     and h(s) carries none of it, Q(s, a) = w_a . h + T[o, a] ranks the best strategy first per o;
     the head alone cannot."""
     p = torch.tensor([[0.8, 0.3, 0.2, 0.1], [0.2, 0.8, 0.3, 0.1], [0.3, 0.2, 0.1, 0.8]])
     h, acts, rews, ty, _ = _synthetic(0, p, type_scale=0.0, unlogged={})  # h: the same distribution per type
-    with_table = _fit_signal(UpperConfig(q_signal=True), h, acts, rews, ty)
-    without = _fit_signal(UpperConfig(q_signal=False), h, acts, rews, ty)
+    with_table = _fit(UpperConfig(q_signal=True), h, acts, rews, signals=ty)
+    without = _fit(UpperConfig(q_signal=False), h, acts, rews, signals=ty)
     with torch.no_grad():
         q_t, q_h = with_table.q(h, ty), without.q(h, ty)
     for t in range(3):
