@@ -57,6 +57,14 @@ class QHead(nn.Module):
             q = q + self.signal_table[signal.long()]
         return q
 
+    @classmethod
+    def from_state_dict(cls, sd: dict[str, torch.Tensor]) -> "QHead":
+        """A head shaped by, and loaded with, a saved head's tensors (with or without a table)."""
+        table = sd.get("signal_table")
+        head = cls(sd["proj.weight"].shape[1], sd["proj.weight"].shape[0], 0 if table is None else table.shape[0])
+        head.load_state_dict(sd)
+        return head
+
     def set_feature_stats(self, mean: torch.Tensor, scale: torch.Tensor) -> None:
         self.mean.copy_(mean.float())
         self.scale.copy_(scale.float())
@@ -328,12 +336,7 @@ class PolicyPair:
         if (folder / STRATEGIES_FILE).exists():
             self.strategies = json.loads((folder / STRATEGIES_FILE).read_text()) or None
         if (folder / Q_HEAD_FILE).exists():
-            sd = load_file(folder / Q_HEAD_FILE)
-            table = sd.get("signal_table")
-            head = QHead(sd["proj.weight"].shape[1], sd["proj.weight"].shape[0],
-                         0 if table is None else table.shape[0])
-            head.load_state_dict(sd)
-            self.q_head = head
+            self.q_head = QHead.from_state_dict(load_file(folder / Q_HEAD_FILE))
             with safe_open(folder / Q_HEAD_FILE, "pt") as f:
                 # heads saved before the count existed were fitted on an unknown amount: trust them
                 self.q_decisions = int((f.metadata() or {}).get("decisions", 10**9))

@@ -27,9 +27,9 @@ from torch import nn
 
 from tosca_mlmt.algos.qlearning import hard_update, polyak_update, target_due
 from tosca_mlmt.config import UpperConfig
+from tosca_mlmt.config.episode import SIGNAL_BUCKETS
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.models.policies import QHead
-from tosca_mlmt.config.episode import SIGNAL_BUCKETS
 
 
 class VHead(QHead):
@@ -148,7 +148,4 @@ class StrategyCritic(nn.Module):
         """The Q head the saved writer carries (collect computes softmax over it)."""
         if isinstance(self.q, LogitsQ):
             return self.q.as_q_head()
-        table = self.q.signal_table
-        head = QHead(self.q.proj.in_features, self.n_actions, 0 if table is None else table.shape[0])
-        head.load_state_dict({k: v.detach().clone() for k, v in self.q.state_dict().items()})
-        return head
+        return QHead.from_state_dict({k: v.detach().clone() for k, v in self.q.state_dict().items()})
