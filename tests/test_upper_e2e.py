@@ -316,3 +316,35 @@ def test_bc_text_loss_reads_only_cloned_feedback_and_updates_as_if_it_read_every
         torch.testing.assert_close(w_skip[n], w_all[n], rtol=1e-4, atol=1e-6)
     for k in q_all:
         torch.testing.assert_close(q_skip[k], q_all[k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_fixed_feedback_is_never_cloned(pair, snapshot, trained, skip):
+    """A decision whose feedback was a fixed sentence (episode.prefix_only, finish 'fixed') weighs 0 in
+    the text loss although its reward would clone it; only the written ones get the feedback forward
+    (skip) and the text loss is theirs alone."""
+    import dataclasses
+
+    from tosca_mlmt.upper.dataset import batch_indices
+    from tosca_mlmt.upper.learner import UpperLearner
+
+    root, sid = snapshot
+    trs = build_transitions([(sid, load_snapshot(root, sid).episodes())], reward_mode="improvement")
+    cfg = _cfg(snapshot, **{"upper.text_loss": "improved_bc", "upper.warmup_steps": 0, "upper.batch_size": 4})
+    first = batch_indices(len(trs), 4, cfg.seed, 1)  # the decisions of the first update: two of them written
+    trs = [dataclasses.replace(t, reward=1.0, written=i in first[:2]) for i, t in enumerate(trs)]  # all would clone
+    saved = pair.q_head
+    try:
+        _reset_writer(pair, trained["init"])
+        learner = UpperLearner(cfg, pair, trs, cfg.episode.strategies)
+        learner.skip_unweighted_text = skip
+        rows, full = [], learner.trunk.full
+        learner.trunk.full = lambda p, r, s: rows.append([len(x) for x in r]) or full(p, r, s)
+        m = learner.update()
+        learner.close()
+    finally:
+        pair.q_head = saved
+        _reset_writer(pair, trained["init"])
+    assert m["w_mean"] == pytest.approx(0.5) and m["text_loss"] > 0  # the two written of four
+    assert rows == ([[len(trs[i].response_ids) for i in first[:2]]] if skip else [[len(trs[i].response_ids)
+                                                                                    for i in first]])

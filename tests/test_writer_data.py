@@ -152,3 +152,60 @@ def test_a_saved_head_with_a_signal_table_loads_with_it(policies, tmp_path):
         policies.q_head, policies.q_decisions, policies.strategies = saved
     h, o = torch.randn(5, 16), torch.tensor([0, 1, 2, 1, 0])
     assert torch.equal(loaded(h, o), head(h, o)) and not torch.equal(loaded(h, o), loaded(h))
+
+
+class PromptEngine(TemperatureEngine):
+    """TemperatureEngine that also keeps each call's prompts."""
+
+    def generate(self, prompts, params, policy):
+        self.calls.append((policy, len(prompts)))
+        return [[Generation(tuple(self.replies[policy]), (-0.5,) * len(self.replies[policy]), "stop")] * params.n
+                for _ in prompts]
+
+
+def test_a_prefix_only_strategy_sends_its_sentence_alone_and_the_writer_writes_nothing_for_it(tiny_cfg, policies):
+    """episode.prefix_only=[confirm]: right attempts get confirm (through the head's table), whose feedback
+    is its prefix alone: no writer call, finish 'fixed', no log-probs, the refine reads the sentence
+    once and none of the writer's text, and the text loss has nothing of it to clone. The other
+    strategy's feedback is still written, prefix first."""
+    import torch
+
+    from tosca_mlmt.models.policies import QHead
+
+    problems = ArithTask(1).load("train", 2).problems
+    task = OneRightTask(problems[0].id)
+    cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=1, n_samples=2, writer_sees="verdict",
+                                            strategy_selection="greedy", min_q_decisions=0, strategy_prefix=True,
+                                            prefix_only=["confirm"]))
+    by_name = {s["name"]: s for s in cfg.episode.strategies}
+    head = QHead(policies.model("writer").config.hidden_size, len(cfg.episode.strategies), signals=3)
+    with torch.no_grad():
+        head.signal_table[0, 3] = 5.0  # wrong: start_over (written)
+        head.signal_table[1, 4] = 5.0  # right: confirm (prefix only)
+    engine = PromptEngine(_replies(policies))
+    saved = policies.q_head, policies.q_decisions
+    policies.q_head, policies.q_decisions = head, 10**6
+    try:
+        episodes = EpisodeRunner(cfg, task, engine, policies).run(problems)
+    finally:
+        policies.q_head, policies.q_decisions = saved
+    assert engine.calls == [("solver", 2), ("writer", 2), ("solver", 4)]  # the writer wrote for the 2 wrong ones
+    decode = policies.tokenizer("solver").decode
+    for ep in episodes:
+        fb, refine = ep.turns[1], ep.turns[2]
+        told = decode(refine.prompt_ids[refine.feedback_span.start:refine.feedback_span.end])
+        if ep.turns[0].correct:
+            assert fb.strategy_name == "confirm" and fb.finish_reason == "fixed" and fb.logprobs == []
+            assert fb.text == by_name["confirm"]["prefix"]
+            assert told.count(by_name["confirm"]["prefix"]) == 1 and "Check the sum." not in told
+        else:
+            assert fb.strategy_name == "start_over" and fb.finish_reason == "stop" and len(fb.logprobs) > 0
+            assert told.index(by_name["start_over"]["prefix"]) < told.index("Check the sum.")
+    assert [t.written for t in build_transitions([("s", episodes)])] == [False, False, True, True]
+
+
+@pytest.mark.parametrize("value,says", [(["nope"], "is not a strategy"), (["confirm"], "has no 'prefix'")])
+def test_prefix_only_names_a_strategy_with_a_prefix(value, says):
+    plain = [{"name": "confirm", "instruction": "Say it is right."}, {"name": "redo", "instruction": "Redo it."}]
+    with pytest.raises(ConfigError, match=r"episode\.prefix_only\[0\].*" + says):
+        load_config(overrides={"episode.strategies": plain, "episode.prefix_only": value})

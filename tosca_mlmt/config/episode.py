@@ -73,6 +73,13 @@ class EpisodeConfig(Section):
                                   default_factory=lambda: [-0.6, -0.25], rule=CONFIDENCE_EDGES)
     strategy_prefix: bool = knob(False, "Open the feedback the solver reads with the chosen strategy's fixed "
                                         "sentence (its 'prefix'), so the decision reaches the solver.")
+    prefix_only: list = knob(dataclasses.MISSING, "Strategies (by name) whose feedback is their fixed sentence "
+                                                  "('prefix') alone: the writer model writes nothing for them, the "
+                                                  "decision is all they carry (feedback=generate only; static and "
+                                                  "verdict feedback are fixed for every strategy). E.g. [confirm]: "
+                                                  "what the writer adds after 'looks right' makes the solver re-derive "
+                                                  "a right answer. [] = the writer writes for every strategy.",
+                             default_factory=list)
     max_prompt_tokens: int = knob(1536, "Prompts longer than this are left-truncated (counted in metrics).", min=1)
     counterfactual: bool = knob(False, "Also sample each refine with the feedback cut out of its context and score it "
                                        "(one more solver turn per round), for upper.reward=counterfactual.")
@@ -96,3 +103,8 @@ class EpisodeConfig(Section):
                      "must be a non-empty string")
             need(s["name"] not in names, f"{at}.name", f"duplicate name {show(s['name'])}")
             names.add(s["name"])
+        for i, name in enumerate(self.prefix_only):
+            at = f"{prefix}prefix_only[{i}]"
+            byname = {s["name"]: s for s in self.strategies if isinstance(s, dict)}
+            need(name in byname, at, f"{show(name)} is not a strategy (have: {', '.join(byname)})")
+            need("prefix" in byname[name], at, f"strategy {show(name)} has no 'prefix' to send alone")

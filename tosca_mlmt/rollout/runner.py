@@ -106,15 +106,23 @@ class EpisodeRunner:
         return info | ({"writer_signal": signal} if e.writer_sees != "none" else {})
 
     def _feedback_text(self, ep: Episode, action: int) -> str | None:
-        """Fixed feedback that replaces the writer model: the strategy's instruction (static) or the
-        verifier's verdict on the last attempt (verdict: a privileged control); None = generate."""
+        """Fixed feedback that replaces the writer model: the strategy's instruction (static), the
+        verifier's verdict on the last attempt (verdict: a privileged control) or, for a strategy in
+        episode.prefix_only, its prefix alone; None = the writer writes it."""
         mode = self.cfg.episode.feedback
         if mode == "static":
             return self.strategies[action]["instruction"]
         if mode == "verdict":
             right = ep.solver_turns[-1].correct
             return "Your answer is right." if right else "Your answer is wrong."
+        if self._prefix_only(action):
+            return self.strategies[action]["prefix"]
         return None
+
+    def _prefix_only(self, action: int) -> bool:
+        e = self.cfg.episode
+        s = self.strategies[action]  # a loaded writer's own list may lack the prefix the config checked
+        return e.feedback == "generate" and s["name"] in e.prefix_only and "prefix" in s
 
     def _attempt_ids_for_writer(self, ids: list[int]) -> list[int]:
         if self.policies.shared_base:
@@ -188,16 +196,21 @@ class EpisodeRunner:
             text = WRITER_STRATEGY.format(instruction=self.strategies[a]["instruction"])
             ids, _ = wfmt.user_prompt_with_ids(WRITER_SYSTEM, pieces + [text])
             writer_prompts.append(ids)
-        if cfg.episode.feedback != "generate":
-            # fixed feedback, no writer model: SCoRe's static instruction, or the verdict control
-            fb_gens = [[Generation(tuple(wfmt.encode(self._feedback_text(ep, a)) + [wfmt.eos_ids[0]]), (), "stop")]
-                       for ep, a in zip(episodes, actions)]
-            fb_seen = writer_prompts  # no engine call: nothing was cut
-            self.on_turn("feedback", len(writer_prompts))
-        else:
-            fb_gens, fb_seen = self._gen(writer_prompts, to_params(cfg.writer_sampling, self._seed(rnd, "feedback", batch_index),
-                                                           max_new_tokens=cfg.episode.max_feedback_tokens),
-                                "writer", "feedback")
+        # Fixed feedback needs no writer model (SCoRe's static instruction, the verdict control, a
+        # prefix_only strategy): finish_reason "fixed", no log-probs, nothing for the text loss to clone.
+        fixed = [self._feedback_text(ep, a) for ep, a in zip(episodes, actions)]
+        fb_gens = [None if t is None else [Generation(tuple(wfmt.encode(t) + [wfmt.eos_ids[0]]), (), "fixed")]
+                   for t in fixed]
+        fb_seen = list(writer_prompts)  # a fixed turn made no engine call: nothing was cut
+        write = [i for i, t in enumerate(fixed) if t is None]
+        if write:
+            gens, seen = self._gen([writer_prompts[i] for i in write],
+                                   to_params(cfg.writer_sampling, self._seed(rnd, "feedback", batch_index),
+                                             max_new_tokens=cfg.episode.max_feedback_tokens), "writer", "feedback")
+            for i, g, sn in zip(write, gens, seen):
+                fb_gens[i], fb_seen[i] = g, sn
+        if len(write) < len(episodes):
+            self.on_turn("feedback", len(episodes) - len(write))
         tok_w = self.policies.tokenizer("writer")
         for i, (ep, gs) in enumerate(zip(episodes, fb_gens)):
             g = gs[0]
@@ -220,7 +233,8 @@ class EpisodeRunner:
             suffix = REFINE_USER_SUFFIX.format(question=ep.problem.question, answer_format=answer_format)
             # episode.strategy_prefix: the strategy's fixed sentence opens g, so the decision reaches the
             # solver even when the writer's own text is poor
-            prefix = self.strategies[fb.strategy].get("prefix", "") if cfg.episode.strategy_prefix else ""
+            prefix = (self.strategies[fb.strategy].get("prefix", "")
+                      if cfg.episode.strategy_prefix and not self._prefix_only(fb.strategy) else "")
             cont, cut = sfmt.continue_with_user(ctx, [REFINE_USER_PREFIX, prefix + " " if prefix else "", fb_ids,
                                                       suffix])
             # Where g (prefix + feedback) sits in the refine prompt: the bonus removes exactly this span.

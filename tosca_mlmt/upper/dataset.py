@@ -13,7 +13,7 @@ One transition per writer turn (feedback round k = 1..K of an episode):
   after the last round; G_k = r_k + gamma * G_{k+1} is the logged return-to-go.
 
 The writer's full prompt (state + strategy instruction + generation prompt) and its
-feedback tokens are kept for the text loss. No model is involved here.
+feedback tokens are kept for the text loss (which skips fixed feedback: nothing was written). No model is involved here.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class Transition:
     ret: float  # discounted return-to-go G_k
     episode_return: float  # G of the episode's first decision (for off-policy evaluation)
     signal: int = 0  # o(s): what episode.writer_sees told the writer about the last attempt (0 = nothing)
+    written: bool = True  # False: the feedback was a fixed sentence (finish_reason "fixed"), no text to clone
 
     @property
     def state_ids(self) -> list[int]:
@@ -135,7 +136,7 @@ def episode_transitions(ep: Episode, snapshot_id: str, reward_mode: str, break_p
             action=int(t.strategy), behaviour_prob=float(t.behaviour_prob),
             behaviour_probs=[float(p) for p in t.behaviour_probs], reward=rewards[k], done=k == K - 1,
             next_index=offset + k + 1 if k < K - 1 else -1, ret=returns[k], episode_return=returns[0],
-            signal=int((t.info or {}).get("writer_signal", 0))))
+            signal=int((t.info or {}).get("writer_signal", 0)), written=t.finish_reason != "fixed"))
     return out
 
 

@@ -170,9 +170,10 @@ class UpperLearner:
         # (improved_bc clones a few % of decisions). ZeRO-3 gathers inside each forward, so there
         # every rank keeps the same forwards.
         text_rows = list(range(len(mb))) if text_on else []
+        written = torch.tensor([float(t.written) for t in trs])  # a fixed sentence has no text to clone
         if text_on and self.skip_unweighted_text and uc.text_loss != "awr" and self.engine.zero_stage != 3:
-            w0 = text_weights(uc.text_loss, None, b.returns, uc.awr_beta, uc.awr_max_weight, self.bc_cut,
-                              b.rewards)  # BC weights read no advantage
+            w0 = written * text_weights(uc.text_loss, None, b.returns, uc.awr_beta, uc.awr_max_weight, self.bc_cut,
+                                        b.rewards)  # BC weights read no advantage
             text_rows = [j for j in range(len(mb)) if w0[j] > 0]
         state_rows = sorted(set(range(len(mb))) - set(text_rows))
         parts, order = [], text_rows + state_rows
@@ -195,8 +196,8 @@ class UpperLearner:
         out = dict(out)
         out["adv"] = advantages(out["q_sa"], out["v"], b.returns, uc.awr_advantage)
         if uc.text_loss != "none":
-            out["w"] = text_weights(uc.text_loss, out["adv"], b.returns, uc.awr_beta, uc.awr_max_weight, self.bc_cut,
-                                    b.rewards)
+            out["w"] = written * text_weights(uc.text_loss, out["adv"], b.returns, uc.awr_beta, uc.awr_max_weight,
+                                              self.bc_cut, b.rewards)
         if text_rows:
             # the mean over the whole micro-batch, as if every decision had been read
             lt, tout = text_loss(logp, mask, out["w"][text_rows], over=len(mb))
