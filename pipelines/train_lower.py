@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +68,15 @@ def _open_run(rd: RunDir, cfg: Config, resume: bool, allow_drift, snapshot_ids: 
                             f"the run's ({' '.join(before) or 'none: online'}); resume with the same snapshots")
 
 
+def rollout_config(cfg: Config) -> Config:
+    """The config train-lower's batches are played with: lower.strategy_temperature / strategy_epsilon,
+    when set, replace the episode's in the writer's strategy choice (the rest is the episode's)."""
+    lo, e = cfg.lower, cfg.episode
+    return replace(cfg, episode=replace(
+        e, strategy_temperature=e.strategy_temperature if lo.strategy_temperature == -1 else lo.strategy_temperature,
+        epsilon=e.epsilon if lo.strategy_epsilon == -1 else lo.strategy_epsilon))
+
+
 def train_lower(cfg: Config, out: str | Path, *, console=None, resume: bool = False, allow_drift=(),
                 verify: bool = True, snapshot_ids: list[str] | None = None, snapshot_root: str | Path = "snapshots",
                 policies: PolicyPair | None = None, engine=None, stop_after: int | None = None,
@@ -119,7 +128,7 @@ def train_lower(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
         loaded = task.load(cfg.task.split, cfg.task.limit or None, cfg.task.skip_bad_rows)
         pool = loaded.problems
         engine = engine or make_engine(cfg, policies)
-        runner = EpisodeRunner(cfg, task, engine, policies)
+        runner = EpisodeRunner(rollout_config(cfg), task, engine, policies)
     sink = rd.sink(cfg, tee=tee)
     metrics: dict = {}
     done, last_batch = start, []

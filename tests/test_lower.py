@@ -415,3 +415,59 @@ def test_micro_batches_are_cut_to_their_longest_row_without_changing_the_loss(de
     assert out[0][1], "no gradient reached the adapter"
     assert torch.allclose(out[0][0], out[1][0], rtol=1e-5, atol=1e-7)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(out[0][1], out[1][1]))
+
+
+@pytest.mark.parametrize("temperature,epsilon", [(-1.0, -1.0), (0.25, 0.0), (-1.0, 0.6)])
+def test_train_lower_batches_pick_strategies_with_the_lower_temperature_and_epsilon(
+        debug_cfg, debug_policies, tmp_path, monkeypatch, temperature, epsilon):
+    """lower.strategy_temperature / strategy_epsilon (-1 = the episode's) set how the PPO batches'
+    strategies are drawn from the writer's Q; the logged behaviour distribution is
+    epsilon / A + (1 - epsilon) softmax(Q / T), computed here by hand for a head whose Q is its bias."""
+    import numpy as np
+    import torch
+
+    from tosca_mlmt.models.policies import QHead
+    from tosca_mlmt.pipelines import train_lower as tl
+
+    policies = debug_policies
+    A = len(debug_cfg.episode.strategies)
+    head = QHead(policies.model("writer").config.hidden_size, A)
+    q = np.array([0.0, 0.5, 0.0, 2.0, 0.0, -1.0])
+    with torch.no_grad():
+        head.proj.bias.copy_(torch.tensor(q))
+    cfg = replace(debug_cfg, solver_sampling=replace(debug_cfg.solver_sampling, max_new_tokens=8),
+                  episode=replace(debug_cfg.episode, strategy_selection="auto", strategy_temperature=1.0,
+                                  epsilon=0.3, min_q_decisions=0),
+                  lower=replace(debug_cfg.lower, iterations=1, problems_per_iteration=1, minibatch_size=2,
+                                advantage="gae", keep_snapshots=False, strategy_temperature=temperature,
+                                strategy_epsilon=epsilon))
+    seen = []
+
+    class Spy(tl.EpisodeRunner):
+        def run(self, *a, **k):
+            eps = super().run(*a, **k)
+            seen.extend(t.behaviour_probs for ep in eps for t in ep.turns if t.kind == "feedback")
+            return eps
+
+    monkeypatch.setattr(tl, "EpisodeRunner", Spy)
+    saved = policies.q_head, policies.q_decisions
+    policies.q_head, policies.q_decisions = head, 10**6
+    try:
+        tl.train_lower(cfg, tmp_path / "run", policies=policies)
+    finally:
+        policies.q_head, policies.q_decisions = saved
+    T = 1.0 if temperature == -1 else temperature
+    e = 0.3 if epsilon == -1 else epsilon
+    soft = np.exp(q / T) / np.exp(q / T).sum()
+    want = e / A + (1 - e) * soft
+    assert len(seen) == cfg.episode.n_samples and all(np.allclose(p, want, atol=1e-5) for p in seen)
+
+
+@pytest.mark.parametrize("field,bad", [("strategy_temperature", 0.0), ("strategy_temperature", -0.5),
+                                       ("strategy_epsilon", 1.5), ("strategy_epsilon", -0.2)])
+def test_lower_strategy_knobs_are_validated_at_load(field, bad):
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"lower.{field}"):
+        load_config(overrides={f"lower.{field}": bad})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tosca_mlmt.config.knobs import knob
+from tosca_mlmt.config.knobs import Rule, knob
 from tosca_mlmt.config.section import Section, need
 
 # The allowed values of lower.advantage, lower.policy_loss and lower.bonus.gate are the names
@@ -16,6 +16,9 @@ from tosca_mlmt.config.section import Section, need
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce", "archer")
 POLICY_LOSSES = ("ppo_clip", "reinforce")
 BONUS_GATES = ("none", "improvement", "advantage_sign")
+OR_EPISODE = "-1 (episode's own value) or "
+STRATEGY_TEMPERATURE = Rule(OR_EPISODE + "> 0", lambda v: v == -1 or v > 0)
+STRATEGY_EPSILON = Rule(OR_EPISODE + "in [0, 1]", lambda v: v == -1 or 0 <= v <= 1)
 
 
 @dataclass
@@ -48,6 +51,14 @@ class ContextBonus(Section):
 class LowerConfig(Section):
     iterations: int = knob(4, "PPO iterations (each: collect a batch, score, update).", min=1)
     problems_per_iteration: int = knob(4, "Problems per iteration (x episode.n_samples episodes).", min=1)
+    strategy_temperature: float = knob(-1.0, "Softmax temperature over the writer's Q when train-lower's batches "
+                                             "choose strategies; -1 = episode.strategy_temperature. Low: the solver "
+                                             "learns to answer the strategies the trained writer gives (mlmt eval "
+                                             "picks by Q), not collect's near-uniform exploration, under which "
+                                             "'confirm' goes to wrong attempts as often as to right ones.",
+                                     rule=STRATEGY_TEMPERATURE)
+    strategy_epsilon: float = knob(-1.0, "Uniform share of train-lower's strategy choice; -1 = episode.epsilon.",
+                                   rule=STRATEGY_EPSILON)
     advantage: str = knob("grpo", "Advantage estimator; archer = ArCHer's utterance-level double Q/V critic with "
                                   "target networks.", choices=ADVANTAGE_ESTIMATORS)
     archer_tau: float = knob(0.1, "archer: Polyak rate of the target critic (ArCHer's 0.1).",
