@@ -4,7 +4,8 @@ Per seed, the demo's three measured commands with `--seed S` (eval of the untrai
 first N arith level-2 test problems, train-joint with configs/demo.yaml, eval again with
 --compare-to), then the seeds are pooled: paired-bootstrap 95 % intervals over seeds x problems
 for Acc@t1, Acc@final and the after - before difference, and an exact McNemar test per seed.
-Writes benchmarks/results/demo.json (date, machine, load, commit, seeds, per-seed numbers).
+Writes benchmarks/results/demo.json (date, machine, load, commit, seeds, per-seed numbers, and
+each command's peak RSS).
 
     python benchmarks/demo_seeds.py --seeds 0 1 2            # ~8 min per seed on 2 idle cores
     python benchmarks/demo_seeds.py --seeds 0 1 2 --reuse    # pool seeds whose folders are complete
@@ -33,17 +34,30 @@ ROOT = Path(__file__).resolve().parent.parent
 MLMT = [str(Path(sys.executable).with_name("mlmt"))]
 
 
-def run_seed(folder: Path, seed: int, problems: int, config: str) -> float:
+def run_seed(folder: Path, seed: int, problems: int, config: str) -> tuple[float, dict[str, float]]:
+    """The seed's three commands: (wall seconds, peak RSS in MiB of each command)."""
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                WANDB_MODE="offline", WANDB_SILENT="true")
     common = ["--config", config, "--seed", str(seed)]
-    t0 = time.time()
-    for args in (["eval", *common, "--out", str(folder / "eval-before"), "--limit", str(problems)],
-                 ["train-joint", *common, "--out", str(folder / "run")],
-                 ["eval", *common, "--run", str(folder / "run"), "--out", str(folder / "eval"), "--limit",
-                  str(problems), "--compare-to", str(folder / "eval-before")]):
-        subprocess.run(MLMT + args, check=True, cwd=ROOT, env=env)
-    return time.time() - t0
+    t0, peaks = time.time(), {}
+    for name, args in (("eval_before", ["eval", *common, "--out", str(folder / "eval-before"), "--limit",
+                                        str(problems)]),
+                       ("train_joint", ["train-joint", *common, "--out", str(folder / "run")]),
+                       ("eval_after", ["eval", *common, "--run", str(folder / "run"), "--out", str(folder / "eval"),
+                                       "--limit", str(problems), "--compare-to", str(folder / "eval-before")])):
+        peaks[name] = _run(MLMT + args, env)
+    return time.time() - t0, peaks
+
+
+def _run(cmd: list[str], env: dict) -> float:
+    """Runs one command to the end; its peak RSS in MiB. The child's own ru_maxrss (os.wait4) is the
+    command's peak: vLLM runs inside it on CPU (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    _, status, usage = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode:
+        raise subprocess.CalledProcessError(p.returncode, cmd)
+    return round(usage.ru_maxrss / 1024, 1)  # Linux: KiB
 
 
 def main() -> None:
@@ -59,11 +73,12 @@ def main() -> None:
     from tosca_mlmt.runtime import git_sha
 
     work = Path(args.work)
-    per, walls = [], {}
+    per, walls, peaks = [], {}, {}
     for seed in args.seeds:
         folder = work / f"seed{seed}"
         if not (args.reuse and (folder / "eval" / "eval.json").exists()):
-            walls[seed] = round(run_seed(folder, seed, args.problems, args.config), 1)
+            wall, peaks[seed] = run_seed(folder, seed, args.problems, args.config)
+            walls[seed] = round(wall, 1)
         before, after = eval_outcomes(folder / "eval-before"), eval_outcomes(folder / "eval")
         if before["ids"] != after["ids"]:
             raise SystemExit(f"seed {seed}: before and after evaluated different problems")
@@ -79,7 +94,8 @@ def main() -> None:
     seeds = []
     for seed, before, after in per:
         n = len(before["ids"])
-        row = {"seed": seed, "problems": n, "environment": after["environment"], "wall_seconds": walls.get(seed)}
+        row = {"seed": seed, "problems": n, "environment": after["environment"], "wall_seconds": walls.get(seed),
+               "peak_rss_mib": peaks.get(seed)}  # per command; None for a reused folder
         for name, o in (("before", before), ("after", after)):
             for k in ("t1", "final"):
                 lo, hi = wilson(sum(o[k]), n)
@@ -88,7 +104,7 @@ def main() -> None:
         seeds.append(row)
         print(f"seed {seed}: Acc@t1 {row['before_acc_t1']['mean']:.2f} -> {row['after_acc_t1']['mean']:.2f}, "
               f"Acc@final {row['before_acc_final']['mean']:.2f} -> {row['after_acc_final']['mean']:.2f}, "
-              f"McNemar p {row['final_mcnemar']['p']:.3g}")
+              f"McNemar p {row['final_mcnemar']['p']:.3g}, peak RSS {row['peak_rss_mib']} MiB")
     print(f"pooled over {len(per)} seeds x {args.problems} problems: Acc@final after - before "
           f"{fmt(pooled['final_difference'])}, Acc@t1 after - before {fmt(pooled['t1_difference'])}")
     RESULTS.mkdir(exist_ok=True)
