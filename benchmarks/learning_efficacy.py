@@ -151,6 +151,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the wiring, decides nothing")
     ap.add_argument("--force", action="store_true", help="redo units that already have results")
     ap.add_argument("--budget-minutes", type=float, default=0.0, help="start no unit after this (0 = none)")
+    ap.add_argument("--table-only", action="store_true",
+                    help="start no unit: assemble the table from the units already measured")
     ap.add_argument("--work", default="/tmp/tosca-bench-efficacy")
     args = ap.parse_args()
     if args.smoke:
@@ -190,6 +192,9 @@ def main() -> None:
                 continue
             path = units / f"{name}-seed{seed}.json"
             if path.exists() and not args.force and json.loads(path.read_text()).get("key") == key:
+                continue
+            if args.table_only:
+                print(f"table only: {name} seed {seed} has no unit", flush=True)
                 continue
             if args.budget_minutes and time.time() - t_start > 60 * args.budget_minutes:
                 print(f"budget spent: {name} seed {seed} not started", flush=True)
