@@ -78,7 +78,8 @@ def collect(cfg: Config, out: str | Path | None = None, *, console=None, policie
                                on_turn=lambda kind, k: progress.update(bar, advance=k * {"solve": n, "counterfactual": 0}.get(kind, 1),
                                                                         description=f"{cfg.task.name}: {kind}"),
                                solve_temperature=cfg.collect.solve_temperature,
-                               refine_temperature=cfg.collect.refine_temperature)
+                               refine_temperature=cfg.collect.refine_temperature,
+                               writer_temperature=cfg.collect.writer_temperature)
         with timer("episodes"), policies.full_weights():  # ZeRO-3: whole weights, no per-forward collectives
             # Under several processes each rank plays a contiguous share of the batches, so the
             # snapshot holds the same episodes, in the same order, as a one-process run.

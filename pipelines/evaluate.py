@@ -63,7 +63,8 @@ def eval_config(cfg: Config) -> Config:
     switching to argmax only once a writer is trained would compare two protocols."""
     return replace(cfg, solver_sampling=replace(cfg.solver_sampling, temperature=0.0),
                    writer_sampling=replace(cfg.writer_sampling, temperature=0.0),
-                   collect=replace(cfg.collect, solve_temperature=-1.0, refine_temperature=-1.0),
+                   collect=replace(cfg.collect, solve_temperature=-1.0, refine_temperature=-1.0,
+                                   writer_temperature=-1.0),
                    episode=replace(cfg.episode, n_samples=1))
 
 

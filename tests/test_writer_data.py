@@ -1,5 +1,6 @@
-"""The writer's logged data: solver turns decoded as eval decodes them (collect.solve_temperature,
-collect.refine_temperature), and the Q evaluation's sample of the replay (upper.eval_states)."""
+"""The writer's logged data: turns decoded as eval decodes them (collect.solve_temperature,
+collect.refine_temperature, collect.writer_temperature), the Q evaluation's sample of the replay
+(upper.eval_states), and strategies whose feedback is their fixed sentence (episode.prefix_only)."""
 
 from dataclasses import replace
 
@@ -34,18 +35,20 @@ def _replies(policies):
             "writer": policies.tokenizer("writer").encode("Check the sum.") + [eos]}
 
 
-@pytest.mark.parametrize("solve_t,refine_t", [(-1.0, -1.0), (-1.0, 0.0), (0.0, 0.3), (0.2, -1.0)])
-def test_solver_turns_use_their_own_temperatures_and_the_writer_keeps_its(tiny_cfg, policies, solve_t, refine_t):
+@pytest.mark.parametrize("solve_t,refine_t,writer_t", [(-1.0, -1.0, -1.0), (-1.0, 0.0, 0.0), (0.0, 0.3, -1.0),
+                                                      (0.2, -1.0, 0.4)])
+def test_each_turn_kind_decodes_at_its_own_temperature(tiny_cfg, policies, solve_t, refine_t, writer_t):
     cfg = replace(tiny_cfg, solver_sampling=replace(tiny_cfg.solver_sampling, temperature=0.7),
                   writer_sampling=replace(tiny_cfg.writer_sampling, temperature=0.9),
                   episode=replace(tiny_cfg.episode, rounds=2, n_samples=2, counterfactual=True))
     engine = TemperatureEngine(_replies(policies))
     task = ArithTask(1)
-    EpisodeRunner(cfg, task, engine, policies, solve_temperature=solve_t,
-                  refine_temperature=refine_t).run(task.load("train", 2).problems)
+    EpisodeRunner(cfg, task, engine, policies, solve_temperature=solve_t, refine_temperature=refine_t,
+                  writer_temperature=writer_t).run(task.load("train", 2).problems)
     solve, refine = (0.7 if t < 0 else t for t in (solve_t, refine_t))
+    writer = 0.9 if writer_t < 0 else writer_t
     # solve (n samples), then per round: feedback, refine, counterfactual refine (one each)
-    assert engine.calls == [("solver", solve, 2)] + [("writer", 0.9, 1), ("solver", refine, 1),
+    assert engine.calls == [("solver", solve, 2)] + [("writer", writer, 1), ("solver", refine, 1),
                                                       ("solver", refine, 1)] * 2
 
 
@@ -54,22 +57,26 @@ def test_collect_logs_refines_at_collect_refine_temperature_and_eval_decodes_all
     from tosca_mlmt.pipelines.collect import collect
     from tosca_mlmt.pipelines.evaluate import eval_config
 
-    cfg = replace(tiny_cfg, collect=replace(tiny_cfg.collect, solve_temperature=0.3, refine_temperature=0.0),
+    cfg = replace(tiny_cfg, collect=replace(tiny_cfg.collect, solve_temperature=0.3, refine_temperature=0.0,
+                                            writer_temperature=0.0),
+                  writer_sampling=replace(tiny_cfg.writer_sampling, temperature=0.9),
                   episode=replace(tiny_cfg.episode, rounds=1, n_samples=2),
                   task=replace(tiny_cfg.task, name="arith", level=1, limit=2))
     engine = TemperatureEngine(_replies(policies))
     res = collect(cfg, tmp_path / "snaps", policies=policies, engine=engine)
-    assert engine.calls == [("solver", 0.3, 2), ("writer", cfg.writer_sampling.temperature, 1), ("solver", 0.0, 1)]
+    assert engine.calls == [("solver", 0.3, 2), ("writer", 0.0, 1), ("solver", 0.0, 1)]
     # the setting is part of the snapshot's recorded config
     from tosca_mlmt.snapshot_index import open_snapshot
     recorded = open_snapshot(tmp_path / "snaps", res.snapshot_id).manifest["config"]["collect"]
-    assert (recorded["solve_temperature"], recorded["refine_temperature"]) == (0.3, 0.0)
+    assert (recorded["solve_temperature"], recorded["refine_temperature"], recorded["writer_temperature"]) == (0.3, 0.0, 0.0)
     # eval's protocol is greedy everywhere: a collect setting must not change it
-    e = eval_config(replace(cfg, collect=replace(cfg.collect, solve_temperature=0.5, refine_temperature=0.5)))
-    assert e.solver_sampling.temperature == 0.0 and (e.collect.solve_temperature, e.collect.refine_temperature) == (-1, -1)
+    e = eval_config(replace(cfg, collect=replace(cfg.collect, solve_temperature=0.5, refine_temperature=0.5,
+                                                 writer_temperature=0.5)))
+    assert e.solver_sampling.temperature == 0.0 == e.writer_sampling.temperature
+    assert (e.collect.solve_temperature, e.collect.refine_temperature, e.collect.writer_temperature) == (-1, -1, -1)
 
 
-@pytest.mark.parametrize("field", ["solve_temperature", "refine_temperature"])
+@pytest.mark.parametrize("field", ["solve_temperature", "refine_temperature", "writer_temperature"])
 @pytest.mark.parametrize("bad", [-0.5, 0.0005, "x"])
 def test_collect_temperatures_are_validated_at_load(field, bad):
     with pytest.raises(ConfigError, match=f"collect.{field}"):

@@ -15,6 +15,8 @@ from tosca_mlmt.config.section import Section
 TRACKERS = ("wandb", "tensorboard")
 SOLVER_TEMPERATURE = Rule("-1 (the solver's own temperature), 0 (greedy) or >= 0.001",
                           lambda v: v == -1 or v == 0 or v >= 1e-3)
+WRITER_TEMPERATURE = Rule("-1 (the writer's own temperature), 0 (greedy) or >= 0.001",
+                          lambda v: v == -1 or v == 0 or v >= 1e-3)
 TRACKER_LIST = Rule(f"a list of distinct names from: {', '.join(TRACKERS)}",
                     lambda v: all(isinstance(s, str) and s in TRACKERS for s in v) and len(set(v)) == len(v))
 
@@ -58,6 +60,14 @@ class CollectConfig(Section):
                                            "solver_sampling.temperature. 0 = greedy, as mlmt eval decodes them: a "
                                            "decision's reward is then what its feedback does to the solver it is "
                                            "evaluated with, not sampling noise.", rule=SOLVER_TEMPERATURE)
+    writer_temperature: float = knob(-1.0, "Writer temperature of the feedback text collect logs (and "
+                                           "train-joint's writer collect); -1 = writer_sampling.temperature. 0 = "
+                                           "greedy, as mlmt eval writes it: Q then scores the text the writer "
+                                           "will write at eval. Fitted on text sampled at T = 0.7, Q ranked "
+                                           "check_arithmetic first for right attempts (it broke 3 of 34 in "
+                                           "collect), and its greedy text at eval broke 16 of 66. The strategy "
+                                           "is still drawn by episode.strategy_selection.",
+                                     rule=WRITER_TEMPERATURE)
 
 
 @dataclass

@@ -43,12 +43,15 @@ class EpisodeRunner:
 
     def __init__(self, cfg: Config, task: Task, engine: Engine, policies,
                  on_turn: Callable[[str, int], None] | None = None, solve_temperature: float = -1.0,
-                 refine_temperature: float = -1.0):
+                 refine_temperature: float = -1.0, writer_temperature: float = -1.0):
         """``solve_temperature`` / ``refine_temperature`` >= 0 decode turn 1 / the refine (and
-        counterfactual) turns at that temperature instead of solver_sampling's (collect.*)."""
+        counterfactual) turns at that temperature instead of solver_sampling's, ``writer_temperature``
+        the feedback text instead of writer_sampling's (collect.*)."""
         self.cfg, self.task, self.engine, self.policies = cfg, task, engine, policies
-        at = lambda t: cfg.solver_sampling if t < 0 else dataclasses.replace(cfg.solver_sampling, temperature=t)  # noqa: E731
-        self.solve_sampling, self.refine_sampling = at(solve_temperature), at(refine_temperature)
+        at = lambda s, t: s if t < 0 else dataclasses.replace(s, temperature=t)  # noqa: E731
+        self.solve_sampling = at(cfg.solver_sampling, solve_temperature)
+        self.refine_sampling = at(cfg.solver_sampling, refine_temperature)
+        self.writer_sampling = at(cfg.writer_sampling, writer_temperature)
         self.fmt = {r: ChatFormat(policies.tokenizer(r), policies.eos_ids(r)) for r in ("solver", "writer")}
         self.strategies = policies.strategies or cfg.episode.strategies
         self.on_turn = on_turn or (lambda kind, n: None)
@@ -205,7 +208,7 @@ class EpisodeRunner:
         write = [i for i, t in enumerate(fixed) if t is None]
         if write:
             gens, seen = self._gen([writer_prompts[i] for i in write],
-                                   to_params(cfg.writer_sampling, self._seed(rnd, "feedback", batch_index),
+                                   to_params(self.writer_sampling, self._seed(rnd, "feedback", batch_index),
                                              max_new_tokens=cfg.episode.max_feedback_tokens), "writer", "feedback")
             for i, g, sn in zip(write, gens, seen):
                 fb_gens[i], fb_seen[i] = g, sn
