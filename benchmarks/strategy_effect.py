@@ -7,7 +7,8 @@ permutation test of the chi-square statistic (strategies shuffled over the attem
 A large p-value says the logged decisions carry no signal a Q-function could fit. It also counts
 whether the writer's own text passes on the first attempt's correctness: each feedback is classed by
 keywords as calling the attempt right ("correct", "right"), wrong ("incorrect", "wrong", "mistake",
-"error") or neither, split by the attempt's real correctness.
+"error") or neither, split by the attempt's real correctness; a fixed sentence (finish_reason
+"fixed": episode.prefix_only, static or verdict feedback) is counted apart, as no writer text.
 
     mlmt collect -c mlmt --task arith --level 2 --limit 160 --engine vllm --out /tmp/snaps \\
         --set episode.writer_sees=verdict --set episode.max_prompt_tokens=768 --set engine.vllm.max_model_len=1024
@@ -94,7 +95,8 @@ def main() -> None:
             names.append(fb.strategy_name)
         r = rows[fb.strategy_name]
         kind = "right" if z.correct else "wrong"
-        says[(kind, text_says(fb.text))] += 1
+        # a fixed sentence (episode.prefix_only, static/verdict feedback) is no writer text to judge
+        says[(kind, "fixed_sentence" if fb.finish_reason == "fixed" else text_says(fb.text))] += 1
         changed = (not y.correct) if z.correct else bool(y.correct)
         r[kind] += 1
         r["broken" if z.correct else "fixed"] += int(changed)
@@ -117,7 +119,8 @@ def main() -> None:
               "environment": (m.get("summary") or {}).get("environment"), "episodes": sum(
                   r["right"] + r["wrong"] for r in rows.values()), "per_strategy": table, **tests,
               "permutation_draws": args.draws,
-              "feedback_text_says": {f"attempt_{k}": {w: says[(k, w)] for w in ("right", "wrong", "neither")}
+              "feedback_text_says": {f"attempt_{k}": {w: says[(k, w)] for w in ("right", "wrong", "neither",
+                                                                                    "fixed_sentence")}
                                      for k in ("right", "wrong")}}
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"strategy_effect-{args.label}.json"
