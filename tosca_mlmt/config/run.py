@@ -13,10 +13,9 @@ from tosca_mlmt.config.section import Section
 # tosca_mlmt/trackers.py (which builds each through accelerate), because config/ may import only
 # the ground floor; tests/test_trackers.py fails when the two lists differ.
 TRACKERS = ("wandb", "tensorboard")
-SOLVER_TEMPERATURE = Rule("-1 (the solver's own temperature), 0 (greedy) or >= 0.001",
-                          lambda v: v == -1 or v == 0 or v >= 1e-3)
-WRITER_TEMPERATURE = Rule("-1 (the writer's own temperature), 0 (greedy) or >= 0.001",
-                          lambda v: v == -1 or v == 0 or v >= 1e-3)
+# collect's per-turn temperatures: -1 keeps the role's own solver_/writer_sampling.temperature
+COLLECT_TEMPERATURE = Rule("-1 (the role's own sampling temperature), 0 (greedy) or >= 0.001",
+                           lambda v: v == -1 or v == 0 or v >= 1e-3)
 TRACKER_LIST = Rule(f"a list of distinct names from: {', '.join(TRACKERS)}",
                     lambda v: all(isinstance(s, str) and s in TRACKERS for s in v) and len(set(v)) == len(v))
 
@@ -55,11 +54,11 @@ class CollectConfig(Section):
                                           "(greedy attempts are right about twice as often as T = 0.7 ones), and a "
                                           "problem's n_samples episodes share one attempt and differ only by "
                                           "strategy and feedback text. train-lower's PPO batches always sample.",
-                                    rule=SOLVER_TEMPERATURE)
+                                    rule=COLLECT_TEMPERATURE)
     refine_temperature: float = knob(-1.0, "Solver temperature of the refine turns collect logs; -1 = "
                                            "solver_sampling.temperature. 0 = greedy, as mlmt eval decodes them: a "
                                            "decision's reward is then what its feedback does to the solver it is "
-                                           "evaluated with, not sampling noise.", rule=SOLVER_TEMPERATURE)
+                                           "evaluated with, not sampling noise.", rule=COLLECT_TEMPERATURE)
     writer_temperature: float = knob(-1.0, "Writer temperature of the feedback text collect logs (and "
                                            "train-joint's writer collect); -1 = writer_sampling.temperature. 0 = "
                                            "greedy, as mlmt eval writes it: Q then scores the text the writer "
@@ -67,7 +66,7 @@ class CollectConfig(Section):
                                            "check_arithmetic first for right attempts (it broke 3 of 34 in "
                                            "collect), and its greedy text at eval broke 16 of 66. The strategy "
                                            "is still drawn by episode.strategy_selection.",
-                                     rule=WRITER_TEMPERATURE)
+                                     rule=COLLECT_TEMPERATURE)
 
 
 @dataclass
