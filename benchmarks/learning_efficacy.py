@@ -51,6 +51,10 @@ METHODS = {
     "mlmt": (MLMT, {}),
     "mlmt-no-bonus": (MLMT, {"lower.bonus.coef": 0.0}),
     "mlmt-no-signal-table": (MLMT, {"upper.q_signal": False}),
+    # the writer's collected text written greedily, as eval writes it: Q is then fitted on the outcomes of
+    # the text it will be judged by (at T = 0.7, seed 0's check_arithmetic broke 3 of 34 right answers in
+    # collect and 16 of 66 at greedy eval)
+    "mlmt-greedy-writer-data": (MLMT, {"collect.writer_temperature": 0.0}),
     "writer-only": (MLMT, {"joint.freeze_solver": True}),
     "solver-only": (MLMT, {"joint.freeze_writer": True}),
 }
