@@ -146,6 +146,8 @@ def train_joint(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
                 # the step's own numbers are in the timeline (lower/*, upper/* at their steps); the
                 # collect batch's are here only, under joint/collect/ (not the PPO batch's acc_t1)
                 timeline.log({f"joint/time/{step}": timer.seconds[step], "joint/round": r,
+                              # the process's peak so far: the step where it rises set it
+                              f"joint/peak_rss_gib/{step}": round(runtime.peak_rss_mb()["self"] / 1024, 2),
                               **{f"joint/collect/{k}": v for k, v in rec.get("collect_metrics", {}).items()
                                  if step == "collect"},
                               **{f"eval/{k}": v for k, v in rec.get("eval_metrics", {}).items() if step == "eval"}})

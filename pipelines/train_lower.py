@@ -192,7 +192,9 @@ def train_lower(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
             metrics.update({f"lower/time/{k}": round(v, 4) for k, v in it_timer.seconds.items()})
             metrics.update({"lower/iteration": it + 1, "lower/gen_tokens_per_s": gen_tokens / max(it_timer.seconds.get("generate", 0), 1e-9),
                             "lower/train_tokens_per_s": upd["train_tokens"] / max(it_timer.seconds.get("update", 0), 1e-9),
-                            "lower/iteration_seconds": wall, "lower/snapshot": sid})
+                            "lower/iteration_seconds": wall, "lower/snapshot": sid,
+                            # the process's peak so far: where it rises, this iteration set it
+                            "lower/peak_rss_gib": round(runtime.peak_rss_mb()["self"] / 1024, 2)})
             sink.log(metrics, step=it + 1)
             progress.update(bar, advance=1, description=f"acc_t1={summary['acc_t1']:.2f} acc_final={summary['acc_final']:.2f}")
             done = it + 1

@@ -1,0 +1,82 @@
+"""Where `make demo`'s train-joint memory goes, and what each lever takes off its peak.
+
+Runs `mlmt train-joint -c configs/demo.yaml` once per variant, each its own process, one after the
+other, and records the process's peak RSS (os.wait4: vLLM runs inside it on CPU), the process's peak
+after each joint step (`joint/peak_rss_gib/<step>` in metrics.jsonl: the step where it rises set it),
+each step's seconds and the load average. Variants undo the demo's memory settings one at a time:
+
+  before      glibc's adaptive mmap threshold, 2 GiB KV cache, whole-batch scoring, one micro-batch
+  allocator   + engine.mmap_threshold_kb 64 (the default)
+  demo        + the demo's kv_cache_gb 1, score_batch 4, grad_accum 2 (configs/demo.yaml as shipped)
+
+    python benchmarks/memory.py                      # ~5 min per variant on 2 idle cores
+    python benchmarks/memory.py --variants demo      # one variant
+
+Writes benchmarks/results/memory.json. Peak RSS does not depend on machine load; the seconds do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from demo_seeds import MLMT, ROOT, _run
+
+RESULTS = Path(__file__).parent / "results"
+BEFORE = {"engine.mmap_threshold_kb": 0, "engine.vllm.kv_cache_gb": 2, "lower.score_batch": 0, "lower.grad_accum": 1}
+VARIANTS = {"before": BEFORE, "allocator": {**BEFORE, "engine.mmap_threshold_kb": 64}, "demo": {}}
+
+
+def run_variant(name: str, sets: dict, work: Path, seed: int) -> dict:
+    out = work / name
+    shutil.rmtree(out, ignore_errors=True)
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               WANDB_MODE="offline", WANDB_SILENT="true")
+    cmd = MLMT + ["train-joint", "--config", "configs/demo.yaml", "--seed", str(seed), "--out", str(out),
+                  "--no-wandb", "--no-progress"] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    load0, t0 = os.getloadavg(), time.time()
+    peak = _run(cmd, env)
+    steps = []
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        for key, v in rec.items():
+            if key.startswith("joint/peak_rss_gib/"):
+                step = key.rsplit("/", 1)[1]
+                steps.append({"round": rec["joint/round"], "step": step, "peak_rss_gib": v,
+                              "seconds": round(rec[f"joint/time/{step}"], 1)})
+    return {"variant": name, "overrides": sets, "peak_rss_mib": peak, "wall_seconds": round(time.time() - t0, 1),
+            "load_before": load0, "load_after": os.getloadavg(), "steps": steps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--work", default="/tmp/tosca-bench-memory")
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from tosca_mlmt.runtime import git_sha
+
+    rows = []
+    for name in args.variants:
+        r = run_variant(name, VARIANTS[name], Path(args.work), args.seed)
+        rows.append(r)
+        print(f"{name:>10}: peak RSS {r['peak_rss_mib'] / 1024:.2f} GiB, {r['wall_seconds']:.0f} s, "
+              f"per step {[s['peak_rss_gib'] for s in r['steps']]}", flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "memory.json").write_text(json.dumps({
+        "benchmark": "memory", "date": dt.datetime.now().isoformat(timespec="seconds"), "commit": git_sha(),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores", "seed": args.seed,
+        "command": "mlmt train-joint --config configs/demo.yaml --seed S --set <variant>", "variants": rows},
+        indent=1))
+
+
+if __name__ == "__main__":
+    main()
