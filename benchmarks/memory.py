@@ -6,11 +6,16 @@ after each joint step (`joint/peak_rss_gib/<step>` in metrics.jsonl: the step wh
 each step's seconds and the load average. Variants undo the demo's memory settings one at a time:
 
   before      glibc's adaptive mmap threshold, 2 GiB KV cache, whole-batch scoring, one micro-batch
-  allocator   + engine.mmap_threshold_kb 64 (the default)
-  demo        + the demo's kv_cache_gb 1, score_batch 4, grad_accum 2 (configs/demo.yaml as shipped)
+  allocator   + engine.mmap_threshold_kb 64
+  demo        + kv_cache_gb 1, score_batch 4, grad_accum 2 (configs/demo.yaml as shipped)
+
+The fixed mmap threshold is paid for in page faults. --ppo-pairs N times that: N pairs of offline
+train-lower runs (one PPO iteration: scoring, bonus and update of 16 demo episodes from the first
+variant's first collect snapshot), threshold 64 and 0 in turn, each a process of its own; wall, user
+and system seconds and peak RSS from os.wait4, the ratio taken pair by pair.
 
     python benchmarks/memory.py                      # ~5 min per variant on 2 idle cores
-    python benchmarks/memory.py --variants demo      # one variant
+    python benchmarks/memory.py --variants before demo --ppo-pairs 3
 
 Writes benchmarks/results/memory.json. Peak RSS does not depend on machine load; the seconds do.
 """
@@ -23,11 +28,16 @@ import json
 import os
 import platform
 import shutil
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 from demo_seeds import MLMT, ROOT, _run
+
+ENV = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+           WANDB_MODE="offline", WANDB_SILENT="true")
 
 RESULTS = Path(__file__).parent / "results"
 BEFORE = {"engine.mmap_threshold_kb": 0, "engine.vllm.kv_cache_gb": 2, "lower.score_batch": 0, "lower.grad_accum": 1}
@@ -37,12 +47,10 @@ VARIANTS = {"before": BEFORE, "allocator": {**BEFORE, "engine.mmap_threshold_kb"
 def run_variant(name: str, sets: dict, work: Path, seed: int) -> dict:
     out = work / name
     shutil.rmtree(out, ignore_errors=True)
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               WANDB_MODE="offline", WANDB_SILENT="true")
     cmd = MLMT + ["train-joint", "--config", "configs/demo.yaml", "--seed", str(seed), "--out", str(out),
                   "--no-wandb", "--no-progress"] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     load0, t0 = os.getloadavg(), time.time()
-    peak = _run(cmd, env)
+    peak = _run(cmd, ENV)
     steps = []
     for line in (out / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
@@ -55,10 +63,36 @@ def run_variant(name: str, sets: dict, work: Path, seed: int) -> dict:
             "load_before": load0, "load_after": os.getloadavg(), "steps": steps}
 
 
+def ppo_pairs(snapshots: Path, n: int, work: Path) -> dict:
+    """n pairs of one offline PPO iteration at mmap_threshold_kb 64 and 0, in turn."""
+    snap = sorted(p.name for p in snapshots.glob("snap-*"))[0]
+    runs = []
+    for i in range(n):
+        for kb in (64, 0):
+            out = work / f"ppo-{kb}-{i}"
+            shutil.rmtree(out, ignore_errors=True)
+            cmd = MLMT + ["train-lower", "--config", "configs/demo.yaml", "--snapshot", snap, "--root", str(snapshots),
+                          "--iterations", "1", "--out", str(out), "--no-wandb", "--no-progress", "--set",
+                          f"engine.mmap_threshold_kb={kb}", "--set", "lower.keep_snapshots=false"]
+            t0 = time.monotonic()
+            p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            _, status, ru = os.wait4(p.pid, 0)
+            if os.waitstatus_to_exitcode(status):
+                raise subprocess.CalledProcessError(os.waitstatus_to_exitcode(status), cmd)
+            runs.append({"pair": i, "mmap_threshold_kb": kb, "wall_s": round(time.monotonic() - t0, 2),
+                         "user_s": round(ru.ru_utime, 2), "sys_s": round(ru.ru_stime, 2),
+                         "peak_rss_mib": round(ru.ru_maxrss / 1024, 1), "load": os.getloadavg()})
+    ratio = [a["wall_s"] / b["wall_s"] for a, b in zip(runs[::2], runs[1::2])]
+    return {"snapshot": snap, "runs": runs, "wall_ratio_64_over_0_per_pair": [round(r, 3) for r in ratio],
+            "wall_ratio_median": round(float(statistics.median(ratio)), 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ppo-pairs", type=int, default=0, help="time the threshold on N pairs of offline PPO "
+                                                                   "iterations (0 = skip)")
     ap.add_argument("--work", default="/tmp/tosca-bench-memory")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -70,11 +104,16 @@ def main() -> None:
         rows.append(r)
         print(f"{name:>10}: peak RSS {r['peak_rss_mib'] / 1024:.2f} GiB, {r['wall_seconds']:.0f} s, "
               f"per step {[s['peak_rss_gib'] for s in r['steps']]}", flush=True)
+    ppo = None
+    if args.ppo_pairs:
+        ppo = ppo_pairs(Path(args.work) / args.variants[0] / "snapshots", args.ppo_pairs, Path(args.work))
+        print(f"offline PPO iteration, wall 64 KiB / adaptive per pair: {ppo['wall_ratio_64_over_0_per_pair']}")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "memory.json").write_text(json.dumps({
         "benchmark": "memory", "date": dt.datetime.now().isoformat(timespec="seconds"), "commit": git_sha(),
         "machine": f"{platform.machine()} {os.cpu_count()} cores", "seed": args.seed,
-        "command": "mlmt train-joint --config configs/demo.yaml --seed S --set <variant>", "variants": rows},
+        "command": "mlmt train-joint --config configs/demo.yaml --seed S --set <variant>", "variants": rows,
+        "ppo_iteration_threshold_timing": ppo},
         indent=1))
 
 

@@ -42,12 +42,13 @@ class EngineConfig(Section):
     name: str = knob("hf", "Rollout engine.", choices=("hf", "vllm"))
     batch_size: int = knob(32, "Prompts per generate call (hf); vllm schedules the whole turn itself.", min=1)
     threads: int = knob(0, "torch CPU threads (0 = all cores).", min=0)
-    mmap_threshold_kb: int = knob(64, "Host memory (Linux/glibc): allocations of at least this many KiB get a "
-                                      "mapping of their own, returned to the OS when freed (mallopt "
-                                      "M_MMAP_THRESHOLD). 0 = glibc's adaptive threshold, which climbs to 32 MiB "
-                                      "and leaves PyTorch's freed activations in the heap: a `make demo` "
-                                      "train-joint then drifted from 3.7 to 8.6 GiB RSS (peak 11 GiB) against "
-                                      "~3-4 GiB with 64 (benchmarks/results/memory.json).", min=0, max=32768)
+    mmap_threshold_kb: int = knob(0, "Host memory (Linux/glibc): allocations of at least this many KiB get a "
+                                     "mapping of their own, returned to the OS when freed (mallopt "
+                                     "M_MMAP_THRESHOLD). 0 = glibc's adaptive threshold, which climbs to 32 MiB, so "
+                                     "PyTorch's freed activations stay in the heap and RSS ratchets up: `make demo`'s "
+                                     "train-joint drifted from 3.7 to 8.6 GiB (peak 11 GiB), against 4-5 GiB at 64. "
+                                     "The price is page faults: an offline PPO iteration took 1.25x the wall time "
+                                     "(benchmarks/results/memory.json). The demo sets 64.", min=0, max=32768)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
