@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--config", default="configs/demo.yaml")
     ap.add_argument("--work", default="/tmp/tosca-demo-seeds")
     ap.add_argument("--reuse", action="store_true", help="pool complete seed folders instead of rerunning them")
+    ap.add_argument("--results", default="demo.json", help="file name under benchmarks/results/")
     args = ap.parse_args()
     from tosca_mlmt.analysis.stats import mcnemar, paired_bootstrap, wilson
     from tosca_mlmt.pipelines.evaluate import eval_outcomes
@@ -108,7 +109,7 @@ def main() -> None:
     print(f"pooled over {len(per)} seeds x {args.problems} problems: Acc@final after - before "
           f"{fmt(pooled['final_difference'])}, Acc@t1 after - before {fmt(pooled['t1_difference'])}")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "demo.json").write_text(json.dumps({
+    (RESULTS / args.results).write_text(json.dumps({
         "benchmark": "demo_seeds", "date": dt.datetime.now().isoformat(timespec="seconds"), "commit": git_sha(),
         "command": f"benchmarks/demo_seeds.py --seeds {' '.join(map(str, args.seeds))} (make demo's commands, "
                    f"{args.config}, --seed S)", "machine": f"{platform.machine()} {os.cpu_count()} cores",
