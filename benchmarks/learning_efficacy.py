@@ -108,20 +108,23 @@ def table(per: dict[str, list[dict]], primary: str) -> tuple[dict, list[str]]:
         lines.append(f"| {name} | {t1.shape[0]} x {t1.shape[1]} | " + " | ".join(fmt(cells[k]) for k in
                      ("acc_t1", "acc_final", "delta", "wrong_to_right", "right_to_wrong")) + " |")
     if primary in per:
-        lines += ["", f"Primary contrast: {primary} minus each baseline on Acc@final (paired over seeds x problems; "
-                      "McNemar p per seed).", "", "| baseline | difference [95 % CI] | McNemar p per seed |",
-                  "|---|---|---|"]
-        a = np.stack([r["final"] for r in per[primary]])
+        lines += ["", f"Contrast: {primary} minus each baseline on Acc@final (paired over the seeds both have x "
+                      "problems; McNemar p per seed).", "", "| baseline | seeds | difference [95 % CI] | "
+                      "McNemar p per seed |", "|---|---|---|---|"]
+        mine = {r["seed"]: r for r in per[primary]}
         for name, runs in per.items():
             if name == primary:
                 continue
-            b = np.stack([r["final"] for r in runs])
-            if b.shape != a.shape:
+            theirs = {r["seed"]: r for r in runs}
+            common = sorted(set(mine) & set(theirs))
+            if not common:
                 continue
+            a = np.stack([mine[k]["final"] for k in common])
+            b = np.stack([theirs[k]["final"] for k in common])
             d = paired_bootstrap(a, b)
-            ps = [mcnemar(a[s], b[s])["p"] for s in range(a.shape[0])]
-            summary[f"{primary}-minus-{name}"] = {**d, "mcnemar_p": ps}
-            lines.append(f"| {name} | {d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] | "
+            ps = [mcnemar(a[i], b[i])["p"] for i in range(len(common))]
+            summary[f"{primary}-minus-{name}"] = {**d, "mcnemar_p": ps, "seeds": common}
+            lines.append(f"| {name} | {', '.join(map(str, common))} | {d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] | "
                          + ", ".join(f"{p:.3g}" for p in ps) + " |")
     return summary, lines
 
@@ -157,6 +160,8 @@ def main() -> None:
     ap.add_argument("--budget-minutes", type=float, default=0.0, help="start no unit after this (0 = none)")
     ap.add_argument("--table-only", action="store_true",
                     help="start no unit: assemble the table from the units already measured")
+    ap.add_argument("--primary", default="mlmt", help="the method every other is contrasted with (the "
+                                                        "pre-registered one is mlmt; another writes its own file)")
     ap.add_argument("--work", default="/tmp/tosca-bench-efficacy")
     args = ap.parse_args()
     if args.smoke:
@@ -221,8 +226,8 @@ def main() -> None:
     seeds = sorted({r["seed"] for name, runs in per.items() if name != "untrained" for r in runs}) or args.seeds
     # the untrained pair has no training seed: its one eval stands for every seed of the pairing
     if "untrained" in per:
-        per["untrained"] = per["untrained"][:1] * len(seeds)
-    summary, lines = table(per, "mlmt")
+        per["untrained"] = [{**per["untrained"][0], "seed": k} for k in seeds]
+    summary, lines = table(per, args.primary)
     label = "privileged (writer sees the verdict)" if args.env == "verdict" else "honest"
     head = [f"# Learning efficacy, env `{args.env}` ({label}), arith level {args.level}",
             f"{dt.datetime.now():%Y-%m-%d}, {platform.machine()} {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, "
@@ -232,7 +237,8 @@ def main() -> None:
             f"{args.lower_iterations} PPO iterations x {args.problems_per_iteration} problems) x "
             f"{args.n_samples} samples, {args.upper_steps} writer steps per round. Eval: greedy decoding, strategies by "
             f"softmax(Q / {args.eval_strategy_temperature}) (uniform without Q-values).", ""]
-    stem = f"learning_efficacy-{args.env}" + ("-smoke" if args.smoke else "")
+    stem = (f"learning_efficacy-{args.env}" + ("" if args.primary == "mlmt" else f"-{args.primary}")
+            + ("-smoke" if args.smoke else ""))
     (RESULTS / f"{stem}.md").write_text("\n".join(head + lines) + "\n")
     (RESULTS / f"{stem}.json").write_text(json.dumps({
         "date": dt.datetime.now().isoformat(timespec="seconds"), "machine": f"{platform.machine()} {os.cpu_count()}",
