@@ -73,6 +73,7 @@ def main() -> None:
     from tosca_mlmt.pipelines.evaluate import eval_outcomes
     from tosca_mlmt.runtime import git_sha
 
+    sha = git_sha()  # the code that runs: read before the first command (a commit may land while seeds run)
     work = Path(args.work)
     per, walls, peaks = [], {}, {}
     for seed in args.seeds:
@@ -110,7 +111,7 @@ def main() -> None:
           f"{fmt(pooled['final_difference'])}, Acc@t1 after - before {fmt(pooled['t1_difference'])}")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / args.results).write_text(json.dumps({
-        "benchmark": "demo_seeds", "date": dt.datetime.now().isoformat(timespec="seconds"), "commit": git_sha(),
+        "benchmark": "demo_seeds", "date": dt.datetime.now().isoformat(timespec="seconds"), "commit": sha,
         "command": f"benchmarks/demo_seeds.py --seeds {' '.join(map(str, args.seeds))} (make demo's commands, "
                    f"{args.config}, --seed S)", "machine": f"{platform.machine()} {os.cpu_count()} cores",
         "load_avg": os.getloadavg(), "problems": args.problems, "seeds": seeds, "pooled": pooled}, indent=1))
