@@ -8,6 +8,7 @@ each step's seconds and the load average. Variants undo the demo's memory settin
   before      glibc's adaptive mmap threshold, 2 GiB KV cache, whole-batch scoring, one micro-batch
   allocator   + engine.mmap_threshold_kb 64
   demo        + kv_cache_gb 1, score_batch 4, grad_accum 2 (configs/demo.yaml as shipped)
+  demo-fp32   the demo in fp32, as a CPU without native bf16 runs it
 
 The fixed mmap threshold is paid for in page faults. --ppo-pairs N times that: N pairs of offline
 train-lower runs (one PPO iteration: scoring, bonus and update of 16 demo episodes from the first
@@ -41,7 +42,10 @@ ENV = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false"
 
 RESULTS = Path(__file__).parent / "results"
 BEFORE = {"engine.mmap_threshold_kb": 0, "engine.vllm.kv_cache_gb": 2, "lower.score_batch": 0, "lower.grad_accum": 1}
-VARIANTS = {"before": BEFORE, "allocator": {**BEFORE, "engine.mmap_threshold_kb": 64}, "demo": {}}
+# what a CPU without native bf16 runs (model.dtype and lower.autocast "auto" pick fp32 there)
+FP32 = {"model.dtype": "float32", "lower.autocast": "none"}
+VARIANTS = {"before": BEFORE, "allocator": {**BEFORE, "engine.mmap_threshold_kb": 64}, "demo": {},
+            "demo-fp32": FP32}
 
 
 def run_variant(name: str, sets: dict, work: Path, seed: int) -> dict:
@@ -94,10 +98,12 @@ def main() -> None:
     ap.add_argument("--ppo-pairs", type=int, default=0, help="time the threshold on N pairs of offline PPO "
                                                                    "iterations (0 = skip)")
     ap.add_argument("--work", default="/tmp/tosca-bench-memory")
+    ap.add_argument("--results", default="memory.json", help="file name under benchmarks/results/")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from tosca_mlmt.runtime import git_sha
 
+    sha = git_sha()  # before the first run: a commit may land while variants run
     rows = []
     for name in args.variants:
         r = run_variant(name, VARIANTS[name], Path(args.work), args.seed)
@@ -109,8 +115,8 @@ def main() -> None:
         ppo = ppo_pairs(Path(args.work) / args.variants[0] / "snapshots", args.ppo_pairs, Path(args.work))
         print(f"offline PPO iteration, wall 64 KiB / adaptive per pair: {ppo['wall_ratio_64_over_0_per_pair']}")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "memory.json").write_text(json.dumps({
-        "benchmark": "memory", "date": dt.datetime.now().isoformat(timespec="seconds"), "commit": git_sha(),
+    (RESULTS / args.results).write_text(json.dumps({
+        "benchmark": "memory", "date": dt.datetime.now().isoformat(timespec="seconds"), "commit": sha,
         "machine": f"{platform.machine()} {os.cpu_count()} cores", "seed": args.seed,
         "command": "mlmt train-joint --config configs/demo.yaml --seed S --set <variant>", "variants": rows,
         "ppo_iteration_threshold_timing": ppo},
