@@ -80,8 +80,11 @@ def launch(out: Path, snapshot, nproc: int, stages=("lower", "upper"), **spec) -
     p = subprocess.run([*launcher, str(WORKER), str(out / "spec.json")], capture_output=True, text=True,
                        timeout=900, env=env, cwd=REPO)
     if p.returncode != 0:
-        err = p.stderr[p.stderr.find("Traceback"):] if "Traceback" in p.stderr else p.stderr
-        raise AssertionError(f"worker failed ({p.returncode}):\n{p.stdout[-2000:]}\n{err[:6000]}")
+        # the ranks' own errors come before the launcher's traceback (which only names the signal)
+        cut = p.stderr.rfind("Traceback (most recent call last):\n  File \"<frozen runpy>\"")
+        ranks, launcher_tb = (p.stderr[:cut], p.stderr[cut:]) if cut > 0 else (p.stderr, "")
+        raise AssertionError(f"worker failed ({p.returncode}):\n{p.stdout[-2000:]}\n--- ranks' stderr (tail):\n"
+                             f"{ranks[-6000:]}\n--- launcher:\n{launcher_tb[-2000:]}")
 
 
 def _tensors(out: Path) -> dict[str, torch.Tensor]:
