@@ -60,7 +60,7 @@ def _glibc():
         return None
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+        return libc if hasattr(libc, "mallopt") else None
     except OSError:
         return None
 
@@ -73,7 +73,8 @@ def configure_allocator(mmap_threshold_kb: int) -> bool:
     block freed, up to 32 MiB, so after the first forward pass PyTorch's activations land in the
     arenas, fragment them, and RSS ratchets up: a `make demo` train-joint process drifted from 3.7 to
     8.6 GiB between stages, peaking at 11 GiB. A fixed threshold keeps activations in mappings the
-    OS gets back. Returns whether it was applied (glibc only)."""
+    OS gets back. glibc stops adapting once a threshold is set, so 0 after a fixed value changes
+    nothing. Returns whether it was applied (glibc only)."""
     libc = _glibc()
     if not mmap_threshold_kb or libc is None:
         return False

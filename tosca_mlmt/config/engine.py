@@ -46,9 +46,10 @@ class EngineConfig(Section):
                                      "mapping of their own, returned to the OS when freed (mallopt "
                                      "M_MMAP_THRESHOLD). 0 = glibc's adaptive threshold, which climbs to 32 MiB, so "
                                      "PyTorch's freed activations stay in the heap and RSS ratchets up: `make demo`'s "
-                                     "train-joint drifted from 3.7 to 8.6 GiB (peak 11 GiB), against 4-5 GiB at 64. "
-                                     "The price is page faults: an offline PPO iteration took 1.25x the wall time "
-                                     "(benchmarks/results/memory.json). The demo sets 64.", min=0, max=32768)
+                                     "train-joint drifted from 3.7 to 8.6 GiB between steps (peak 11 GiB), and held "
+                                     "~4 GiB at 64. The price is page faults: an offline PPO iteration took 1.31x the "
+                                     "wall time (benchmarks/results/memory.json). The demo sets 64. Process-wide: once "
+                                     "set, a later 0 in the same process does not bring the adaptive one back.", min=0, max=32768)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
