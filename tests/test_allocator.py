@@ -16,7 +16,8 @@ from tosca_mlmt import runtime
 from tosca_mlmt.config import load_config
 from tosca_mlmt.errors import ConfigError
 
-pytestmark = pytest.mark.skipif(runtime._glibc() is None, reason="glibc's mallopt only (Linux)")
+pytestmark = pytest.mark.skipif(runtime._glibc() is None or not hasattr(runtime._glibc(), "mallinfo2"),
+                                reason="glibc's mallopt, and mallinfo2 (glibc >= 2.33) to observe it")
 
 # After freeing a 16 MiB mapping glibc's adaptive threshold rises to 16 MiB, so a later 1 MiB block comes
 # from the heap (no new mapping); with the threshold fixed it gets a mapping of its own, which free()
