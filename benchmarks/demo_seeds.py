@@ -34,10 +34,13 @@ ROOT = Path(__file__).resolve().parent.parent
 MLMT = [str(Path(sys.executable).with_name("mlmt"))]
 
 
+# what `make demo` exports
+ENV = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+           WANDB_MODE="offline", WANDB_SILENT="true")
+
+
 def run_seed(folder: Path, seed: int, problems: int, config: str) -> tuple[float, dict[str, float]]:
     """The seed's three commands: (wall seconds, peak RSS in MiB of each command)."""
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               WANDB_MODE="offline", WANDB_SILENT="true")
     common = ["--config", config, "--seed", str(seed)]
     t0, peaks = time.time(), {}
     for name, args in (("eval_before", ["eval", *common, "--out", str(folder / "eval-before"), "--limit",
@@ -45,19 +48,25 @@ def run_seed(folder: Path, seed: int, problems: int, config: str) -> tuple[float
                        ("train_joint", ["train-joint", *common, "--out", str(folder / "run")]),
                        ("eval_after", ["eval", *common, "--run", str(folder / "run"), "--out", str(folder / "eval"),
                                        "--limit", str(problems), "--compare-to", str(folder / "eval-before")])):
-        peaks[name] = _run(MLMT + args, env)
+        peaks[name] = _run(MLMT + args)
     return time.time() - t0, peaks
 
 
-def _run(cmd: list[str], env: dict) -> float:
-    """Runs one command to the end; its peak RSS in MiB. The child's own ru_maxrss (os.wait4) is the
-    command's peak: vLLM runs inside it on CPU (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env)
+def _run(cmd: list[str]) -> float:
+    """Runs one command to the end; its peak RSS in MiB."""
+    return round(run_measured(cmd).ru_maxrss / 1024, 1)  # Linux: KiB
+
+
+def run_measured(cmd: list[str], quiet: bool = False):
+    """Runs one command to the end under ENV; the child's own resource usage (os.wait4): its ru_maxrss
+    is the command's peak, vLLM included (it runs inside the process on CPU)."""
+    out = subprocess.DEVNULL if quiet else None
+    p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=out, stderr=out)
     _, status, usage = os.wait4(p.pid, 0)
     p.returncode = os.waitstatus_to_exitcode(status)
     if p.returncode:
         raise subprocess.CalledProcessError(p.returncode, cmd)
-    return round(usage.ru_maxrss / 1024, 1)  # Linux: KiB
+    return usage
 
 
 def main() -> None:

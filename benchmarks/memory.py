@@ -30,15 +30,11 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from demo_seeds import MLMT, ROOT, _run
-
-ENV = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-           WANDB_MODE="offline", WANDB_SILENT="true")
+from demo_seeds import MLMT, ROOT, _run, run_measured
 
 RESULTS = Path(__file__).parent / "results"
 BEFORE = {"engine.mmap_threshold_kb": 0, "engine.vllm.kv_cache_gb": 2, "lower.score_batch": 0, "lower.grad_accum": 1}
@@ -54,7 +50,7 @@ def run_variant(name: str, sets: dict, work: Path, seed: int) -> dict:
     cmd = MLMT + ["train-joint", "--config", "configs/demo.yaml", "--seed", str(seed), "--out", str(out),
                   "--no-wandb", "--no-progress"] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     load0, t0 = os.getloadavg(), time.time()
-    peak = _run(cmd, ENV)
+    peak = _run(cmd)
     steps = []
     for line in (out / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
@@ -79,10 +75,7 @@ def ppo_pairs(snapshots: Path, n: int, work: Path) -> dict:
                           "--iterations", "1", "--out", str(out), "--no-wandb", "--no-progress", "--set",
                           f"engine.mmap_threshold_kb={kb}", "--set", "lower.keep_snapshots=false"]
             t0 = time.monotonic()
-            p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            _, status, ru = os.wait4(p.pid, 0)
-            if os.waitstatus_to_exitcode(status):
-                raise subprocess.CalledProcessError(os.waitstatus_to_exitcode(status), cmd)
+            ru = run_measured(cmd, quiet=True)
             runs.append({"pair": i, "mmap_threshold_kb": kb, "wall_s": round(time.monotonic() - t0, 2),
                          "user_s": round(ru.ru_utime, 2), "sys_s": round(ru.ru_stime, 2),
                          "peak_rss_mib": round(ru.ru_maxrss / 1024, 1), "load": os.getloadavg()})
