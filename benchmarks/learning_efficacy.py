@@ -168,12 +168,15 @@ def main() -> None:
         args.seeds, args.test_problems, args.rounds = args.seeds[:1], 8, 1
         args.collect_problems, args.lower_iterations, args.problems_per_iteration, args.upper_steps = 2, 1, 2, 2
 
-    methods = dict(METHODS, **(VERDICT_CONTROL if args.env == "verdict" else {}))
+    # --methods picks the units to run; the table always holds every method with finished units, so a
+    # run of one ablation does not rewrite the environment's table with that ablation alone
+    every = dict(METHODS, **(VERDICT_CONTROL if args.env == "verdict" else {}))
+    methods = every
     if args.methods:
-        unknown = set(args.methods) - set(methods)
+        unknown = set(args.methods) - set(every)
         if unknown:
-            ap.error(f"unknown method(s) {sorted(unknown)}; allowed: {', '.join(methods)}")
-        methods = {k: methods[k] for k in args.methods}  # in the order given: the first ones run first
+            ap.error(f"unknown method(s) {sorted(unknown)}; allowed: {', '.join(every)}")
+        methods = {k: every[k] for k in args.methods}  # in the order given: the first ones run first
     common = {"task.name": "arith", "task.level": args.level, "task.limit": args.test_problems,
               "logging.wandb": False, "logging.progress": False, "engine.name": args.engine,
               "episode.max_prompt_tokens": 768, "engine.vllm.max_model_len": 1024, **ENV_OVERRIDES[args.env]}
@@ -216,7 +219,7 @@ def main() -> None:
                   f"({r['train_seconds']:.0f} s train, {r['eval_seconds']:.0f} s eval)", flush=True)
     per: dict[str, list[dict]] = {}
     shas = set()
-    for name in methods:
+    for name in every:
         for f in sorted(units.glob(f"{name}-seed*.json")):
             u = json.loads(f.read_text())
             if u.get("key") != key:
