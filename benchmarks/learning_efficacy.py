@@ -55,6 +55,11 @@ METHODS = {
     # the text it will be judged by (at T = 0.7, seed 0's check_arithmetic broke 3 of 34 right answers in
     # collect and 16 of 66 at greedy eval)
     "mlmt-greedy-writer-data": (MLMT, {"collect.writer_temperature": 0.0}),
+    # turn 1 credited by its own reward only (R_1 = r1, not r1 + r_final): in the PPO batches (T = 0.7) the
+    # refine broke many right first answers (mlmt-greedy-writer-data: 18 of 23 in seed 0, 9 of 23 in seed 1), so with
+    # reward-to-go a right attempt that a refine broke scored like a wrong one a refine fixed, while
+    # single-turn GRPO, whose turn 1 learns from r1 alone, reached the best Acc@t1
+    "mlmt-turn-own-credit": (MLMT, {"lower.turn_gamma": 0.0}),
     "writer-only": (MLMT, {"joint.freeze_solver": True}),
     "solver-only": (MLMT, {"joint.freeze_writer": True}),
 }

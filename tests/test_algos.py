@@ -53,6 +53,42 @@ def test_turn_returns_and_broadcast():
     assert torch.allclose(broadcast_turns(R, turn_ids), torch.tensor([[0.0, 1.4, 0.0, 0.0, 1.5, 1.5]]))
 
 
+def test_turn_gamma_discounts_only_later_turns():
+    rewards = torch.tensor([[0.0, -0.1, 0.0, 0.0, 1.0, 0.5]])
+    turn_ids = torch.tensor([[-1, 0, -1, -1, 1, 1]])
+    assert torch.allclose(turn_returns(rewards, turn_ids, 2, turn_gamma=0.0), torch.tensor([[-0.1, 1.5]]))
+    assert torch.allclose(turn_returns(rewards, turn_ids, 2, turn_gamma=0.5), torch.tensor([[0.65, 1.5]]))
+    # three turns rewarded 1, 0, 1: R = [1 + g (0 + g 1), 0 + g 1, 1]
+    three = torch.tensor([[1.0, 0.0, 1.0]])
+    ids3 = torch.tensor([[0, 1, 2]])
+    assert torch.allclose(turn_returns(three, ids3, 3, turn_gamma=0.5), torch.tensor([[1.25, 0.5, 1.0]]))
+    assert torch.allclose(turn_returns(three, ids3, 3), torch.tensor([[2.0, 1.0, 1.0]]))
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce"])
+def test_turn_gamma_zero_credits_turn_one_as_single_turn_training(name):
+    """With turn_gamma = 0 turn 1's advantages are those of the same samples trained without a
+    refine (the refine's tokens cut away); with 1 a refine that breaks or fixes an answer moves them."""
+    from tosca_mlmt.algos.advantages import AdvantageInputs
+
+    # one group of 4 samples, 2 tokens per turn: r1 = 1, 0, 1, 0 and r_final = 0, 1, 1, 0
+    r1, rf = [1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 1.0, 0.0]
+    rewards = torch.tensor([[0.0, a, 0.0, b] for a, b in zip(r1, rf)])
+    turn_ids = torch.tensor([[0, 0, 1, 1]] * 4)
+    groups = torch.zeros(4, dtype=torch.long)
+    two = AdvantageInputs(rewards, (turn_ids >= 0).float(), turn_ids, groups, 2)
+    cut = turn_ids.masked_fill(turn_ids == 1, -1)
+    one = AdvantageInputs(rewards * (cut >= 0), (cut >= 0).float(), cut, groups, 1)
+    t1 = turn_ids == 0
+    single, _ = ADVANTAGES[name](one, baseline=True)
+    own, _ = ADVANTAGES[name](two, turn_gamma=0.0, baseline=True)
+    to_go, _ = ADVANTAGES[name](two, turn_gamma=1.0, baseline=True)
+    torch.testing.assert_close(own[t1], single[t1], atol=0, rtol=0)
+    assert not torch.allclose(to_go[t1], single[t1])
+    # the refine's own advantage does not depend on turn_gamma (nothing comes after it)
+    torch.testing.assert_close(own[~t1], to_go[~t1], atol=0, rtol=0)
+
+
 def test_grpo_rloo_reinforce_hand_values():
     R = torch.tensor([[1.0], [0.0], [0.0], [3.0], [5.0]])
     groups = torch.tensor([0, 0, 0, 1, 1])

@@ -124,6 +124,10 @@ def test_sections_validate_themselves():
         replace(cfg, joint=replace(cfg.joint, upper_every=0)).validate()
     with pytest.raises(ConfigError, match="'grad_accum'"):
         replace(cfg.lower, minibatch_size=6, grad_accum=4).validate()
+    # a discount the estimator would never read is an error, not a silent no-op
+    with pytest.raises(ConfigError, match="'lower.turn_gamma'"):
+        load_config(overrides={"lower.advantage": "gae", "lower.turn_gamma": 0.0})
+    load_config(overrides={"lower.advantage": "rloo", "lower.turn_gamma": 0.0})
 
 
 def _knob_fields():

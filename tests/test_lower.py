@@ -178,6 +178,29 @@ def test_bonus_shifts_only_refine_advantages_after_normalization(lower_setup, po
 
 
 @pytest.mark.slow
+def test_turn_gamma_zero_keeps_refine_outcomes_out_of_turn_one(lower_setup, policies, monkeypatch):
+    """The learner hands lower.turn_gamma to the estimator: at 0, turn 1's advantages are the same
+    whether the refines kept or broke the right answers; at 1 (reward-to-go) they move."""
+    from tosca_mlmt.lower.learner import LowerLearner
+
+    cfg, trajs = lower_setup
+    seen = {}
+    monkeypatch.setattr(LowerLearner, "_epochs", lambda self, batch, step: seen.update(
+        adv=batch.advantages.clone(), tt=batch.tt) or {"grad_norm": 0.0})
+    runs = {}
+    for gamma in (0.0, 1.0):
+        c = replace(cfg, lower=replace(cfg.lower, turn_gamma=gamma, bonus=replace(cfg.lower.bonus, coef=0.0)))
+        for name, finals in (("kept", lambda i: float(i % 2)), ("broke", lambda i: float(i % 3 == 0))):
+            ts = [replace(t, turn_rewards=[float(i % 2), finals(i)]) for i, t in enumerate(trajs)]
+            LowerLearner(c, policies).update(ts, step=0)
+            runs[gamma, name] = seen["adv"]
+    t1 = seen["tt"].turn_ids == 0
+    torch.testing.assert_close(runs[0.0, "kept"][t1], runs[0.0, "broke"][t1], atol=0, rtol=0)
+    assert not torch.allclose(runs[1.0, "kept"][t1], runs[1.0, "broke"][t1])
+    assert runs[0.0, "kept"][t1].abs().max() > 0
+
+
+@pytest.mark.slow
 def test_bf16_update_keeps_fp32_master_adapters_and_finite_losses(bf16_setup):
     """With bf16 base weights the LoRA adapter must stay fp32: an AdamW step of lr ~1e-5 on a
     bf16 weight of size ~1e-2 is below its rounding step and would be lost."""

@@ -7,9 +7,10 @@ B = trajectories, T = tokens, K = solver turns per trajectory.
 * ``gae`` works per token. Tokens with mask 0 (prompt, feedback, template) are not
   actions, so the recursion skips them: the successor of the last token of turn k is
   the first token of turn k+1 (as verl's multi-turn GAE does).
-* ``grpo``, ``rloo`` and ``reinforce`` work per turn on the return-to-go R_k (sum of
-  all token rewards from turn k to the end, gamma = 1) and broadcast A_k to the
-  tokens of turn k. Groups are (problem, turn index): the n turn-1 samples of a
+* ``grpo``, ``rloo`` and ``reinforce`` work per turn on the return-to-go
+  R_k = r_k + turn_gamma * R_{k+1} (r_k: the sum of turn k's token rewards; turn_gamma = 1
+  sums every later turn, 0 credits each turn with its own reward only, as MT-GRPO's turn
+  advantage does) and broadcast A_k to the tokens of turn k. Groups are (problem, turn index): the n turn-1 samples of a
   problem, and their refines, are compared only with each other.
 * ``archer`` reads an utterance-level critic: A_k = min_j Q_j(s_k, a_k) - min_j V_j(s_k).
 
@@ -87,9 +88,15 @@ def turn_sums(rewards: torch.Tensor, turn_ids: torch.Tensor, n_turns: int) -> to
     return per_turn
 
 
-def turn_returns(rewards: torch.Tensor, turn_ids: torch.Tensor, n_turns: int) -> torch.Tensor:
-    """rewards [B, T], turn_ids [B, T] (-1 off-turn) -> R [B, K]: reward-to-go from each turn's start."""
-    return turn_sums(rewards, turn_ids, n_turns).flip(1).cumsum(1).flip(1)
+def turn_returns(rewards: torch.Tensor, turn_ids: torch.Tensor, n_turns: int, turn_gamma: float = 1.0) -> torch.Tensor:
+    """rewards [B, T], turn_ids [B, T] (-1 off-turn) -> R [B, K]: R_k = r_k + turn_gamma * R_{k+1}."""
+    r = turn_sums(rewards, turn_ids, n_turns)
+    R = torch.zeros_like(r)
+    later = torch.zeros(r.shape[0], dtype=r.dtype)
+    for k in range(n_turns - 1, -1, -1):
+        later = r[:, k] + turn_gamma * later
+        R[:, k] = later
+    return R
 
 
 def _group_stats(R: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor, leave_one_out: bool):
@@ -158,18 +165,19 @@ def _per_turn(x: AdvantageInputs, A: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 @register("grpo")
-def grpo_estimator(x: AdvantageInputs, norm_std: bool = True, **_):
-    return _per_turn(x, grpo(turn_returns(x.rewards, x.turn_ids, x.n_turns), x.groups, x.valid(), norm_std=norm_std))
+def grpo_estimator(x: AdvantageInputs, norm_std: bool = True, turn_gamma: float = 1.0, **_):
+    R = turn_returns(x.rewards, x.turn_ids, x.n_turns, turn_gamma)
+    return _per_turn(x, grpo(R, x.groups, x.valid(), norm_std=norm_std))
 
 
 @register("rloo")
-def rloo_estimator(x: AdvantageInputs, **_):
-    return _per_turn(x, rloo(turn_returns(x.rewards, x.turn_ids, x.n_turns), x.groups, x.valid()))
+def rloo_estimator(x: AdvantageInputs, turn_gamma: float = 1.0, **_):
+    return _per_turn(x, rloo(turn_returns(x.rewards, x.turn_ids, x.n_turns, turn_gamma), x.groups, x.valid()))
 
 
 @register("reinforce")
-def reinforce_estimator(x: AdvantageInputs, baseline: bool = False, **_):
-    return _per_turn(x, reinforce(turn_returns(x.rewards, x.turn_ids, x.n_turns), x.groups, x.valid(),
+def reinforce_estimator(x: AdvantageInputs, baseline: bool = False, turn_gamma: float = 1.0, **_):
+    return _per_turn(x, reinforce(turn_returns(x.rewards, x.turn_ids, x.n_turns, turn_gamma), x.groups, x.valid(),
                                   baseline=baseline))
 
 

@@ -69,8 +69,14 @@ class LowerConfig(Section):
     loss_agg: str = knob("token-mean", "How token losses are averaged.", choices=("token-mean", "seq-mean-token-mean"))
     grpo_norm_std: bool = knob(True, "grpo: divide by the group std (off = Dr. GRPO style).")
     reinforce_baseline: bool = knob(True, "reinforce: subtract the batch-mean return per turn.")
-    gamma: float = knob(1.0, "Discount for gae (tokens) ; group estimators use gamma = 1.", min=0.0, max=1.0)
+    gamma: float = knob(1.0, "Discount for gae (tokens) and archer (turns); grpo/rloo/reinforce use turn_gamma.", min=0.0, max=1.0)
     lam: float = knob(0.95, "GAE lambda.", min=0.0, max=1.0)
+    turn_gamma: float = knob(1.0, "grpo/rloo/reinforce: weight of later turns' rewards in a turn's return, "
+                                  "R_k = r_k + turn_gamma R_{k+1}. 1 = reward-to-go (a right first answer "
+                                  "that a refine breaks scores like a wrong one it fixes); 0 = each turn "
+                                  "by its own reward (turn 1 then learns exactly as single-turn GRPO; "
+                                  "MT-GRPO's turn advantage). gae and archer discount with gamma.",
+                          min=0.0, max=1.0)
     clip_low: float = knob(0.2, "PPO clip epsilon below 1.", min=0.0, max=1.0, min_exclusive=True, max_exclusive=True)
     clip_high: float = knob(0.2, "PPO clip epsilon above 1 (raise for 'clip-higher').", min=0.0, min_exclusive=True)
     value_clip: float = knob(0.2, "Value-loss clip range.", min=0.0, min_exclusive=True)
@@ -114,3 +120,8 @@ class LowerConfig(Section):
         # Accumulation splits each mini-batch into equal micro-batches.
         need(self.minibatch_size % self.grad_accum == 0, f"{prefix}grad_accum",
              f"must divide {prefix}minibatch_size ({self.minibatch_size})")
+        # gae and archer bootstrap through values and discount with gamma; a silent no-op knob would
+        # let a user believe turn 1 was credited by its own reward
+        need(self.turn_gamma == 1.0 or self.advantage in ("grpo", "rloo", "reinforce"), f"{prefix}turn_gamma",
+             f"applies to the turn-level estimators (grpo, rloo, reinforce), not {prefix}advantage={self.advantage}; "
+             f"use {prefix}gamma")

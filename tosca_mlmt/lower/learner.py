@@ -137,7 +137,7 @@ class LowerLearner:
                                                 turn_sums(rewards.rewards, tt.turn_ids, tt.n_turns),
                                                 x.valid().float(), [t.turn_spans for t in trajs], self.lo.gamma)
         adv, returns = self.estimator(x, gamma=self.lo.gamma, lam=self.lo.lam, norm_std=self.lo.grpo_norm_std,
-                                      baseline=self.lo.reinforce_baseline)
+                                      baseline=self.lo.reinforce_baseline, turn_gamma=self.lo.turn_gamma)
         return adv, returns, targets
 
     @torch.no_grad()
