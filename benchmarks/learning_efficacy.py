@@ -86,6 +86,7 @@ def run_method(name: str, preset: Path, extra: dict | None, common: dict, train:
                 "writer_updates": sum(1 for r in res.manifest["rounds"] if r.get("upper")),
                 "solver_updates": sum(1 for r in res.manifest["rounds"] if r.get("lower"))}
     train_s = time.time() - t0
+    curve = train_curve(folder / "run" / "metrics.jsonl") if extra is not None else {}
     # eval: test split, the same problems and eval seed for every method and training seed
     ecfg = load_config(preset, {**common, **(extra or {}), **adapters, **evalsel, "task.split": "test", "seed": 0})
     report = evaluate(ecfg, folder / "eval").report
@@ -93,7 +94,25 @@ def run_method(name: str, preset: Path, extra: dict | None, common: dict, train:
     out = {"ids": o["ids"], "t1": np.array(o["t1"], dtype=float), "final": np.array(o["final"], dtype=float)}
     return {"method": name, "seed": seed, "git_sha": sha, "train_seconds": round(train_s, 1),
             "eval_seconds": round(time.time() - t0 - train_s, 1), "used": used,
-            "environment": report.get("environment"), **out}
+            "environment": report.get("environment"), "train_curve": curve, **out}
+
+
+# what the PPO batches saw, per iteration: the first attempts' accuracy at the sampling temperature
+# and what the refines did to them (the mechanism behind Acc@t1 and c->i, kept with the unit)
+CURVE_KEYS = ("lower/reward_turn0", "lower/reward_turn1", "lower/right_to_wrong", "lower/wrong_to_right",
+              "lower/episodes")
+
+
+def train_curve(metrics: Path) -> dict[str, list[float]]:
+    curve: dict[str, list[float]] = {k: [] for k in CURVE_KEYS}
+    if not metrics.exists():
+        return {}
+    for line in metrics.read_text().splitlines():
+        row = json.loads(line)
+        if "lower/episodes" in row:
+            for k in CURVE_KEYS:
+                curve[k].append(row.get(k))
+    return curve
 
 
 def table(per: dict[str, list[dict]], primary: str) -> tuple[dict, list[str]]:
@@ -132,6 +151,32 @@ def table(per: dict[str, list[dict]], primary: str) -> tuple[dict, list[str]]:
             lines.append(f"| {name} | {', '.join(map(str, common))} | {d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] | "
                          + ", ".join(f"{p:.3g}" for p in ps) + " |")
     return summary, lines
+
+
+def batch_lines(per: dict[str, list[dict]]) -> list[str]:
+    """What each trained method's PPO batches saw (units that recorded a train_curve)."""
+    lines = ["", "PPO batches (sampled, not the eval): first-attempt accuracy over the first and the second "
+                 "half of the iterations, and right first attempts the refine turned wrong.", "",
+             "| method | seeds | turn-1 reward, first half → second half | right first attempts broken |",
+             "|---|---|---|---|"]
+    rows = 0
+    for name, runs in per.items():
+        curves = [r["train_curve"] for r in runs if r.get("train_curve")]
+        if not curves:
+            continue
+        early, late, broken, right = [], [], 0, 0
+        for c in curves:
+            t0, n = c["lower/reward_turn0"], c["lower/episodes"]
+            half = len(t0) // 2
+            early += t0[:half]
+            late += t0[half:]
+            right += sum(round(a * k) for a, k in zip(t0, n))
+            broken += sum(round((b or 0.0) * k) for b, k in zip(c["lower/right_to_wrong"], n))
+        rows += 1
+        lines.append(f"| {name} | {len(curves)} | {np.mean(early):.3f} → {np.mean(late):.3f} | "
+                     + (f"{broken} of {right}" if any(c["lower/reward_turn1"][0] is not None for c in curves)
+                        else "(no refine)") + " |")
+    return lines if rows else []
 
 
 def _unit_key(args) -> dict:
@@ -236,6 +281,7 @@ def main() -> None:
     if "untrained" in per:
         per["untrained"] = [{**per["untrained"][0], "seed": k} for k in seeds]
     summary, lines = table(per, args.primary)
+    lines += batch_lines(per)
     label = "privileged (writer sees the verdict)" if args.env == "verdict" else "honest"
     head = [f"# Learning efficacy, env `{args.env}` ({label}), arith level {args.level}",
             f"{dt.datetime.now():%Y-%m-%d}, {platform.machine()} {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, "
