@@ -12,7 +12,12 @@ shared and its load drifts):
 * ``delta``: only the adapted modules, whole fused vLLM layers (``engine.vllm.delta_sync=true``,
   the default), merged and pushed by the in-process runner onto the base vLLM holds;
 * ``memory_rpc``: merged state dict -> in-memory safetensors bytes -> ``collective_rpc`` to the
-  worker extension: the memory route a multiprocess (GPU) engine takes, timed here in-process.
+  worker extension: the memory route a multiprocess (GPU) engine takes, timed here in-process;
+* ``adapter`` (``--adapters``, after the others, on a second engine started with
+  ``engine.vllm.serve_adapters``): the adapter tensors alone into vLLM's LoRA cache, no merge and
+  no reload. Serving LoRA costs decode speed, so the same run also times greedy decoding of
+  ``--decode-prompts`` prompts x ``--decode-tokens`` tokens on both engines (the solver's merged
+  weights against its LoRA request).
 
 Each sync is split into merge (base + LoRA deltas; the same for every full route) and push
 (transfer + vLLM's reload + prefix-cache reset). The adapter is LoRA on every linear layer (the
@@ -46,6 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-gb", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--adapters", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the served-adapter sync and the decode cost of serving LoRA")
+    ap.add_argument("--decode-prompts", type=int, default=32)
+    ap.add_argument("--decode-tokens", type=int, default=64)
     return ap.parse_args(argv)
 
 
@@ -57,10 +66,63 @@ def summary(rows: list[dict], stat=statistics.median) -> dict:
 def ratios(med: dict[str, dict]) -> dict[str, float]:
     """file / each other route, for the whole sync and for the push alone."""
     out = {}
-    for mem in ROUTES[1:]:
+    for mem in [r for r in med if r != "file"]:
         for part in ("total_s", "push_s"):
             out[f"file/{mem} ({part[:-2]})"] = round(med["file"][part] / med[mem][part], 2)
     return out
+
+
+def decode_tok_s(engine, policies, args, repeats: int = 3) -> dict:
+    """Median tokens/s of greedy decoding (no early stop) of the same prompts, as the solver."""
+    from tosca_mlmt.prompts import ChatFormat
+    from tosca_mlmt.rollout.engines.base import SamplingParams
+
+    fmt = ChatFormat(policies.tokenizer("solver"), policies.eos_ids("solver"))
+    prompts = [fmt.first_prompt(f"What is {17 + i} + {5 * i}?") for i in range(args.decode_prompts)]
+    engine.sync_weights("solver")
+    params = SamplingParams(max_new_tokens=args.decode_tokens, temperature=0.0)
+    sp = engine.sampling_params(params, "solver")
+    sp.ignore_eos = True  # every row decodes the same number of tokens on both engines
+    from vllm.inputs import TokensPrompt
+
+    runs = []
+    for _ in range(repeats):
+        engine.llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        outs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False,
+                                   lora_request=engine.lora_request("solver"))
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        runs.append(round(n / (time.perf_counter() - t0), 1))
+    return {"median": statistics.median(runs), "runs": runs, "load": loadavg()[0]}
+
+
+def adapter_route(cfg, policies, args) -> tuple[list[dict], dict]:
+    """Served adapters: the seconds of a forced adapter push (copy of the adapter + push into the
+    LoRA cache; the weights-key check, common to every route, is timed apart) and decode tok/s."""
+    from dataclasses import replace
+
+    from tosca_mlmt.rollout.engines import vllm_sync
+    from tosca_mlmt.rollout.engines.vllm_engine import LORA_IDS, VLLMEngine
+
+    engine = VLLMEngine(policies, replace(cfg.engine.vllm, serve_adapters=True), seed=cfg.seed)
+    config = policies.adapter_config("solver")
+    rows = []
+    for i in range(args.repeats + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        adapter = policies.adapter_state("solver")
+        t1 = time.perf_counter()
+        vllm_sync.push_lora(engine.llm, LORA_IDS["solver"], adapter, config)
+        t2 = time.perf_counter()
+        engine.weights_key("solver")
+        t3 = time.perf_counter()
+        if i:
+            rows.append({"merge_s": round(t1 - t0, 4), "push_s": round(t2 - t1, 4), "total_s": round(t2 - t0, 4),
+                         "key_check_s": round(t3 - t2, 4), "load": loadavg()[0]})
+            print(f"repeat {i - 1}: adapter     {rows[-1]}", flush=True)
+    engine.served["solver"] = engine.weights_key("solver")  # what the last push left in vLLM
+    decode = decode_tok_s(engine, policies, args)
+    engine.close()
+    return rows, decode
 
 
 def main(argv=None) -> int:
@@ -120,8 +182,14 @@ def main(argv=None) -> int:
         for route in (ROUTES if i % 2 == 0 else ROUTES[::-1]):
             rows[route].append(one(route) | {"load": loadavg()[0]})
             print(f"repeat {i}: {route:<11} {rows[route][-1]}", flush=True)
-    med = {r: summary(rows[r]) for r in ROUTES}
-    best = {r: summary(rows[r], min) for r in ROUTES}
+    decode = {"merged": decode_tok_s(engine, policies, args)}
+    engine.close()
+    routes = ROUTES
+    if args.adapters:
+        rows["adapter"], decode["adapter"] = adapter_route(cfg, policies, args)
+        routes = ROUTES + ("adapter",)
+    med = {r: summary(rows[r]) for r in routes}
+    best = {r: summary(rows[r], min) for r in routes}
     ratio = ratios(med)
     load_after = loadavg()
     report = {
@@ -130,23 +198,23 @@ def main(argv=None) -> int:
         "machine": machine_info() | {"load_before": load_before, "load_after": load_after},
         "args": vars(args), "repeats": args.repeats,
         "model": cfg.model.solver, "dtype": str(policies.dtype).replace("torch.", ""),
-        "state_dict_mb": payload_mb, "delta_mb": delta_mb, "packages": runtime.package_versions(),
+        "state_dict_mb": payload_mb, "delta_mb": delta_mb, "adapter_mb": mb(policies.adapter_state("solver")), "packages": runtime.package_versions(),
         "median_seconds": med, "min_seconds": best, "ratios": ratio, "ratios_of_min": ratios(best),
         "target": {"file/delta (total)": TARGET},
         "target_met": ratio["file/delta (total)"] >= TARGET,
-        "runs": rows, "peak_rss_mb": runtime.peak_rss_mb(),
+        "decode_tok_s": decode, "runs": rows, "peak_rss_mb": runtime.peak_rss_mb(),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\n{'route':<12}{'merge s':>9}{'push s':>9}{'total s':>9}   (medians of {args.repeats}, "
           f"{payload_mb:.0f} MB {report['dtype']} state dict, delta {delta_mb:.0f} MB)")
-    for r in ROUTES:
+    for r in routes:
         print(f"{r:<12}{med[r]['merge_s']:>9.3f}{med[r]['push_s']:>9.3f}{med[r]['total_s']:>9.3f}")
     for k, v in ratio.items():
         print(f"  {k}: {v:.2f}x")
+    print(f"decode tok/s (medians): {decode}")
     print(f"load average before {load_before} after {load_after}; wrote {out}")
-    engine.close()
     return 0
 
 

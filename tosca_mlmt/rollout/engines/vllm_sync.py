@@ -15,6 +15,10 @@ to the worker:
   (``collective_rpc("reload_weights", weights_path=...)``); kept as the fallback for vLLM
   versions where both memory routes moved.
 
+With ``engine.vllm.serve_adapters`` vLLM serves the LoRA adapters itself and none of this runs: a
+sync hands the adapter tensors to the worker's LoRA cache (:func:`push_lora`), the base stays as
+loaded, and nothing is merged or re-packed.
+
 Both take the complete state dict or a delta (:func:`delta_modules`): the tensors of the modules
 the adapters change, the rest being the base that vLLM already holds. A delta must cover
 whole vLLM layers. ``reload_weights`` re-processes a layer (e.g. oneDNN packing on CPU) once
@@ -39,6 +43,7 @@ from tosca_mlmt.config.engine import WEIGHT_SYNC_MODES as MODES
 # worker_extension_cls for LLM(...): vLLM imports it inside each worker process.
 EXTENSION = "tosca_mlmt.rollout.engines.vllm_sync.WeightSyncExtension"
 RPC_METHOD = "tosca_reload_from_bytes"
+LORA_RPC_METHOD = "tosca_add_lora_from_bytes"
 # vLLM warns once per layer a reload leaves untouched and lists every name it did not get:
 # expected for a delta, so those two loggers are quieted while one loads.
 RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
@@ -58,6 +63,35 @@ class WeightSyncExtension:
         with quiet_reload(partial):
             self.model_runner.reload_weights(weights_iterator=list(sd.items()))
         return len(sd)
+
+    def tosca_add_lora_from_bytes(self, payload: bytes, lora_id: int, config: dict) -> int:
+        from safetensors.torch import load
+
+        return add_lora(self.model_runner, lora_id, load(payload), config)
+
+
+def add_lora(runner, lora_id: int, tensors: dict[str, torch.Tensor], config: dict) -> int:
+    """Put a peft adapter (``tensors``: its state dict, ``config``: its LoraConfig as a dict) into
+    the worker's LoRA cache as ``lora_id``, replacing the adapter held under that id.
+
+    vLLM's own ``_load_adapter`` does the same from a folder; this skips the folder. Its
+    ``from_lora_tensors`` folds the scaling into lora_B *in place*, so ``tensors`` must be copies
+    the caller does not read again. Private API (vllm 0.32)."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    wm = runner.lora_manager
+    am = wm._adapter_manager
+    helper = PEFTHelper.from_dict(config)
+    helper.validate_legal(wm.lora_config)
+    mapper = getattr(am.model, "hf_to_vllm_mapper", None)
+    lora = wm._lora_model_cls.from_lora_tensors(
+        lora_model_id=lora_id, tensors=tensors, peft_helper=helper, device="cpu", dtype=wm.lora_config.lora_dtype,
+        model_vocab_size=wm.vocab_size, weights_mapper=mapper.get_rename_mapper() if mapper is not None else None)
+    am.remove_adapter(lora_id)
+    if len(am) + 1 > am.capacity:
+        am.remove_oldest_adapter()
+    am.add_adapter(lora)
+    return len(tensors)
 
 
 @contextlib.contextmanager
@@ -123,6 +157,28 @@ def push_memory(llm, sd: dict[str, torch.Tensor], partial: bool = False) -> str:
     with quiet_reload(partial):
         runner.reload_weights(weights_iterator=list(sd.items()))
     return "runner"
+
+
+def push_lora(llm, lora_id: int, tensors: dict[str, torch.Tensor], config: dict) -> str:
+    """Hand an adapter to every worker's LoRA cache in memory; returns the route ("runner" or "rpc").
+    ``tensors`` are consumed (see :func:`add_lora`). No prefix-cache reset: vLLM's block hashes
+    include the request's LoRA name, which the engine changes with the adapter."""
+    runner = inprocess_runner(llm)
+    if runner is None:
+        return push_lora_rpc(llm, lora_id, tensors, config)
+    add_lora(runner, lora_id, tensors, config)
+    return "runner"
+
+
+def push_lora_rpc(llm, lora_id: int, tensors: dict[str, torch.Tensor], config: dict) -> str:
+    """The multiprocess route of :func:`push_lora`: in-memory safetensors bytes over collective_rpc."""
+    from safetensors.torch import save
+
+    payload = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+    counts = llm.collective_rpc(LORA_RPC_METHOD, args=(payload, lora_id, config))
+    if any(c != len(tensors) for c in counts):
+        raise RuntimeError(f"adapter sync: workers took {counts} tensors of {len(tensors)}")
+    return "rpc"
 
 
 def push_rpc(llm, sd: dict[str, torch.Tensor], partial: bool = False) -> str:
