@@ -60,6 +60,10 @@ METHODS = {
     # reward-to-go a right attempt that a refine broke scored like a wrong one a refine fixed, while
     # single-turn GRPO, whose turn 1 learns from r1 alone, reached the best Acc@t1
     "mlmt-turn-own-credit": (MLMT, {"lower.turn_gamma": 0.0}),
+    # the same with the KL penalty in the loss (GRPO's form) instead of in the rewards: seed 0 of the line
+    # above collapsed (Acc@t1 0.063) because, in a group whose task rewards tie, std normalisation blows
+    # the per-token KL penalties' tiny spread up to unit advantages that favour short answers
+    "mlmt-turn-own-credit-kl-loss": (MLMT, {"lower.turn_gamma": 0.0, "lower.kl_mode": "loss"}),
     "writer-only": (MLMT, {"joint.freeze_solver": True}),
     "solver-only": (MLMT, {"joint.freeze_writer": True}),
 }
