@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from tosca_mlmt.algos.advantages import ADVANTAGES, broadcast_turns, gae, grpo, reinforce, rloo, turn_returns
+from tosca_mlmt.algos.advantages import (ADVANTAGES, AdvantageInputs, broadcast_turns, gae, grpo, reinforce, rloo,
+                                         turn_returns)
 from tosca_mlmt.algos.losses import POLICY_LOSSES, explained_variance, kl_estimate, ppo_clip, value_loss
 
 
@@ -69,8 +70,6 @@ def test_turn_gamma_discounts_only_later_turns():
 def test_turn_gamma_zero_credits_turn_one_as_single_turn_training(name):
     """With turn_gamma = 0 turn 1's advantages are those of the same samples trained without a
     refine (the refine's tokens cut away); with 1 a refine that breaks or fixes an answer moves them."""
-    from tosca_mlmt.algos.advantages import AdvantageInputs
-
     # one group of 4 samples, 2 tokens per turn: r1 = 1, 0, 1, 0 and r_final = 0, 1, 1, 0
     r1, rf = [1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 1.0, 0.0]
     rewards = torch.tensor([[0.0, a, 0.0, b] for a, b in zip(r1, rf)])
@@ -87,6 +86,23 @@ def test_turn_gamma_zero_credits_turn_one_as_single_turn_training(name):
     assert not torch.allclose(to_go[t1], single[t1])
     # the refine's own advantage does not depend on turn_gamma (nothing comes after it)
     torch.testing.assert_close(own[~t1], to_go[~t1], atol=0, rtol=0)
+
+
+def test_std_normalised_grpo_turns_kl_penalty_noise_into_unit_advantages():
+    """Why LowerLearner warns about kl_mode=reward with grpo_norm_std: in a group whose task rewards
+    tie, the returns differ only by the per-token KL penalties (~1e-4 here), and dividing by their
+    std makes those differences +-1 advantages: the longer answer (more penalised tokens) is pushed
+    down as hard as a wrong answer would be. Without the penalty in the rewards, the group gives 0."""
+    turn_ids = torch.tensor([[0] * 6] * 4)
+    mask = torch.ones(4, 6)
+    groups = torch.zeros(4, dtype=torch.long)
+    lengths = torch.tensor([2, 3, 5, 6])  # every answer wrong: task reward 0
+    penalty = -0.01 * 0.01 * (torch.arange(6)[None, :] < lengths[:, None]).float()  # beta * KL per token
+    in_reward, _ = ADVANTAGES["grpo"](AdvantageInputs(penalty, mask, turn_ids, groups, 1))
+    a = in_reward[:, 0]
+    assert a.abs().min() > 0.5 and torch.equal(a.argsort(), torch.tensor([3, 2, 1, 0]))  # shortest highest
+    task_only, _ = ADVANTAGES["grpo"](AdvantageInputs(torch.zeros(4, 6), mask, turn_ids, groups, 1))
+    assert task_only.abs().max() == 0
 
 
 def test_grpo_rloo_reinforce_hand_values():

@@ -201,6 +201,22 @@ def test_turn_gamma_zero_keeps_refine_outcomes_out_of_turn_one(lower_setup, poli
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kl_mode, norm_std, warns", [("reward", True, True), ("loss", True, False),
+                                                       ("reward", False, False)])
+def test_learner_warns_about_kl_rewards_under_std_normalised_grpo(lower_setup, policies, kl_mode, norm_std, warns):
+    import warnings
+
+    from tosca_mlmt.lower.learner import LowerLearner
+
+    cfg, _ = lower_setup
+    c = replace(cfg, lower=replace(cfg.lower, advantage="grpo", kl_coef=0.01, kl_mode=kl_mode, grpo_norm_std=norm_std))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        LowerLearner(c, policies)
+    assert any("kl_mode=reward" in str(w.message) for w in caught) == warns
+
+
+@pytest.mark.slow
 def test_bf16_update_keeps_fp32_master_adapters_and_finite_losses(bf16_setup):
     """With bf16 base weights the LoRA adapter must stay fp32: an AdamW step of lr ~1e-5 on a
     bf16 weight of size ~1e-2 is below its rounding step and would be lost."""
