@@ -91,7 +91,10 @@ class LowerConfig(Section):
     max_grad_norm: float = knob(1.0, "Gradient clipping by global norm.", min=0.0, min_exclusive=True)
     kl_coef: float = knob(0.0, "beta: KL(pi || pi_ref) weight (reference = base with the adapter off).", min=0.0)
     kl_estimator: str = knob("k3", "Per-token KL estimator.", choices=("k1", "k3"))
-    kl_mode: str = knob("reward", "KL as a per-token reward penalty or as a loss term.", choices=("reward", "loss"))
+    kl_mode: str = knob("reward", "KL as a per-token reward penalty or as a loss term. With grpo and grpo_norm_std "
+                                  "use loss: as a reward, the std division turns the penalties' tiny spread in a "
+                                  "group whose task rewards tie into +-1 advantages for short answers (the learner "
+                                  "warns).", choices=("reward", "loss"))
     turn_rewards: str = knob("each", "Reward every solver turn by its own correctness, or only the final one.",
                              choices=("each", "final"))
     score: ScoreShaping = field(default_factory=ScoreShaping)
