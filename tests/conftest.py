@@ -118,3 +118,19 @@ def vllm_session(overrides: dict):
         engine.close()
         torch.set_num_threads = set_threads
         set_threads(threads)
+
+
+def teacher_forced(policies, policy: str, prompt: list[int], response) -> list[float]:
+    """log_softmax of the raw (temperature-1) logits at every response position, unpadded: the
+    live peft model's log pi(response | prompt), what a vLLM engine must reproduce."""
+    import torch
+
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad(), policies.use(policy) as m:
+        logits = m(input_ids=ids).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return lp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1).tolist()
+
+
+def max_diff(a, b) -> float:
+    return max((abs(x - y) for x, y in zip(a, b)), default=0.0)

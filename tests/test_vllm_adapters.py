@@ -26,7 +26,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from conftest import FP32, VLLM_MARKS, vllm_session  # noqa: E402
+from conftest import FP32, VLLM_MARKS, max_diff, teacher_forced, vllm_session  # noqa: E402
 from tosca_mlmt.prompts import ChatFormat  # noqa: E402
 from tosca_mlmt.rollout.engines.base import SamplingParams  # noqa: E402
 
@@ -44,17 +44,6 @@ def env():
         yield policies, engine, ChatFormat(policies.tokenizer("solver"), policies.eos_ids("solver"))
 
 
-@torch.no_grad()
-def _teacher_forced(policies, policy: str, prompt: list[int], response: tuple[int, ...]) -> list[float]:
-    ids = torch.tensor([list(prompt) + list(response)])
-    with policies.use(policy) as m:
-        logits = m(input_ids=ids).logits[0].float()
-    lp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
-    return lp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1).tolist()
-
-
-def _max_diff(a, b) -> float:
-    return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
 
 
 def test_served_adapters_match_the_trainer_and_never_swap(env):
@@ -80,15 +69,15 @@ def test_served_adapters_match_the_trainer_and_never_swap(env):
         ids1, lp1 = greedy("solver")
         assert engine.syncs == syncs0 + 1 and engine.sync_kind == "adapter" and engine.sync_route == "runner"
         assert all(torch.equal(p, trained[n]) for n, p in lora_b.items()), "the push changed the trainer's adapter"
-        assert ids1 != ids0 or _max_diff(lp0, lp1) > 1e-2, "the trained adapter did not change the output"
-        assert _max_diff(lp1, _teacher_forced(policies, "solver", prompt[0], ids1)) < LOGPROB_TOL
+        assert ids1 != ids0 or max_diff(lp0, lp1) > 1e-2, "the trained adapter did not change the output"
+        assert max_diff(lp1, teacher_forced(policies, "solver", prompt[0], ids1)) < LOGPROB_TOL
         # the writer (zero adapter) is the base; switching back and forth moves no weights
         idw, lpw = greedy("writer")
         assert engine.lora_request("writer") is None
-        assert idw == ids0 and _max_diff(lpw, lp0) <= RESTORE_TOL
+        assert idw == ids0 and max_diff(lpw, lp0) <= RESTORE_TOL
         ids1b, lp1b = greedy("solver")
         assert engine.syncs == syncs0 + 1, "alternating policies must not re-push an unchanged adapter"
-        assert ids1b == ids1 and _max_diff(lp1b, lp1) <= RESTORE_TOL
+        assert ids1b == ids1 and max_diff(lp1b, lp1) <= RESTORE_TOL
         # another change goes out again, under a new name: a prefix cached for the old adapter
         # (this very prompt) must not be reused
         name1 = engine.lora_request("solver").lora_name
@@ -97,13 +86,13 @@ def test_served_adapters_match_the_trainer_and_never_swap(env):
                 p.mul_(-1.0)
         ids2, lp2 = greedy("solver")
         assert engine.syncs == syncs0 + 2 and engine.lora_request("solver").lora_name != name1
-        assert _max_diff(lp2, _teacher_forced(policies, "solver", prompt[0], ids2)) < LOGPROB_TOL
+        assert max_diff(lp2, teacher_forced(policies, "solver", prompt[0], ids2)) < LOGPROB_TOL
     finally:
         with torch.no_grad():
             for n, p in lora_b.items():
                 p.copy_(saved[n])
     ids3, lp3 = greedy("solver")
-    assert engine.lora_request("solver") is None and ids3 == ids0 and _max_diff(lp3, lp0) <= RESTORE_TOL
+    assert engine.lora_request("solver") is None and ids3 == ids0 and max_diff(lp3, lp0) <= RESTORE_TOL
 
 
 def test_rpc_route_serves_the_same_adapter_as_the_runner(env):
@@ -140,5 +129,5 @@ def test_rpc_route_serves_the_same_adapter_as_the_runner(env):
         runner = prompt_logprobs("check-runner")
     finally:
         engine.served.pop("solver", None)  # the engine pushes the policy's own adapter again when asked
-    assert _max_diff(rpc, first) > 1e-2, "the two adapters give the same numbers: the comparison is vacuous"
-    assert _max_diff(rpc, runner) <= RESTORE_TOL
+    assert max_diff(rpc, first) > 1e-2, "the two adapters give the same numbers: the comparison is vacuous"
+    assert max_diff(rpc, runner) <= RESTORE_TOL

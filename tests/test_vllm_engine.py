@@ -33,7 +33,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from conftest import FP32, VLLM_MARKS, vllm_session  # noqa: E402
+from conftest import FP32, VLLM_MARKS, max_diff, teacher_forced, vllm_session  # noqa: E402
 from tosca_mlmt.config import load_config  # noqa: E402
 from tosca_mlmt.prompts import ChatFormat  # noqa: E402
 from tosca_mlmt.rollout.engines.base import SamplingParams  # noqa: E402
@@ -75,18 +75,6 @@ def _prompts(fmt: ChatFormat, texts=PROMPTS) -> list[list[int]]:
     return [fmt.first_prompt(t) for t in texts]
 
 
-@torch.no_grad()
-def _teacher_forced(policies, policy: str, prompt: list[int], response: tuple[int, ...]) -> list[float]:
-    """log_softmax of the raw (temperature-1) logits at every response position, unpadded."""
-    ids = torch.tensor([list(prompt) + list(response)])
-    with policies.use(policy) as m:
-        logits = m(input_ids=ids).logits[0].float()
-    lp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
-    return lp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1).tolist()
-
-
-def _max_diff(a, b) -> float:
-    return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
 
 
 def _shared_prefix(a, b) -> int:
@@ -116,7 +104,7 @@ def test_stop_rule_cuts_vllm_turns_like_hf(env):
         cuts += 1
         assert v.finish_reason == "answer" and v.token_ids == f.token_ids[:n]
         if h.token_ids == v.token_ids:  # a near-tie may flip greedy HF vs vLLM; compare when they agree
-            assert h.finish_reason == "answer" and _max_diff(h.logprobs, v.logprobs) < LOGPROB_TOL
+            assert h.finish_reason == "answer" and max_diff(h.logprobs, v.logprobs) < LOGPROB_TOL
     assert cuts >= 1
 
 
@@ -136,7 +124,7 @@ def test_greedy_matches_hf_and_logprobs_are_raw(env):
             print(f"prompt {i}: engines diverge at token {k}")
         else:
             assert vg.token_ids == hg.token_ids and vg.finish_reason == hg.finish_reason
-        d = _max_diff(vg.logprobs[:k], hg.logprobs[:k])
+        d = max_diff(vg.logprobs[:k], hg.logprobs[:k])
         print(f"prompt {i}: {k}/{len(vg.token_ids)} tokens shared, max |logprob vLLM - HF| = {d:.2e}")
         assert d < LOGPROB_TOL, f"prompt {i}: max |logprob vLLM - HF| = {d:.2e} on {k} shared tokens"
         shared_total += k
@@ -152,8 +140,8 @@ def test_logprobs_are_raw_log_pi_under_temperature(env):
     for eng in (engine, hf):
         for prompt, gens in zip(prompts, eng.generate(prompts, params, "solver")):
             g = gens[0]
-            ref = _teacher_forced(policies, "solver", prompt, g.token_ids)
-            d = _max_diff(g.logprobs, ref)
+            ref = teacher_forced(policies, "solver", prompt, g.token_ids)
+            d = max_diff(g.logprobs, ref)
             assert d < LOGPROB_TOL, f"{eng.name}: logprobs are not raw log pi (max diff {d:.2e})"
             # ... and visibly not the tempered distribution's logprobs.
             assert all(lp <= 0.0 for lp in g.logprobs)
@@ -212,10 +200,10 @@ def test_weight_sync_changes_and_restores_logprobs(env):
         assert engine.sync_weights("solver") == 0.0  # same weights again: no second reload
         ids1, lp1 = greedy()
         k = _shared_prefix(ids0, ids1)
-        assert k < len(ids0) or _max_diff(lp0, lp1) > 1e-2, "perturbed weights did not change the output"
+        assert k < len(ids0) or max_diff(lp0, lp1) > 1e-2, "perturbed weights did not change the output"
         # vLLM now serves base + perturbed adapter: it must agree with the live peft model.
-        ref = _teacher_forced(policies, "solver", prompt[0], ids1)
-        assert _max_diff(lp1, ref) < LOGPROB_TOL
+        ref = teacher_forced(policies, "solver", prompt[0], ids1)
+        assert max_diff(lp1, ref) < LOGPROB_TOL
         # The writer still has its zero adapter, so serving it needs a different weight set.
         assert engine.weights_key("writer") == "base" != engine.weights_key("solver")
     finally:
@@ -226,9 +214,9 @@ def test_weight_sync_changes_and_restores_logprobs(env):
     assert dt > 0.0 and engine.syncs == syncs0 + 2
     ids2, lp2 = greedy()
     assert ids2 == ids0
-    assert _max_diff(lp0, lp2) <= RESTORE_TOL, f"restored weights give {_max_diff(lp0, lp2):.2e} logprob drift"
-    print(f"perturbed: max |dlogprob| {_max_diff(lp0, lp1):.3f}, {k}/{len(ids0)} tokens unchanged; "
-          f"restored: max |dlogprob| {_max_diff(lp0, lp2):.1e}")
+    assert max_diff(lp0, lp2) <= RESTORE_TOL, f"restored weights give {max_diff(lp0, lp2):.2e} logprob drift"
+    print(f"perturbed: max |dlogprob| {max_diff(lp0, lp1):.3f}, {k}/{len(ids0)} tokens unchanged; "
+          f"restored: max |dlogprob| {max_diff(lp0, lp2):.1e}")
     print(f"sync: {engine.syncs - syncs0} reloads, {engine.sync_seconds - secs0:.2f} s")
 
 
@@ -255,23 +243,23 @@ def test_every_sync_route_serves_the_same_weights(env):
     got = {}
     with _perturbed_solver(policies, engine, seed=1):
         sd = policies.merged_state_dict("solver")
-        trainer = _teacher_forced(policies, "solver", prompt, response)
+        trainer = teacher_forced(policies, "solver", prompt, response)
         for route, push in (("runner", vllm_sync.push_memory), ("rpc", vllm_sync.push_rpc),
                             ("file", vllm_sync.push_file)):
             # back to the base between routes, so each route has to move the weights itself
             vllm_sync.push(engine.llm, policies.merged_state_dict("writer"), "memory")
-            assert _max_diff(_prompt_logprobs(engine, prompt, response), base) <= RESTORE_TOL
+            assert max_diff(_prompt_logprobs(engine, prompt, response), base) <= RESTORE_TOL
             assert push(engine.llm, sd) == route
             engine.llm.reset_prefix_cache()
             got[route] = _prompt_logprobs(engine, prompt, response)
-    moved = _max_diff(got["runner"], base)
+    moved = max_diff(got["runner"], base)
     print(f"perturbation moved vLLM logprobs by {moved:.3f}; routes vs trainer: "
-          + ", ".join(f"{r} {_max_diff(lp, trainer):.1e}" for r, lp in got.items()))
+          + ", ".join(f"{r} {max_diff(lp, trainer):.1e}" for r, lp in got.items()))
     assert moved > 1e-2, "the perturbation did not change vLLM's logprobs: the comparison is vacuous"
     for route, lp in got.items():
-        assert _max_diff(lp, got["runner"]) <= RESTORE_TOL, f"{route} loads other weights than the runner"
-        assert _max_diff(lp, trainer) < LOGPROB_TOL, f"{route}: vLLM disagrees with the trainer"
-    assert _max_diff(_prompt_logprobs(engine, prompt, response), base) <= RESTORE_TOL
+        assert max_diff(lp, got["runner"]) <= RESTORE_TOL, f"{route} loads other weights than the runner"
+        assert max_diff(lp, trainer) < LOGPROB_TOL, f"{route}: vLLM disagrees with the trainer"
+    assert max_diff(_prompt_logprobs(engine, prompt, response), base) <= RESTORE_TOL
 
 
 def test_delta_sync_leaves_the_same_weights_as_a_full_push(env):
@@ -293,7 +281,7 @@ def test_delta_sync_leaves_the_same_weights_as_a_full_push(env):
         engine.sync_weights("solver", force=True)
         assert engine.sync_kind == "full"
         got["full"] = _prompt_logprobs(engine, prompt, response)
-        trainer = _teacher_forced(policies, "solver", prompt, response)
+        trainer = teacher_forced(policies, "solver", prompt, response)
         q0 = "model.layers.0.self_attn.q_proj"  # only its adapter changed: a delta of it alone, on the base
         with torch.no_grad():
             for n in [n for n in lora_b if f".{q0}." not in n]:
@@ -304,11 +292,11 @@ def test_delta_sync_leaves_the_same_weights_as_a_full_push(env):
         got["q0 delta"] = _prompt_logprobs(engine, prompt, response)
         vllm_sync.push(engine.llm, policies.merged_state_dict("solver"), "memory")
         got["q0 full"] = _prompt_logprobs(engine, prompt, response)
-    print(f"vs trainer {_max_diff(got['delta'], trainer):.1e}; q0 moved {_max_diff(got['q0 full'], base):.1e}")
-    assert _max_diff(got["full"], base) > 1e-2 and _max_diff(got["q0 full"], base) > 0.0, "vacuous comparison"
+    print(f"vs trainer {max_diff(got['delta'], trainer):.1e}; q0 moved {max_diff(got['q0 full'], base):.1e}")
+    assert max_diff(got["full"], base) > 1e-2 and max_diff(got["q0 full"], base) > 0.0, "vacuous comparison"
     assert got["delta"] == got["full"] and got["q0 delta"] == got["q0 full"]
-    assert _max_diff(got["delta"], trainer) < LOGPROB_TOL
-    assert _max_diff(_prompt_logprobs(engine, prompt, response), base) <= RESTORE_TOL
+    assert max_diff(got["delta"], trainer) < LOGPROB_TOL
+    assert max_diff(_prompt_logprobs(engine, prompt, response), base) <= RESTORE_TOL
 
 
 # ----------------------------------------------------------------------------- (c)
