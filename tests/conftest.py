@@ -134,3 +134,23 @@ def teacher_forced(policies, policy: str, prompt: list[int], response) -> list[f
 
 def max_diff(a, b) -> float:
     return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
+
+
+@contextlib.contextmanager
+def perturbed_lora_b(policies, role: str, seed: int, scale: float = 0.02):
+    """``role``'s LoRA B matrices moved by ``scale`` N(0, 1) for the block (a trained-looking
+    adapter), yielded as (parameters by name, their saved values); restored afterwards."""
+    import torch
+
+    lora_b = {n: p for n, p in policies.model(role).named_parameters() if f"lora_B.{role}." in n}
+    saved = {n: p.detach().clone() for n, p in lora_b.items()}
+    gen = torch.Generator().manual_seed(seed)
+    try:
+        with torch.no_grad():
+            for p in lora_b.values():
+                p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        yield lora_b, saved
+    finally:
+        with torch.no_grad():
+            for n, p in lora_b.items():
+                p.copy_(saved[n])

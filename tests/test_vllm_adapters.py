@@ -26,7 +26,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from conftest import FP32, VLLM_MARKS, max_diff, teacher_forced, vllm_session  # noqa: E402
+from conftest import FP32, VLLM_MARKS, max_diff, perturbed_lora_b, teacher_forced, vllm_session  # noqa: E402
 from tosca_mlmt.prompts import ChatFormat  # noqa: E402
 from tosca_mlmt.rollout.engines.base import SamplingParams  # noqa: E402
 
@@ -58,13 +58,7 @@ def test_served_adapters_match_the_trainer_and_never_swap(env):
     assert engine.serve_adapters and engine.lora_request("solver") is None  # zero adapter: the base
     ids0, lp0 = greedy("solver")
     syncs0 = engine.syncs
-    lora_b = {n: p for n, p in policies.model("solver").named_parameters() if "lora_B.solver." in n}
-    saved = {n: p.detach().clone() for n, p in lora_b.items()}
-    gen = torch.Generator().manual_seed(0)
-    try:
-        with torch.no_grad():
-            for p in lora_b.values():
-                p.add_(0.02 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    with perturbed_lora_b(policies, "solver", seed=0) as (lora_b, _):
         trained = {n: p.detach().clone() for n, p in lora_b.items()}
         ids1, lp1 = greedy("solver")
         assert engine.syncs == syncs0 + 1 and engine.sync_kind == "adapter" and engine.sync_route == "runner"
@@ -87,10 +81,6 @@ def test_served_adapters_match_the_trainer_and_never_swap(env):
         ids2, lp2 = greedy("solver")
         assert engine.syncs == syncs0 + 2 and engine.lora_request("solver").lora_name != name1
         assert max_diff(lp2, teacher_forced(policies, "solver", prompt[0], ids2)) < LOGPROB_TOL
-    finally:
-        with torch.no_grad():
-            for n, p in lora_b.items():
-                p.copy_(saved[n])
     ids3, lp3 = greedy("solver")
     assert engine.lora_request("solver") is None and ids3 == ids0 and max_diff(lp3, lp0) <= RESTORE_TOL
 

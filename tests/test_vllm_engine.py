@@ -33,7 +33,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from conftest import FP32, VLLM_MARKS, max_diff, teacher_forced, vllm_session  # noqa: E402
+from conftest import FP32, VLLM_MARKS, max_diff, perturbed_lora_b, teacher_forced, vllm_session  # noqa: E402
 from tosca_mlmt.config import load_config  # noqa: E402
 from tosca_mlmt.prompts import ChatFormat  # noqa: E402
 from tosca_mlmt.rollout.engines.base import SamplingParams  # noqa: E402
@@ -154,20 +154,12 @@ def _lora_b(policies, role: str) -> dict[str, torch.nn.Parameter]:
 
 @contextlib.contextmanager
 def _perturbed_solver(policies, engine, seed: int):
-    """The solver's LoRA B matrices moved by 0.02 N(0, 1) for the block, yielded with their saved
-    values; afterwards restored, and vLLM given the original weights back by a full reload."""
-    lora_b = _lora_b(policies, "solver")
-    saved = {n: p.detach().clone() for n, p in lora_b.items()}
-    gen = torch.Generator().manual_seed(seed)
+    """conftest.perturbed_lora_b on the solver; afterwards vLLM gets the original weights back by a
+    full reload."""
     try:
-        with torch.no_grad():
-            for p in lora_b.values():
-                p.add_(0.02 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-        yield lora_b, saved
+        with perturbed_lora_b(policies, "solver", seed) as got:
+            yield got
     finally:
-        with torch.no_grad():
-            for n, p in lora_b.items():
-                p.copy_(saved[n])
         engine.sync_weights("solver", force=True)
 
 
