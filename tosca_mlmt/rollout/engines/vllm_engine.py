@@ -76,6 +76,10 @@ class VLLMEngine:
             # weight_sync=file, so that fallback does not depend on importing it in the worker
             kwargs["worker_extension_cls"] = vllm_sync.EXTENSION
         if self.serve_adapters:
+            for role in LORA_IDS:  # fixed when the pair is built: refuse at start-up, not at the first push
+                if policies.adapted_modules(role) is None:
+                    raise NotImplementedError(f"engine.vllm.serve_adapters: the {role} adapter trains whole modules "
+                                              "(modules_to_save), which vLLM's LoRA does not serve; set it to false")
             # one cache slot per policy, so neither ever evicts the other
             kwargs.update(enable_lora=True, max_loras=len(LORA_IDS), max_cpu_loras=len(LORA_IDS),
                           max_lora_rank=vllm_lora_rank(max(policies.adapter_config(r)["r"] for r in LORA_IDS)))
@@ -172,9 +176,6 @@ class VLLMEngine:
             self.served[policy] = key
             self.check_seconds += time.perf_counter() - t0
             return 0.0
-        if self.policies.adapted_modules(policy) is None:
-            raise NotImplementedError(f"engine.vllm.serve_adapters: the {policy} adapter trains whole modules "
-                                      "(modules_to_save), which vLLM's LoRA does not serve; set it to false")
         self.sync_route = vllm_sync.push_lora(self.llm, LORA_IDS[policy], adapter, self.policies.adapter_config(policy))
         self.sync_kind = "adapter"
         self.served[policy] = key

@@ -172,25 +172,27 @@ def push_lora(llm, lora_id: int, tensors: dict[str, torch.Tensor], config: dict)
 
 def push_lora_rpc(llm, lora_id: int, tensors: dict[str, torch.Tensor], config: dict) -> str:
     """The multiprocess route of :func:`push_lora`: in-memory safetensors bytes over collective_rpc."""
-    from safetensors.torch import save
-
-    payload = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
-    counts = llm.collective_rpc(LORA_RPC_METHOD, args=(payload, lora_id, config))
-    if any(c != len(tensors) for c in counts):
-        raise RuntimeError(f"adapter sync: workers took {counts} tensors of {len(tensors)}")
+    _send_rpc(llm, LORA_RPC_METHOD, tensors, lora_id, config)
     return "rpc"
 
 
 def push_rpc(llm, sd: dict[str, torch.Tensor], partial: bool = False) -> str:
     """Reload ``sd`` in every worker through ``collective_rpc`` as in-memory safetensors bytes."""
+    _send_rpc(llm, RPC_METHOD, sd, partial)
+    return "rpc"
+
+
+def _send_rpc(llm, method: str, tensors: dict[str, torch.Tensor], *args) -> None:
+    """Call the worker extension's ``method`` in every worker with ``tensors`` as one in-memory
+    safetensors buffer (msgpack sends bytes as they are) and ``args``; each worker answers how
+    many tensors it took."""
     from safetensors.torch import save
 
     # save() wants contiguous CPU tensors; the bytes are the only extra copy on the trainer side.
-    payload = save({k: v.detach().contiguous().cpu() for k, v in sd.items()})
-    counts = llm.collective_rpc(RPC_METHOD, args=(payload, partial))
-    if any(c != len(sd) for c in counts):
-        raise RuntimeError(f"weight sync: workers loaded {counts} tensors of {len(sd)}")
-    return "rpc"
+    payload = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+    counts = llm.collective_rpc(method, args=(payload, *args))
+    if any(c != len(tensors) for c in counts):
+        raise RuntimeError(f"{method}: workers took {counts} tensors of {len(tensors)}")
 
 
 def push_file(llm, sd: dict[str, torch.Tensor], partial: bool = False) -> str:
