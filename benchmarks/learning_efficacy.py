@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
 MLMT = ROOT / "configs" / "mlmt.yaml"
 
+OWN_CREDIT_KL_LOSS = {"lower.turn_gamma": 0.0, "lower.kl_mode": "loss"}
 # name -> (preset, overrides). All share the compute budget set in main().
 METHODS = {
     "untrained": (MLMT, None),  # no training: eval of the base pair
@@ -63,42 +64,62 @@ METHODS = {
     # the same with the KL penalty in the loss (GRPO's form) instead of in the rewards: seed 0 of the line
     # above collapsed (Acc@t1 0.063) because, in a group whose task rewards tie, std normalisation blows
     # the per-token KL penalties' tiny spread up to unit advantages that favour short answers
-    "mlmt-turn-own-credit-kl-loss": (MLMT, {"lower.turn_gamma": 0.0, "lower.kl_mode": "loss"}),
+    "mlmt-turn-own-credit-kl-loss": (MLMT, OWN_CREDIT_KL_LOSS),
     "writer-only": (MLMT, {"joint.freeze_solver": True}),
     "solver-only": (MLMT, {"joint.freeze_writer": True}),
+    # the control trained as the line above trains its solver (both KL placements hit the trap otherwise)
+    "solver-only-turn-own-credit-kl-loss": (MLMT, {"joint.freeze_writer": True, **OWN_CREDIT_KL_LOSS}),
 }
 # the control of the privileged environment: the verdict itself as feedback, solver trained like mlmt's
-VERDICT_CONTROL = {"verdict-template": (MLMT, {"episode.feedback": "verdict", "joint.freeze_writer": True})}
+VERDICT_CONTROL = {"verdict-template": (MLMT, {"episode.feedback": "verdict", "joint.freeze_writer": True}),
+                   "verdict-template-turn-own-credit-kl-loss": (MLMT, {"episode.feedback": "verdict",
+                                                                       "joint.freeze_writer": True,
+                                                                       **OWN_CREDIT_KL_LOSS})}
 ENV_OVERRIDES = {"none": {}, "confidence": {"episode.writer_sees": "confidence"},
                  "verdict": {"episode.writer_sees": "verdict"}}
 
 
 def run_method(name: str, preset: Path, extra: dict | None, common: dict, train: dict, evalsel: dict, seed: int,
-               work: Path, sha: str) -> dict:
+               work: Path, sha: str, reuse: Path | None = None) -> dict:
     from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.evaluate import adapters_from_run, eval_outcomes, evaluate
     from tosca_mlmt.pipelines.train_joint import train_joint
 
     t0 = time.time()
     folder = work / name / f"seed{seed}"
-    adapters, used = {}, {}
+    run = folder / "run"
+    adapters, used, reused = {}, {}, None
     if extra is not None:
-        cfg = load_config(preset, {**common, **train, **extra, "seed": seed})
-        res = train_joint(cfg, folder / "run")
-        adapters = adapters_from_run(folder / "run")
-        used = {"rounds": len(res.manifest["rounds"]),
-                "writer_updates": sum(1 for r in res.manifest["rounds"] if r.get("upper")),
-                "solver_updates": sum(1 for r in res.manifest["rounds"] if r.get("lower"))}
+        old = reuse / name / f"seed{seed}" / "run" if reuse is not None else None
+        if old is not None and (old / "manifest.json").exists():
+            # a change of eval protocol only: the policies trained by an earlier invocation are evaluated again
+            run, reused = old, str(old)
+            manifest = json.loads((old / "manifest.json").read_text())
+        else:
+            cfg = load_config(preset, {**common, **train, **extra, "seed": seed})
+            manifest = train_joint(cfg, run).manifest
+        adapters = adapters_from_run(run)
+        used = {"rounds": len(manifest["rounds"]),
+                "writer_updates": sum(1 for r in manifest["rounds"] if r.get("upper")),
+                "solver_updates": sum(1 for r in manifest["rounds"] if r.get("lower"))}
     train_s = time.time() - t0
-    curve = train_curve(folder / "run" / "metrics.jsonl") if extra is not None else {}
+    curve = train_curve(run / "metrics.jsonl") if extra is not None else {}
     # eval: test split, the same problems and eval seed for every method and training seed
     ecfg = load_config(preset, {**common, **(extra or {}), **adapters, **evalsel, "task.split": "test", "seed": 0})
     report = evaluate(ecfg, folder / "eval").report
     o = eval_outcomes(folder / "eval")  # per problem, sorted by id: every method pairs up
     out = {"ids": o["ids"], "t1": np.array(o["t1"], dtype=float), "final": np.array(o["final"], dtype=float)}
-    return {"method": name, "seed": seed, "git_sha": sha, "train_seconds": round(train_s, 1),
-            "eval_seconds": round(time.time() - t0 - train_s, 1), "used": used,
+    return {"method": name, "seed": seed, "git_sha": sha, "train_seconds": None if reused else round(train_s, 1),
+            "eval_seconds": round(time.time() - t0 - train_s, 1), "used": used, "reused_run": reused,
             "environment": report.get("environment"), "train_curve": curve, **out}
+
+
+def writer_has_q(preset: Path, extra: dict | None) -> bool:
+    """Whether the method's eval writer has Q-values. Without them every selection rule is uniform, so the
+    eval-selection sizes do not define its units (a greedy-eval table reuses them)."""
+    from tosca_mlmt.config import load_config
+
+    return extra is not None and not load_config(preset, dict(extra)).joint.freeze_writer
 
 
 # what the PPO batches saw, per iteration: the first attempts' accuracy at the sampling temperature
@@ -190,6 +211,18 @@ def _unit_key(args) -> dict:
                                           "n_samples", "eval_strategy_temperature", "smoke")}
 
 
+EVAL_SELECTION = ("eval_strategy_temperature",)
+
+
+def _same_unit(stored: dict | None, key: dict, has_q: bool) -> bool:
+    if not stored:
+        return False
+    if has_q:
+        return stored == key
+    drop = lambda k: {a: b for a, b in k.items() if a not in EVAL_SELECTION}  # noqa: E731
+    return drop(stored) == drop(key)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--env", default="none", choices=tuple(ENV_OVERRIDES))
@@ -205,9 +238,13 @@ def main() -> None:
     ap.add_argument("--n-samples", type=int, default=4, help="turn-1 samples per problem (the GRPO group)")
     ap.add_argument("--eval-strategy-temperature", type=float, default=0.1,
                     help="softmax temperature over the writer's Q at eval, no epsilon (the same rule for every "
-                         "method; a writer without Q-values picks uniformly). Collection keeps the config's "
-                         "exploration: softmax(Q / 1) over Q-values that differ by a fraction of a reward would "
-                         "hide what the writer learned")
+                         "method; a writer without Q-values picks uniformly); 0 = greedy (argmax Q, the policy "
+                         "offline Q-learning defines). Collection keeps the config's exploration: softmax(Q / 1) "
+                         "over Q-values that differ by a fraction of a reward would hide what the writer learned")
+    ap.add_argument("--reuse-runs", type=Path, default=None,
+                    help="an earlier invocation's work folder (<work>/<env>-<time>): a (method, seed) trained there "
+                         "is evaluated again instead of retrained (for a change of eval protocol only; the unit "
+                         "records the folder)")
     ap.add_argument("--engine", default="vllm", choices=("hf", "vllm"))
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the wiring, decides nothing")
     ap.add_argument("--force", action="store_true", help="redo units that already have results")
@@ -240,9 +277,15 @@ def main() -> None:
              "lower.problems_per_iteration": args.problems_per_iteration, "joint.upper_steps": args.upper_steps,
              "upper.warmup_steps": min(5, args.upper_steps), "upper.eval_every": max(1, args.upper_steps),
              "upper.save_every": max(1, args.upper_steps)}
-    evalsel = {"episode.strategy_selection": "epsilon_softmax", "episode.epsilon": 0.0,
-               "episode.strategy_temperature": args.eval_strategy_temperature}
+    if args.eval_strategy_temperature < 0:
+        ap.error("--eval-strategy-temperature must be >= 0 (0 = greedy)")
+    evalsel = ({"episode.strategy_selection": "epsilon_greedy", "episode.epsilon": 0.0}
+               if args.eval_strategy_temperature == 0 else
+               {"episode.strategy_selection": "epsilon_softmax", "episode.epsilon": 0.0,
+                "episode.strategy_temperature": args.eval_strategy_temperature})
     key = _unit_key(args)
+    # units of a writer with Q under another eval rule sit beside the default ones, not over them
+    eval_tag = "greedy-eval" if args.eval_strategy_temperature == 0 else f"eval-T{args.eval_strategy_temperature:g}"
     units = RESULTS / "learning_efficacy" / (f"{args.env}-L{args.level}" + ("-smoke" if args.smoke else ""))
     units.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) / f"{args.env}-{dt.datetime.now():%Y%m%d-%H%M%S}"
@@ -257,7 +300,10 @@ def main() -> None:
             if extra is None and seed != args.seeds[0]:
                 continue
             path = units / f"{name}-seed{seed}.json"
-            if path.exists() and not args.force and json.loads(path.read_text()).get("key") == key:
+            if args.eval_strategy_temperature != 0.1 and writer_has_q(preset, extra):
+                path = units / f"{name}-seed{seed}-{eval_tag}.json"
+            if (path.exists() and not args.force
+                    and _same_unit(json.loads(path.read_text()).get("key"), key, writer_has_q(preset, extra))):
                 continue
             if args.table_only:
                 print(f"table only: {name} seed {seed} has no unit", flush=True)
@@ -265,7 +311,7 @@ def main() -> None:
             if args.budget_minutes and time.time() - t_start > 60 * args.budget_minutes:
                 print(f"budget spent: {name} seed {seed} not started", flush=True)
                 continue
-            r = run_method(name, preset, extra, common, train, evalsel, seed, work, sha)
+            r = run_method(name, preset, extra, common, train, evalsel, seed, work, sha, args.reuse_runs)
             path.write_text(json.dumps({"key": key, "date": dt.datetime.now().isoformat(
                 timespec="seconds"), "load_avg": os.getloadavg(), **{k: (v.tolist() if isinstance(v, np.ndarray)
                                                                            else v) for k, v in r.items()}}))
@@ -273,10 +319,11 @@ def main() -> None:
                   f"({r['train_seconds']:.0f} s train, {r['eval_seconds']:.0f} s eval)", flush=True)
     per: dict[str, list[dict]] = {}
     shas = set()
-    for name in every:
+    for name, (preset, extra) in every.items():
+        has_q = writer_has_q(preset, extra)
         for f in sorted(units.glob(f"{name}-seed*.json")):
             u = json.loads(f.read_text())
-            if u.get("key") != key:
+            if u["method"] != name or not _same_unit(u.get("key"), key, has_q):
                 continue
             shas.add(u["git_sha"])
             per.setdefault(name, []).append({**u, "t1": np.array(u["t1"]), "final": np.array(u["final"])})
@@ -294,9 +341,11 @@ def main() -> None:
             f"Compute per trained method and seed: {args.rounds} rounds x ({args.collect_problems} writer problems + "
             f"{args.lower_iterations} PPO iterations x {args.problems_per_iteration} problems) x "
             f"{args.n_samples} samples, {args.upper_steps} writer steps per round. Eval: greedy decoding, strategies by "
-            f"softmax(Q / {args.eval_strategy_temperature}) (uniform without Q-values).", ""]
+            + ("argmax Q" if args.eval_strategy_temperature == 0 else f"softmax(Q / {args.eval_strategy_temperature})")
+            + " (uniform without Q-values)." + (" Trained policies reused from earlier units' folders where recorded."
+                                                 if args.reuse_runs else ""), ""]
     stem = (f"learning_efficacy-{args.env}" + ("" if args.primary == "mlmt" else f"-{args.primary}")
-            + ("-smoke" if args.smoke else ""))
+            + ("" if args.eval_strategy_temperature == 0.1 else f"-{eval_tag}") + ("-smoke" if args.smoke else ""))
     (RESULTS / f"{stem}.md").write_text("\n".join(head + lines) + "\n")
     (RESULTS / f"{stem}.json").write_text(json.dumps({
         "date": dt.datetime.now().isoformat(timespec="seconds"), "machine": f"{platform.machine()} {os.cpu_count()}",

@@ -1,6 +1,7 @@
 """DeepSpeed JSON handling: "auto" fields come from the trainer's knobs, never silently disagree."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -36,3 +37,18 @@ def test_accelerate_launch_deepspeed_config_is_picked_up(monkeypatch):
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "configs/deepspeed/zero2.json")
     assert deepspeed_config_path("") == "configs/deepspeed/zero2.json"
     assert deepspeed_config_path("mine.json") == "mine.json"  # the mlmt config wins
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path):
+    # torch's FileBaton waits forever on <ext>/lock; a killed JIT build leaves it behind
+    from tosca_mlmt.train.distributed import STALE_BUILD_LOCK_S, clear_stale_build_locks
+
+    old, live = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"
+    for lock in (old, live):
+        lock.parent.mkdir()
+        lock.touch()
+    aged = old.stat().st_mtime - STALE_BUILD_LOCK_S - 1
+    os.utime(old, (aged, aged))
+    with pytest.warns(UserWarning, match="stale torch-extension build lock"):
+        removed = clear_stale_build_locks(tmp_path)
+    assert removed == [old] and not old.exists() and live.exists()

@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -68,12 +70,36 @@ def saved_world_size(folder: Path) -> int:
     return len(list((folder / "deepspeed" / "state").glob("zero_pp_rank_*_optim_states.pt")))
 
 
+# A JIT build of DeepSpeed's comm op takes ~30 s on 2 cores; a build lock this old has no builder.
+STALE_BUILD_LOCK_S = 600.0
+
+
+def clear_stale_build_locks(root: Path, max_age_s: float = STALE_BUILD_LOCK_S) -> list[Path]:
+    """Remove torch-extension build locks older than ``max_age_s``. A process killed while it built
+    (Ctrl-C, a test timeout) leaves ``<ext>/lock`` behind, and torch's FileBaton then waits on it
+    forever with no message: every later DeepSpeed start hangs. The lock holds no pid, so age decides."""
+    removed = []
+    now = time.time()
+    for lock in root.glob("*/lock"):
+        try:
+            if now - lock.stat().st_mtime > max_age_s:
+                lock.unlink()
+                removed.append(lock)
+        except FileNotFoundError:  # another rank removed it, or its build just finished
+            continue
+    for lock in removed:
+        warnings.warn(f"removed a stale torch-extension build lock (older than {max_age_s:.0f} s, its builder is "
+                      f"gone): {lock}", stacklevel=2)
+    return removed
+
+
 def _deepspeed_build_dir() -> None:
     """DeepSpeed JIT-builds its CPU comm op on first start (~30 s); keep the build beside the
     model cache. Set when an engine starts, not on import: importing must not change the process."""
     from tosca_mlmt.models.loading import cache_root
 
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_root() / "torch_extensions"))
+    clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
 
 
 class Closure(nn.Module):
