@@ -114,6 +114,21 @@ def run_method(name: str, preset: Path, extra: dict | None, common: dict, train:
             "environment": report.get("environment"), "train_curve": curve, **out}
 
 
+def config_hash(preset: Path, extra: dict | None, common: dict, train: dict) -> str:
+    """What a method trains with, resolved (preset, its includes, the overrides, every default), seed
+    left out. A unit counts for a method only under this hash: a preset that changes makes the old
+    units stale instead of silently pooling them, and two names for one configuration share units."""
+    import dataclasses
+    import hashlib
+
+    from tosca_mlmt.config import load_config
+
+    cfg = dataclasses.asdict(load_config(preset, {**common, **train, **(extra or {}), "seed": 0}))
+    cfg.pop("seed")
+    text = json.dumps({"trained": extra is not None, "config": cfg}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def writer_has_q(preset: Path, extra: dict | None) -> bool:
     """Whether the method's eval writer has Q-values. Without them every selection rule is uniform, so the
     eval-selection sizes do not define its units (a greedy-eval table reuses them)."""
@@ -223,6 +238,20 @@ def _same_unit(stored: dict | None, key: dict, has_q: bool) -> bool:
     return drop(stored) == drop(key)
 
 
+def run_overrides(args) -> tuple[dict, dict]:
+    """(overrides of every run and eval, overrides of training only) from the sizes."""
+    common = {"task.name": "arith", "task.level": args.level, "task.limit": args.test_problems,
+              "logging.wandb": False, "logging.progress": False, "engine.name": args.engine,
+              "episode.max_prompt_tokens": 768, "engine.vllm.max_model_len": 1024, **ENV_OVERRIDES[args.env]}
+    # equal compute for every trained method (a frozen part simply spends none of it)
+    train = {"task.split": "train", "task.limit": 0, "joint.rounds": args.rounds, "episode.n_samples": args.n_samples,
+             "joint.collect_problems": args.collect_problems, "joint.lower_iterations": args.lower_iterations,
+             "lower.problems_per_iteration": args.problems_per_iteration, "joint.upper_steps": args.upper_steps,
+             "upper.warmup_steps": min(5, args.upper_steps), "upper.eval_every": max(1, args.upper_steps),
+             "upper.save_every": max(1, args.upper_steps)}
+    return common, train
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--env", default="none", choices=tuple(ENV_OVERRIDES))
@@ -268,15 +297,7 @@ def main() -> None:
         if unknown:
             ap.error(f"unknown method(s) {sorted(unknown)}; allowed: {', '.join(every)}")
         methods = {k: every[k] for k in args.methods}  # in the order given: the first ones run first
-    common = {"task.name": "arith", "task.level": args.level, "task.limit": args.test_problems,
-              "logging.wandb": False, "logging.progress": False, "engine.name": args.engine,
-              "episode.max_prompt_tokens": 768, "engine.vllm.max_model_len": 1024, **ENV_OVERRIDES[args.env]}
-    # equal compute for every trained method (a frozen part simply spends none of it)
-    train = {"task.split": "train", "task.limit": 0, "joint.rounds": args.rounds, "episode.n_samples": args.n_samples,
-             "joint.collect_problems": args.collect_problems, "joint.lower_iterations": args.lower_iterations,
-             "lower.problems_per_iteration": args.problems_per_iteration, "joint.upper_steps": args.upper_steps,
-             "upper.warmup_steps": min(5, args.upper_steps), "upper.eval_every": max(1, args.upper_steps),
-             "upper.save_every": max(1, args.upper_steps)}
+    common, train = run_overrides(args)
     if args.eval_strategy_temperature < 0:
         ap.error("--eval-strategy-temperature must be >= 0 (0 = greedy)")
     evalsel = ({"episode.strategy_selection": "epsilon_greedy", "episode.epsilon": 0.0}
@@ -294,17 +315,28 @@ def main() -> None:
     # the code that runs: read before the first unit imports it (a commit may land while units run)
     sha = git_sha() or "unknown"
     t_start = time.time()
+    hashes = {name: config_hash(preset, extra, common, train) for name, (preset, extra) in every.items()}
+    has_q = {name: writer_has_q(preset, extra) for name, (preset, extra) in every.items()}
+    stored = [json.loads(f.read_text()) for f in sorted(units.glob("*.json"))]
+
+    def finished(name: str, seed: int) -> dict | None:
+        """A unit of this configuration and seed under this protocol, whichever method name ran it."""
+        for u in stored:
+            if (u["seed"] == seed and u.get("config") == hashes[name]
+                    and _same_unit(u.get("key"), key, has_q[name])):
+                return u
+        return None
+
     # seed-major: every method's seed 0 before any seed 1, so a budget cut leaves complete pairings
     for seed in args.seeds:
         for name, (preset, extra) in methods.items():
             if extra is None and seed != args.seeds[0]:
                 continue
-            path = units / f"{name}-seed{seed}.json"
-            if args.eval_strategy_temperature != 0.1 and writer_has_q(preset, extra):
-                path = units / f"{name}-seed{seed}-{eval_tag}.json"
-            if (path.exists() and not args.force
-                    and _same_unit(json.loads(path.read_text()).get("key"), key, writer_has_q(preset, extra))):
+            if not args.force and finished(name, seed) is not None:
                 continue
+            path = units / f"{name}-seed{seed}.json"
+            if args.eval_strategy_temperature != 0.1 and has_q[name]:
+                path = units / f"{name}-seed{seed}-{eval_tag}.json"
             if args.table_only:
                 print(f"table only: {name} seed {seed} has no unit", flush=True)
                 continue
@@ -312,27 +344,37 @@ def main() -> None:
                 print(f"budget spent: {name} seed {seed} not started", flush=True)
                 continue
             r = run_method(name, preset, extra, common, train, evalsel, seed, work, sha, args.reuse_runs)
-            path.write_text(json.dumps({"key": key, "date": dt.datetime.now().isoformat(
-                timespec="seconds"), "load_avg": os.getloadavg(), **{k: (v.tolist() if isinstance(v, np.ndarray)
-                                                                           else v) for k, v in r.items()}}))
+            unit = {"key": key, "config": hashes[name], "date": dt.datetime.now().isoformat(timespec="seconds"),
+                    "load_avg": os.getloadavg(),
+                    **{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in r.items()}}
+            path.write_text(json.dumps(unit))
+            stored.append(unit)
             print(f"{name} seed {seed}: Acc@t1 {r['t1'].mean():.3f} Acc@final {r['final'].mean():.3f} "
-                  f"({r['train_seconds']:.0f} s train, {r['eval_seconds']:.0f} s eval)", flush=True)
+                  f"({r['train_seconds'] or 0:.0f} s train, {r['eval_seconds']:.0f} s eval)", flush=True)
     per: dict[str, list[dict]] = {}
     shas = set()
-    for name, (preset, extra) in every.items():
-        has_q = writer_has_q(preset, extra)
-        for f in sorted(units.glob(f"{name}-seed*.json")):
-            u = json.loads(f.read_text())
-            if u["method"] != name or not _same_unit(u.get("key"), key, has_q):
-                continue
-            shas.add(u["git_sha"])
-            per.setdefault(name, []).append({**u, "t1": np.array(u["t1"]), "final": np.array(u["final"])})
+    same_as: dict[str, str] = {}  # a name whose configuration an earlier name already shows
+    shown: dict[str, str] = {}
+    for name in every:
+        if hashes[name] in shown:
+            same_as[name] = shown[hashes[name]]
+            continue
+        shown[hashes[name]] = name
+        for seed in sorted({u["seed"] for u in stored}):
+            u = finished(name, seed)
+            if u is not None:
+                shas.add(u["git_sha"])
+                per.setdefault(name, []).append({**u, "t1": np.array(u["t1"]), "final": np.array(u["final"])})
+    if args.primary in same_as:
+        ap.error(f"--primary {args.primary} has the configuration of {same_as[args.primary]}; name that one")
     seeds = sorted({r["seed"] for name, runs in per.items() if name != "untrained" for r in runs}) or args.seeds
     # the untrained pair has no training seed: its one eval stands for every seed of the pairing
     if "untrained" in per:
         per["untrained"] = [{**per["untrained"][0], "seed": k} for k in seeds]
     summary, lines = table(per, args.primary)
     lines += batch_lines(per)
+    if same_as:
+        lines += ["", "Same configuration, shown once: " + "; ".join(f"{a} = {b}" for a, b in same_as.items()) + "."]
     label = "privileged (writer sees the verdict)" if args.env == "verdict" else "honest"
     head = [f"# Learning efficacy, env `{args.env}` ({label}), arith level {args.level}",
             f"{dt.datetime.now():%Y-%m-%d}, {platform.machine()} {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, "
