@@ -43,38 +43,41 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
 MLMT = ROOT / "configs" / "mlmt.yaml"
 
-OWN_CREDIT_KL_LOSS = {"lower.turn_gamma": 0.0, "lower.kl_mode": "loss"}
-# name -> (preset, overrides). All share the compute budget set in main().
+# configs/mlmt.yaml's solver credit before 2026-11-26: reward-to-go over the turns, the KL as a reward
+REWARD_TO_GO = {"lower.turn_gamma": 1.0, "lower.kl_mode": "reward"}
+# name -> (preset, overrides). All share the compute budget set in main(). Units are found by the hash of
+# the resolved configuration, not by name (config_hash), so a renamed method keeps its units.
 METHODS = {
     "untrained": (MLMT, None),  # no training: eval of the base pair
     "score": (ROOT / "configs" / "score.yaml", {}),
     "single-turn-grpo": (ROOT / "configs" / "single-turn-grpo.yaml", {}),
     "mlmt": (MLMT, {}),
     "mlmt-no-bonus": (MLMT, {"lower.bonus.coef": 0.0}),
-    "mlmt-no-signal-table": (MLMT, {"upper.q_signal": False}),
+    "writer-only": (MLMT, {"joint.freeze_solver": True}),
+    "solver-only": (MLMT, {"joint.freeze_writer": True}),
     # the writer's collected text written greedily, as eval writes it: Q is then fitted on the outcomes of
     # the text it will be judged by (at T = 0.7, seed 0's check_arithmetic broke 3 of 34 right answers in
     # collect and 16 of 66 at greedy eval)
     "mlmt-greedy-writer-data": (MLMT, {"collect.writer_temperature": 0.0}),
-    # turn 1 credited by its own reward only (R_1 = r1, not r1 + r_final): in the PPO batches (T = 0.7) the
-    # refine broke many right first answers (mlmt-greedy-writer-data: 18 of 23 in seed 0, 9 of 23 in seed 1), so with
-    # reward-to-go a right attempt that a refine broke scored like a wrong one a refine fixed, while
-    # single-turn GRPO, whose turn 1 learns from r1 alone, reached the best Acc@t1
-    "mlmt-turn-own-credit": (MLMT, {"lower.turn_gamma": 0.0}),
-    # the same with the KL penalty in the loss (GRPO's form) instead of in the rewards: seed 0 of the line
-    # above collapsed (Acc@t1 0.063) because, in a group whose task rewards tie, std normalisation blows
-    # the per-token KL penalties' tiny spread up to unit advantages that favour short answers
-    "mlmt-turn-own-credit-kl-loss": (MLMT, OWN_CREDIT_KL_LOSS),
-    "writer-only": (MLMT, {"joint.freeze_solver": True}),
-    "solver-only": (MLMT, {"joint.freeze_writer": True}),
-    # the control trained as the line above trains its solver (both KL placements hit the trap otherwise)
-    "solver-only-turn-own-credit-kl-loss": (MLMT, {"joint.freeze_writer": True, **OWN_CREDIT_KL_LOSS}),
+    # --- the preset before turn-own credit (the units that led to it) ---
+    # turn 1 credited by r1 + r_final: in the PPO batches (T = 0.7) the refine broke many right first
+    # answers (18 of 23 in seed 0 of the greedy-writer-data line, 9 of 23 in seed 1), so a right attempt
+    # that a refine broke scored like a wrong one a refine fixed
+    "mlmt-reward-to-go": (MLMT, REWARD_TO_GO),
+    "mlmt-reward-to-go-no-signal-table": (MLMT, {**REWARD_TO_GO, "upper.q_signal": False}),
+    "mlmt-reward-to-go-greedy-writer-data": (MLMT, {**REWARD_TO_GO, "collect.writer_temperature": 0.0}),
+    "solver-only-reward-to-go": (MLMT, {**REWARD_TO_GO, "joint.freeze_writer": True}),
+    # turn-own credit with the KL still a reward: seed 0 collapsed (Acc@t1 0.063) because, in a group whose
+    # task rewards tie, std normalisation blows the per-token KL penalties' tiny spread up to unit
+    # advantages that favour short answers. The preset moved the KL into the loss (GRPO's form).
+    "mlmt-turn-own-credit-kl-reward": (MLMT, {"lower.kl_mode": "reward"}),
+    # the preset's configuration under the name it was measured by before it became the preset
+    "mlmt-turn-own-credit-kl-loss": (MLMT, {"lower.turn_gamma": 0.0, "lower.kl_mode": "loss"}),
 }
 # the control of the privileged environment: the verdict itself as feedback, solver trained like mlmt's
 VERDICT_CONTROL = {"verdict-template": (MLMT, {"episode.feedback": "verdict", "joint.freeze_writer": True}),
-                   "verdict-template-turn-own-credit-kl-loss": (MLMT, {"episode.feedback": "verdict",
-                                                                       "joint.freeze_writer": True,
-                                                                       **OWN_CREDIT_KL_LOSS})}
+                   "verdict-template-reward-to-go": (MLMT, {**REWARD_TO_GO, "episode.feedback": "verdict",
+                                                            "joint.freeze_writer": True})}
 ENV_OVERRIDES = {"none": {}, "confidence": {"episode.writer_sees": "confidence"},
                  "verdict": {"episode.writer_sees": "verdict"}}
 
@@ -125,6 +128,9 @@ def config_hash(preset: Path, extra: dict | None, common: dict, train: dict) -> 
 
     cfg = dataclasses.asdict(load_config(preset, {**common, **train, **(extra or {}), "seed": 0}))
     cfg.pop("seed")
+    if extra is None:  # nothing trains: what only training reads does not define the unit
+        for section in ("lower", "upper", "joint"):
+            cfg.pop(section)
     text = json.dumps({"trained": extra is not None, "config": cfg}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -334,9 +340,9 @@ def main() -> None:
                 continue
             if not args.force and finished(name, seed) is not None:
                 continue
-            path = units / f"{name}-seed{seed}.json"
-            if args.eval_strategy_temperature != 0.1 and has_q[name]:
-                path = units / f"{name}-seed{seed}-{eval_tag}.json"
+            path = units / (f"{name}-seed{seed}-{hashes[name][:8]}"
+                            + (f"-{eval_tag}" if args.eval_strategy_temperature != 0.1 and has_q[name] else "")
+                            + ".json")
             if args.table_only:
                 print(f"table only: {name} seed {seed} has no unit", flush=True)
                 continue
