@@ -17,9 +17,14 @@ environment; its results are labelled and never mixed with honest ones).
     python benchmarks/learning_efficacy.py --smoke          # minutes: wiring only, decides nothing
 
 Each (method, seed) is one *unit*, written as soon as it finishes to
-benchmarks/results/learning_efficacy/<env>-L<level>/<method>-seed<k>.json with its git sha and the
-sizes that define it; a rerun with the same sizes skips finished units (``--force`` redoes them), so a
-grid larger than one sitting fills up over several runs (``--budget-minutes`` stops starting units).
+benchmarks/results/learning_efficacy/<env>-L<level>/<method>-seed<k>-<hash>.json with its git sha, the
+sizes that define it and the hash of the resolved configuration it trained with. A unit counts for a
+method only under that hash: when a preset changes, the old units stop counting for it (they stay on
+disk and count for a method named with the old settings), and two names for one configuration share
+units. A rerun with the same sizes skips finished units (``--force`` redoes them), so a grid larger
+than one sitting fills up over several runs (``--budget-minutes`` stops starting units).
+``--eval-strategy-temperature 0`` evaluates by argmax Q; with ``--reuse-runs`` the policies an earlier
+invocation trained are evaluated again under the new rule instead of being retrained.
 The table is assembled from every finished unit with the same sizes and written to
 benchmarks/results/learning_efficacy-<env>.json (+ .md) with date, machine, load and seeds; units
 from different code (git sha) are listed so a reader can judge whether they may be pooled.
