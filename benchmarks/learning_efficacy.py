@@ -64,6 +64,12 @@ METHODS = {
     # the text it will be judged by (at T = 0.7, seed 0's check_arithmetic broke 3 of 34 right answers in
     # collect and 16 of 66 at greedy eval)
     "mlmt-greedy-writer-data": (MLMT, {"collect.writer_temperature": 0.0}),
+    # the writer as a pure strategy selector: every strategy's feedback is its fixed sentence alone. In the
+    # verdict env the trained writer trailed the template, whose one true sentence breaks nothing, while
+    # confirm's sentence alone broke 3-6 % and the writer's text after the others more
+    "mlmt-sentences-only": (MLMT, {"episode.prefix_only": ["check_arithmetic", "reread_question",
+                                                           "verify_substitution", "start_over", "confirm",
+                                                           "simplify"]}),  # every default strategy
     # --- the preset before turn-own credit (the units that led to it) ---
     # turn 1 credited by r1 + r_final: in the PPO batches (T = 0.7) the refine broke many right first
     # answers (18 of 23 in seed 0 of the greedy-writer-data line, 9 of 23 in seed 1), so a right attempt
