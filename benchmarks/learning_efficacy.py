@@ -51,7 +51,7 @@ MLMT = ROOT / "configs" / "mlmt.yaml"
 # configs/mlmt.yaml's solver credit before 2026-11-26: reward-to-go over the turns, the KL as a reward
 REWARD_TO_GO = {"lower.turn_gamma": 1.0, "lower.kl_mode": "reward"}
 # name -> (preset, overrides). All share the compute budget set in main(). Units are found by the hash of
-# the resolved configuration, not by name (config_hash), so a renamed method keeps its units.
+# the resolved configuration, not by name (identity), so a renamed method keeps its units.
 METHODS = {
     "untrained": (MLMT, None),  # no training: eval of the base pair
     "score": (ROOT / "configs" / "score.yaml", {}),
@@ -128,30 +128,28 @@ def run_method(name: str, preset: Path, extra: dict | None, common: dict, train:
             "environment": report.get("environment"), "train_curve": curve, **out}
 
 
-def config_hash(preset: Path, extra: dict | None, common: dict, train: dict) -> str:
-    """What a method trains with, resolved (preset, its includes, the overrides, every default), seed
-    left out. A unit counts for a method only under this hash: a preset that changes makes the old
-    units stale instead of silently pooling them, and two names for one configuration share units."""
+def identity(preset: Path, extra: dict | None, common: dict, train: dict) -> tuple[str, bool]:
+    """(config hash, writer has Q) from one resolution of the method's configuration.
+
+    The hash covers what the method trains with (preset, its includes, the overrides, every default),
+    seed left out. A unit counts for a method only under it: a preset that changes makes the old units
+    stale instead of silently pooling them, and two names for one configuration share units.
+    Without Q-values (nothing trained, or a frozen writer) every selection rule is uniform, so the
+    eval-selection sizes do not define the method's units (a greedy-eval table reuses them)."""
     import dataclasses
     import hashlib
 
     from tosca_mlmt.config import load_config
 
-    cfg = dataclasses.asdict(load_config(preset, {**common, **train, **(extra or {}), "seed": 0}))
+    resolved = load_config(preset, {**common, **train, **(extra or {}), "seed": 0})
+    has_q = extra is not None and not resolved.joint.freeze_writer
+    cfg = dataclasses.asdict(resolved)
     cfg.pop("seed")
     if extra is None:  # nothing trains: what only training reads does not define the unit
         for section in ("lower", "upper", "joint"):
             cfg.pop(section)
     text = json.dumps({"trained": extra is not None, "config": cfg}, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def writer_has_q(preset: Path, extra: dict | None) -> bool:
-    """Whether the method's eval writer has Q-values. Without them every selection rule is uniform, so the
-    eval-selection sizes do not define its units (a greedy-eval table reuses them)."""
-    from tosca_mlmt.config import load_config
-
-    return extra is not None and not load_config(preset, dict(extra)).joint.freeze_writer
+    return hashlib.sha256(text.encode()).hexdigest()[:16], has_q
 
 
 # what the PPO batches saw, per iteration: the first attempts' accuracy at the sampling temperature
@@ -323,6 +321,7 @@ def main() -> None:
                 "episode.strategy_temperature": args.eval_strategy_temperature})
     key = _unit_key(args)
     # units of a writer with Q under another eval rule sit beside the default ones, not over them
+    default_rule = args.eval_strategy_temperature == ap.get_default("eval_strategy_temperature")
     eval_tag = "greedy-eval" if args.eval_strategy_temperature == 0 else f"eval-T{args.eval_strategy_temperature:g}"
     units = RESULTS / "learning_efficacy" / (f"{args.env}-L{args.level}" + ("-smoke" if args.smoke else ""))
     units.mkdir(parents=True, exist_ok=True)
@@ -332,8 +331,9 @@ def main() -> None:
     # the code that runs: read before the first unit imports it (a commit may land while units run)
     sha = git_sha() or "unknown"
     t_start = time.time()
-    hashes = {name: config_hash(preset, extra, common, train) for name, (preset, extra) in every.items()}
-    has_q = {name: writer_has_q(preset, extra) for name, (preset, extra) in every.items()}
+    ids = {name: identity(preset, extra, common, train) for name, (preset, extra) in every.items()}
+    hashes = {name: h for name, (h, _) in ids.items()}
+    has_q = {name: q for name, (_, q) in ids.items()}
     stored = [json.loads(f.read_text()) for f in sorted(units.glob("*.json"))]
 
     def finished(name: str, seed: int) -> dict | None:
@@ -352,7 +352,7 @@ def main() -> None:
             if not args.force and finished(name, seed) is not None:
                 continue
             path = units / (f"{name}-seed{seed}-{hashes[name][:8]}"
-                            + (f"-{eval_tag}" if args.eval_strategy_temperature != 0.1 and has_q[name] else "")
+                            + (f"-{eval_tag}" if not default_rule and has_q[name] else "")
                             + ".json")
             if args.table_only:
                 print(f"table only: {name} seed {seed} has no unit", flush=True)
@@ -404,7 +404,7 @@ def main() -> None:
             + " (uniform without Q-values)." + (" Trained policies reused from earlier units' folders where recorded."
                                                  if args.reuse_runs else ""), ""]
     stem = (f"learning_efficacy-{args.env}" + ("" if args.primary == "mlmt" else f"-{args.primary}")
-            + ("" if args.eval_strategy_temperature == 0.1 else f"-{eval_tag}") + ("-smoke" if args.smoke else ""))
+            + ("" if default_rule else f"-{eval_tag}") + ("-smoke" if args.smoke else ""))
     (RESULTS / f"{stem}.md").write_text("\n".join(head + lines) + "\n")
     (RESULTS / f"{stem}.json").write_text(json.dumps({
         "date": dt.datetime.now().isoformat(timespec="seconds"), "machine": f"{platform.machine()} {os.cpu_count()}",

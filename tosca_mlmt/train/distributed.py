@@ -82,12 +82,12 @@ def clear_stale_build_locks(root: Path, max_age_s: float = STALE_BUILD_LOCK_S) -
     now = time.time()
     for lock in root.glob("*/lock"):
         try:
-            if now - lock.stat().st_mtime > max_age_s:
-                lock.unlink()
-                removed.append(lock)
+            if now - lock.stat().st_mtime <= max_age_s:
+                continue
+            lock.unlink()
         except FileNotFoundError:  # another rank removed it, or its build just finished
             continue
-    for lock in removed:
+        removed.append(lock)
         warnings.warn(f"removed a stale torch-extension build lock (older than {max_age_s:.0f} s, its builder is "
                       f"gone): {lock}", stacklevel=2)
     return removed
