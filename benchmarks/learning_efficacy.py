@@ -70,6 +70,10 @@ METHODS = {
     "mlmt-sentences-only": (MLMT, {"episode.prefix_only": ["check_arithmetic", "reread_question",
                                                            "verify_substitution", "start_over", "confirm",
                                                            "simplify"]}),  # every default strategy
+    # turn 1 credited mostly by its own reward, a quarter by the refine's: in the honest confidence env
+    # turn-own credit (turn_gamma 0) left nothing that asks a first answer to survive its refine
+    # (c->i 3.0 % against i->c 2.8 %), while reward-to-go (1) broke the PPO batches' right attempts' credit
+    "mlmt-turn-gamma-0.25": (MLMT, {"lower.turn_gamma": 0.25}),
     # --- the preset before turn-own credit (the units that led to it) ---
     # turn 1 credited by r1 + r_final: in the PPO batches (T = 0.7) the refine broke many right first
     # answers (18 of 23 in seed 0 of the greedy-writer-data line, 9 of 23 in seed 1), so a right attempt

@@ -1,0 +1,46 @@
+"""The learning benchmark's methods: each resolves to a valid configuration in every environment, and
+its units are keyed by what it trains with (two names share units only when their configurations are
+one). A unit costs ~25 CPU minutes, so a method that fails validation or silently equals another must
+fail here, not an hour into a run."""
+
+import importlib.util
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("learning_efficacy", ROOT / "benchmarks" / "learning_efficacy.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def sizes(env: str) -> types.SimpleNamespace:
+    return types.SimpleNamespace(env=env, level=2, test_problems=300, engine="vllm", rounds=4, n_samples=4,
+                                 collect_problems=32, lower_iterations=2, problems_per_iteration=4, upper_steps=30)
+
+
+@pytest.mark.parametrize("env", ["none", "confidence", "verdict"])
+def test_every_method_resolves_and_names_one_configuration(bench, env):
+    every = dict(bench.METHODS, **(bench.VERDICT_CONTROL if env == "verdict" else {}))
+    common, train = bench.run_overrides(sizes(env))
+    ids = {name: bench.identity(preset, extra, common, train) for name, (preset, extra) in every.items()}
+    by_hash: dict[str, list[str]] = {}
+    for name, (h, _) in ids.items():
+        by_hash.setdefault(h, []).append(name)
+    shared = sorted(sorted(names) for names in by_hash.values() if len(names) > 1)
+    # the one declared alias: the preset's configuration under the name it was measured by
+    assert shared == [["mlmt", "mlmt-turn-own-credit-kl-loss"]]
+    assert not ids["untrained"][1] and not ids["solver-only"][1] and ids["mlmt"][1]
+
+
+def test_untrained_unit_ignores_training_sections_only(bench):
+    common, train = bench.run_overrides(sizes("verdict"))
+    base = bench.identity(bench.MLMT, None, common, train)[0]
+    assert bench.identity(bench.MLMT, None, common, {**train, "lower.lr": 1e-5})[0] == base
+    assert bench.identity(bench.MLMT, None, {**common, "episode.max_feedback_tokens": 32}, train)[0] != base
