@@ -414,7 +414,8 @@ def main() -> None:
         "date": dt.datetime.now().isoformat(timespec="seconds"), "machine": f"{platform.machine()} {os.cpu_count()}",
         "load_avg": os.getloadavg(), "args": vars(args), "environment": label, "summary": summary,
         "code": sorted(shas), "runs": [{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in r.items()
-                                        if k != "ids"} for runs in per.values() for r in runs]}, indent=1))
+                                        if k != "ids"} for runs in per.values() for r in runs]},
+        indent=1, default=str))  # default=str: --reuse-runs and --work are Paths
     print("\n".join(head + lines))
 
 
