@@ -67,9 +67,7 @@ METHODS = {
     # the writer as a pure strategy selector: every strategy's feedback is its fixed sentence alone. In the
     # verdict env the trained writer trailed the template, whose one true sentence breaks nothing, while
     # confirm's sentence alone broke 3-6 % and the writer's text after the others more
-    "mlmt-sentences-only": (MLMT, {"episode.prefix_only": ["check_arithmetic", "reread_question",
-                                                           "verify_substitution", "start_over", "confirm",
-                                                           "simplify"]}),  # every default strategy
+    "mlmt-sentences-only": (ROOT / "configs" / "mlmt-selector.yaml", {}),
     # turn 1 credited mostly by its own reward, a quarter by the refine's: in the honest confidence env
     # turn-own credit (turn_gamma 0) left nothing that asks a first answer to survive its refine
     # (c->i 3.0 % against i->c 2.8 %), while reward-to-go (1) broke the PPO batches' right attempts' credit

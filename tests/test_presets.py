@@ -109,3 +109,13 @@ def test_wheel_ships_the_presets_and_finds_them_installed(tmp_path):
                          env=dict(os.environ, PYTHONPATH=str(site)), timeout=120).stdout.split()
     assert out[0] == str(site / "tosca_mlmt" / "configs")
     assert out[1] == str(site / "tosca_mlmt" / "configs" / "deepspeed" / "zero2.json")
+
+
+def test_selector_preset_sends_every_strategy_as_its_sentence_alone():
+    """mlmt-selector is mlmt with the writer reduced to choosing a sentence: a strategy added to the
+    defaults without joining prefix_only would silently bring the writer's own text back."""
+    sel, full = load_config(REPO / "configs" / "mlmt-selector.yaml"), load_config(REPO / "configs" / "mlmt.yaml")
+    assert sorted(sel.episode.prefix_only) == sorted(s["name"] for s in sel.episode.strategies)
+    assert all("prefix" in s for s in sel.episode.strategies)
+    assert full.episode.prefix_only == ["confirm"]
+    assert sel.lower == full.lower and sel.upper == full.upper and sel.joint == full.joint
