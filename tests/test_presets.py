@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -119,3 +120,5 @@ def test_selector_preset_sends_every_strategy_as_its_sentence_alone():
     assert all("prefix" in s for s in sel.episode.strategies)
     assert full.episode.prefix_only == ["confirm"]
     assert sel.lower == full.lower and sel.upper == full.upper and sel.joint == full.joint
+    # and nothing else differs: the benchmark's mlmt-sentences-only units are this configuration
+    assert dataclasses.replace(sel, episode=dataclasses.replace(sel.episode, prefix_only=full.episode.prefix_only)) == full
