@@ -61,67 +61,70 @@ def collect(cfg: Config, out: str | Path | None = None, *, console=None, policie
     with timer("start_engine"):
         own_engine = engine is None
         engine = engine or make_engine(cfg, policies)
-    n = cfg.episode.n_samples
-    turns_per_episode = 1 + 2 * cfg.episode.rounds
-    # hf: one engine batch of turn-1 prompts per runner batch (so progress moves); vllm schedules
-    # the whole turn itself, so it gets every problem at once.
-    per_batch = len(problems) if cfg.engine.name == "vllm" else max(1, cfg.engine.batch_size // n)
-    progress = rd.progress(cfg)
-    rd.say(f"collect: {len(problems)} problems x {n} samples on {cfg.engine.name}, "
-           f"{cfg.episode.rounds} feedback round(s)")
-    with progress:
-        batches = [problems[s:s + per_batch] for s in range(0, len(problems), per_batch)]
-        mine = dist.shard(len(batches))
-        n_mine = sum(len(batches[b]) for b in mine)  # rank 0's bar counts its own share
-        bar = progress.add_task(cfg.task.name, total=n_mine * n * turns_per_episode)
-        runner = EpisodeRunner(cfg, task, engine, policies,
-                               on_turn=lambda kind, k: progress.update(bar, advance=k * {"solve": n, "counterfactual": 0}.get(kind, 1),
-                                                                        description=f"{cfg.task.name}: {kind}"),
-                               solve_temperature=cfg.collect.solve_temperature,
-                               refine_temperature=cfg.collect.refine_temperature,
-                               writer_temperature=cfg.collect.writer_temperature)
-        with timer("episodes"), policies.full_weights():  # ZeRO-3: whole weights, no per-forward collectives
-            # Under several processes each rank plays a contiguous share of the batches, so the
-            # snapshot holds the same episodes, in the same order, as a one-process run.
-            local = [runner.run(batches[b], batch_index=b) for b in mine]
-            episodes = [e for batch in dist.gather_sharded(local, len(batches)) for e in batch]
-    summary = summarize(episodes)
-    counts = dist.all_sum({"gen_tokens": runner.gen_tokens, "gen_seconds": runner.gen_seconds,
-                           "truncated_prompts": runner.truncated_prompts,
-                           "score_seconds": timer.seconds["episodes"] - runner.gen_seconds,
-                           "reward_calls": getattr(task, "calls", 0), "reward_errors": getattr(task, "errors", 0)})
-    summary.update({
-        "gen_tokens": int(counts["gen_tokens"]),
-        "gen_seconds": round(counts["gen_seconds"], 3),
-        "tokens_per_s": round(counts["gen_tokens"] / max(counts["gen_seconds"], 1e-9), 2),
-        "truncated_prompts": int(counts["truncated_prompts"]),
-        "score_seconds": round(counts["score_seconds"], 3),
-        "processes": dist.world(),
-    })
-    if cfg.task.reward:  # a failing reward function scores 0 and never stops the run: say how often
-        summary.update(reward_calls=int(counts["reward_calls"]), reward_errors=int(counts["reward_errors"]))
-        if summary["reward_errors"] and dist.is_main():
-            warnings.warn(f"task.reward {cfg.task.reward}: {summary['reward_errors']} of {summary['reward_calls']} "
-                          f"call(s) failed and scored 0 (first: {getattr(task, 'first_error', None)})",
-                          stacklevel=2)
-    if hasattr(engine, "sync_seconds"):
-        summary["weight_sync_seconds"] = round(engine.sync_seconds, 3)
-    manifest = snapshot_manifest("collect", cfg, task=task, problems=problems, skipped_rows=skipped,
-                                 models={r: policies.fingerprint(r) for r in ("solver", "writer")},
-                                 strategies=runner.strategies, summary=summary, timings=timer.as_metrics(""),
-                                 parents=cfg.collect.parents)
-    with timer("write_snapshot"):
-        sid, created = write_snapshot(cfg.collect.out, episodes, manifest.to_dict()) if dist.is_main() else (None, False)
-        sid, created = dist.broadcast((sid, created))  # readers on every rank may open it now
-    summary.update(timer.as_metrics())
-    sink = rd.sink(cfg, log_dir or rd.path / "_logs" / f"collect-{_stamp()}-{os.getpid()}", name=sid)
-    sink.log({f"{prefix}/{k}": v for k, v in summary.items()} | {"snapshot_id": sid})
-    samples = sample_rows(episodes)
-    sink.log_table(f"{prefix}/samples", samples)
-    rd.close()
-    if own_engine:
-        engine.close()
-    return CollectResult(sid, created, rd.path / sid, summary, samples)
+    try:
+        n = cfg.episode.n_samples
+        turns_per_episode = 1 + 2 * cfg.episode.rounds
+        # hf: one engine batch of turn-1 prompts per runner batch (so progress moves); vllm schedules
+        # the whole turn itself, so it gets every problem at once.
+        per_batch = len(problems) if cfg.engine.name == "vllm" else max(1, cfg.engine.batch_size // n)
+        progress = rd.progress(cfg)
+        rd.say(f"collect: {len(problems)} problems x {n} samples on {cfg.engine.name}, "
+               f"{cfg.episode.rounds} feedback round(s)")
+        with progress:
+            batches = [problems[s:s + per_batch] for s in range(0, len(problems), per_batch)]
+            mine = dist.shard(len(batches))
+            n_mine = sum(len(batches[b]) for b in mine)  # rank 0's bar counts its own share
+            bar = progress.add_task(cfg.task.name, total=n_mine * n * turns_per_episode)
+            runner = EpisodeRunner(cfg, task, engine, policies,
+                                   on_turn=lambda kind, k: progress.update(
+                                       bar, advance=k * {"solve": n, "counterfactual": 0}.get(kind, 1),
+                                       description=f"{cfg.task.name}: {kind}"),
+                                   solve_temperature=cfg.collect.solve_temperature,
+                                   refine_temperature=cfg.collect.refine_temperature,
+                                   writer_temperature=cfg.collect.writer_temperature)
+            with timer("episodes"), policies.full_weights():  # ZeRO-3: whole weights, no per-forward collectives
+                # Under several processes each rank plays a contiguous share of the batches, so the
+                # snapshot holds the same episodes, in the same order, as a one-process run.
+                local = [runner.run(batches[b], batch_index=b) for b in mine]
+                episodes = [e for batch in dist.gather_sharded(local, len(batches)) for e in batch]
+        summary = summarize(episodes)
+        counts = dist.all_sum({"gen_tokens": runner.gen_tokens, "gen_seconds": runner.gen_seconds,
+                               "truncated_prompts": runner.truncated_prompts,
+                               "score_seconds": timer.seconds["episodes"] - runner.gen_seconds,
+                               "reward_calls": getattr(task, "calls", 0), "reward_errors": getattr(task, "errors", 0)})
+        summary.update({
+            "gen_tokens": int(counts["gen_tokens"]),
+            "gen_seconds": round(counts["gen_seconds"], 3),
+            "tokens_per_s": round(counts["gen_tokens"] / max(counts["gen_seconds"], 1e-9), 2),
+            "truncated_prompts": int(counts["truncated_prompts"]),
+            "score_seconds": round(counts["score_seconds"], 3),
+            "processes": dist.world(),
+        })
+        if cfg.task.reward:  # a failing reward function scores 0 and never stops the run: say how often
+            summary.update(reward_calls=int(counts["reward_calls"]), reward_errors=int(counts["reward_errors"]))
+            if summary["reward_errors"] and dist.is_main():
+                warnings.warn(f"task.reward {cfg.task.reward}: {summary['reward_errors']} of {summary['reward_calls']} "
+                              f"call(s) failed and scored 0 (first: {getattr(task, 'first_error', None)})",
+                              stacklevel=2)
+        if hasattr(engine, "sync_seconds"):
+            summary["weight_sync_seconds"] = round(engine.sync_seconds, 3)
+        manifest = snapshot_manifest("collect", cfg, task=task, problems=problems, skipped_rows=skipped,
+                                     models={r: policies.fingerprint(r) for r in ("solver", "writer")},
+                                     strategies=runner.strategies, summary=summary, timings=timer.as_metrics(""),
+                                     parents=cfg.collect.parents)
+        with timer("write_snapshot"):
+            sid, created = write_snapshot(cfg.collect.out, episodes, manifest.to_dict()) if dist.is_main() else (None, False)
+            sid, created = dist.broadcast((sid, created))  # readers on every rank may open it now
+        summary.update(timer.as_metrics())
+        sink = rd.sink(cfg, log_dir or rd.path / "_logs" / f"collect-{_stamp()}-{os.getpid()}", name=sid)
+        sink.log({f"{prefix}/{k}": v for k, v in summary.items()} | {"snapshot_id": sid})
+        samples = sample_rows(episodes)
+        sink.log_table(f"{prefix}/samples", samples)
+        rd.close()
+        return CollectResult(sid, created, rd.path / sid, summary, samples)
+    finally:
+        if own_engine:  # a failed collect in a caller's loop must not keep vLLM's memory
+            engine.close()
 
 
 def _stamp() -> str:

@@ -89,6 +89,18 @@ def train_lower(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
     caller (train-joint) checked its own config. ``verify``: check each ``snapshot_ids``
     snapshot's sizes, hashes and id before reading it. ``tee``: where each metrics record also
     goes (train-joint's timeline; see ``RunDir.sink``)."""
+    started: list = []  # an engine started here is closed here, also when the run fails
+    try:
+        return _train_lower(cfg, out, console=console, resume=resume, allow_drift=allow_drift, verify=verify,
+                            snapshot_ids=snapshot_ids, snapshot_root=snapshot_root, policies=policies,
+                            engine=engine, stop_after=stop_after, init_from=init_from, tee=tee, started=started)
+    finally:
+        for e in started:
+            e.close()
+
+
+def _train_lower(cfg: Config, out, *, console, resume, allow_drift, verify, snapshot_ids, snapshot_root,
+                 policies, engine, stop_after, init_from, tee, started: list) -> LowerResult:
     runtime.setup(cfg)
     rd = RunDir(out, "train-lower", console)
     run = rd.path
@@ -127,7 +139,9 @@ def train_lower(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
     else:
         loaded = task.load(cfg.task.split, cfg.task.limit or None, cfg.task.skip_bad_rows)
         pool = loaded.problems
-        engine = engine or make_engine(cfg, policies)
+        if engine is None:
+            engine = make_engine(cfg, policies)
+            started.append(engine)
         runner = EpisodeRunner(rollout_config(cfg), task, engine, policies)
     sink = rd.sink(cfg, tee=tee)
     metrics: dict = {}

@@ -1,5 +1,7 @@
 """The three-turn episode on the embedded model (hf engine)."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -196,3 +198,37 @@ def test_a_cut_prompt_is_recorded_as_the_engine_saw_it(tiny_cfg, policies):
     assert fb.truncated == (w > 0) and fb.prompt_ids[: fb.state_len] == full_fb.prompt_ids[w: full_fb.state_len]
     assert runner.truncated_prompts == 1 + (w > 0)
     assert episode_to_trajectory(ep) is None and episode_to_trajectory(full) is not None
+
+
+def test_a_collect_that_fails_closes_the_engine_it_started(tiny_cfg, policies, monkeypatch, tmp_path):
+    """A caller running collect in a loop (a sweep, a notebook) must get an in-process vLLM engine's
+    memory back when one collect raises, not only when it returns."""
+    from tosca_mlmt.pipelines import collect as collect_mod
+
+    started = []
+
+    class Engine(HFEngine):
+        closed = False
+
+        def close(self):
+            self.closed = True
+            super().close()
+
+    def make_engine(cfg, pol):
+        started.append(Engine(pol, batch_size=8))
+        return started[-1]
+
+    def fail(self, problems, batch_index=0):
+        raise RuntimeError("verifier crashed")
+
+    monkeypatch.setattr(collect_mod, "make_engine", make_engine)
+    monkeypatch.setattr(collect_mod.EpisodeRunner, "run", fail)
+    cfg = replace(tiny_cfg, task=replace(tiny_cfg.task, limit=2))
+    with pytest.raises(RuntimeError, match="verifier crashed"):
+        collect_mod.collect(cfg, tmp_path / "snaps", policies=policies)
+    assert len(started) == 1 and started[0].closed
+    # an engine the caller passed in stays the caller's to close
+    mine = Engine(policies, batch_size=8)
+    with pytest.raises(RuntimeError, match="verifier crashed"):
+        collect_mod.collect(cfg, tmp_path / "snaps", policies=policies, engine=mine)
+    assert not mine.closed and len(started) == 1

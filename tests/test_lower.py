@@ -510,3 +510,40 @@ def test_lower_strategy_knobs_are_validated_at_load(field, bad):
 
     with pytest.raises(ConfigError, match=f"lower.{field}"):
         load_config(overrides={f"lower.{field}": bad})
+
+
+def test_train_lower_closes_the_engine_it_started_also_when_the_update_fails(
+        debug_cfg, debug_policies, tmp_path, monkeypatch):
+    """train-lower starts its own rollout engine when none is passed; a failing run must still close
+    it (an in-process vLLM engine holds the model and its KV cache until closed), and an engine the
+    caller passed (train-joint's) stays open for the caller."""
+    from tosca_mlmt.pipelines import train_lower as tl
+    from tosca_mlmt.rollout.engines.hf import HFEngine
+
+    started = []
+
+    class Engine(HFEngine):
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    def make_engine(cfg, pol):
+        started.append(Engine(pol, batch_size=8))
+        return started[-1]
+
+    def fail(self, trajs, it, timer):
+        raise FloatingPointError("loss is nan")
+
+    monkeypatch.setattr(tl, "make_engine", make_engine)
+    monkeypatch.setattr(tl.LowerLearner, "update", fail)
+    cfg = replace(debug_cfg, solver_sampling=replace(debug_cfg.solver_sampling, max_new_tokens=8),
+                  lower=replace(debug_cfg.lower, iterations=1, problems_per_iteration=1, minibatch_size=2,
+                                keep_snapshots=False))
+    with pytest.raises(FloatingPointError):
+        tl.train_lower(cfg, tmp_path / "own", policies=debug_policies)
+    assert len(started) == 1 and started[0].closed
+    mine = Engine(debug_policies, batch_size=8)
+    with pytest.raises(FloatingPointError):
+        tl.train_lower(cfg, tmp_path / "given", policies=debug_policies, engine=mine)
+    assert not mine.closed and len(started) == 1
