@@ -51,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefix-caching", default="on", choices=("on", "off"),
                     help="vLLM prefix caching (engine.vllm.enable_prefix_caching) for collect and raw runs")
     ap.add_argument("--block-size", type=int, default=0, help="engine.vllm.block_size (0 = vLLM's own)")
+    ap.add_argument("--stop-in-engine", default="on", choices=("on", "off"),
+                    help="engine.vllm.stop_in_engine: end solver turns at the answer line inside vLLM (on) or "
+                         "decode on and cut afterwards (off)")
     ap.add_argument("--raw-n", type=int, default=0,
                     help="samples per prompt of the raw runs; 0 = as many as match the loop's token count (raw then "
                          "batches more sequences per call than any turn of the loop); --n-samples = the loop's batch")
@@ -156,6 +159,7 @@ def main(argv=None) -> int:
         "seed": args.seed, "model.dtype": args.dtype, "engine.threads": args.threads,
         "engine.vllm.kv_cache_gb": args.kv_cache_gb, "engine.vllm.max_model_len": args.max_model_len,
         "engine.vllm.enable_prefix_caching": args.prefix_caching == "on", "engine.vllm.block_size": args.block_size,
+        "engine.vllm.stop_in_engine": args.stop_in_engine == "on",
         "task.name": args.task, "task.level": args.level, "task.limit": args.limit,
         "episode.n_samples": args.n_samples, "episode.rounds": args.rounds,
         "episode.max_feedback_tokens": args.feedback_tokens, "solver_sampling.max_new_tokens": args.max_new_tokens,
@@ -181,6 +185,7 @@ def main(argv=None) -> int:
         if hasattr(engine, "llm"):
             engine.llm.reset_prefix_cache()  # no head start from the raw run's identical turn-1 prompts
         tokens0 = (getattr(engine, "prompt_tokens", 0), getattr(engine, "cached_prompt_tokens", 0))
+        decoded0 = (getattr(engine, "decoded_tokens", 0), getattr(engine, "kept_tokens", 0))
         t = time.perf_counter()
         res = collect(cfgs[name], policies=policies, engine=rec, log_dir=str(tmp / f"logs-{name}"))
         wall = time.perf_counter() - t
@@ -196,6 +201,9 @@ def main(argv=None) -> int:
             "sync_check_seconds": round(getattr(engine, "check_seconds", 0.0), 3),
             "score_seconds": s.get("score_seconds"), "turns": rec.per_turn(args.rounds),
             "prefix_hit_rate": hit_rate(engine, *tokens0),
+            # vLLM only: tokens it decoded vs those the turns kept (the rest came after an answer line)
+            "engine_decoded_tokens": getattr(engine, "decoded_tokens", 0) - decoded0[0] if hasattr(engine, "llm") else None,
+            "engine_kept_tokens": getattr(engine, "kept_tokens", 0) - decoded0[1] if hasattr(engine, "llm") else None,
             "load_after": loadavg(),
         }
         r = results[f"collect_{name}"]

@@ -147,6 +147,10 @@ def identity(preset: Path, extra: dict | None, common: dict, train: dict) -> tup
     has_q = extra is not None and not resolved.joint.freeze_writer
     cfg = dataclasses.asdict(resolved)
     cfg.pop("seed")
+    # engine.vllm.stop_in_engine ends a turn at its answer line inside vLLM instead of cutting it
+    # afterwards: the same kept tokens, less decoding. It defines speed, not the method, so units from
+    # before the knob existed (post-hoc cut) count for the same configuration.
+    cfg["engine"]["vllm"].pop("stop_in_engine")
     if extra is None:  # nothing trains: what only training reads does not define the unit
         for section in ("lower", "upper", "joint"):
             cfg.pop(section)

@@ -108,6 +108,32 @@ def test_stop_rule_cuts_vllm_turns_like_hf(env):
     assert cuts >= 1
 
 
+def test_answer_stop_inside_vllm_returns_the_same_turns_and_decodes_less(env):
+    """engine.vllm.stop_in_engine (rollout/engines/vllm_stop.py): ending a sampled turn at its answer line
+    inside vLLM gives exactly the generations of decoding on and cutting afterwards (fp32: ids,
+    log-probs, finish reasons), while vLLM decodes at most one token (the forced eos) past each line."""
+    from tosca_mlmt.tasks.arith import ArithTask
+
+    _, _, engine, _, fmt = env
+    task = ArithTask(level=1)
+    prompts = _prompts(fmt, [task.instruction(p) for p in task.load("test", 6).problems])
+    params = SamplingParams(max_new_tokens=96, temperature=1.0, n=4, seed=7, stop_regex=task.stop_regex)
+    runs = {}
+    try:
+        for flag in (False, True):
+            engine.stop_in_engine = flag
+            d0, k0 = engine.decoded_tokens, engine.kept_tokens
+            gens = engine.generate(prompts, params, "solver")
+            runs[flag] = (gens, engine.decoded_tokens - d0, engine.kept_tokens - k0)
+    finally:
+        engine.stop_in_engine = True
+    (off, dec_off, kept_off), (on, dec_on, kept_on) = runs[False], runs[True]
+    answered = sum(g.finish_reason == "answer" for gs in on for g in gs)
+    assert answered >= 1 and dec_off > kept_off  # the post-hoc cut had decoding to throw away
+    assert on == off and kept_on == kept_off
+    assert dec_on - kept_on <= answered and dec_on < dec_off
+
+
 # ----------------------------------------------------------------------------- (a)
 def test_greedy_matches_hf_and_logprobs_are_raw(env):
     _, policies, engine, hf, fmt = env

@@ -43,6 +43,10 @@ class VLLMConfig(Section):
                                 "decoding pays vLLM's LoRA kernels: 60 against 328 tokens/s of merged weights "
                                 "(0.18x; benchmarks/weight_sync.py), so on CPU it is a loss; vLLM's GPU kernels are "
                                 "built to cost far less (not measured here). Adapters with modules_to_save are refused.")
+    stop_in_engine: bool = knob(True, "With episode.stop_at_answer, a logits processor inside vLLM ends a solver turn "
+                                "right after its first complete answer line (rollout/engines/vllm_stop.py) instead of "
+                                "decoding on to eos or max_new_tokens and cutting afterwards: the same kept ids, "
+                                "log-probs and finish reason, less decoding. Off = the post-hoc cut alone.")
 
 
 @dataclass

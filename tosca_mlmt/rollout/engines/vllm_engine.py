@@ -93,6 +93,12 @@ class VLLMEngine:
             kwargs["max_num_batched_tokens"] = max(4096, cfg.max_model_len)
         else:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        # registered always: it touches only requests whose params ask for it (sampling_params), so
+        # stop_in_engine can be switched on a live engine (benchmarks and tests do)
+        from tosca_mlmt.rollout.engines.vllm_stop import AnswerLineStop
+
+        kwargs["logits_processors"] = [AnswerLineStop]
+        self.stop_in_engine = cfg.stop_in_engine
         if not policies.shared_base:
             raise NotImplementedError(
                 "engine.name=vllm serves one base model; use engine.name=hf when solver and writer have different bases")
@@ -105,6 +111,10 @@ class VLLMEngine:
         # ids, so a warm cache skips most of a refine's prefill): the prefix hit rate
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
+        # tokens vLLM decoded and those the turns kept after the answer-line cut: the difference is
+        # decoding past an answer (what stop_in_engine saves)
+        self.decoded_tokens = 0
+        self.kept_tokens = 0
         self.weight_sync = cfg.weight_sync  # "memory" | "file"; benchmarks switch it on a live engine
         self.sync_route: str | None = None  # how the last reload travelled: runner, rpc or file
         self.sync_kind: str | None = None  # what the last reload carried: "delta" or "full"
@@ -219,9 +229,15 @@ class VLLMEngine:
         # logprobs=0: the sampled token's logprob only; vLLM's default logprobs_mode is
         # raw_logprobs (before temperature/top-k/top-p), i.e. raw log pi. detokenize=False:
         # engines deal in ids only, so skip incremental detokenization and decoded_token.
+        eos = self.policies.eos_ids(policy)
+        extra = None
+        if params.stop_regex and self.stop_in_engine:
+            from tosca_mlmt.rollout.engines.vllm_stop import EXTRA_KEY
+
+            extra = {EXTRA_KEY: {"regex": params.stop_regex, "eos": eos[0]}}
         return VSP(n=params.n, temperature=params.temperature, top_p=params.top_p,
                    top_k=params.top_k if params.top_k > 0 else -1, max_tokens=params.max_new_tokens,
-                   logprobs=0, seed=params.seed, stop_token_ids=self.policies.eos_ids(policy), detokenize=False)
+                   logprobs=0, seed=params.seed, stop_token_ids=eos, detokenize=False, extra_args=extra)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, policy: str) -> list[list[Generation]]:
         from vllm.inputs import TokensPrompt
@@ -249,5 +265,7 @@ class VLLMEngine:
                 # exactly as in the HF engine.
                 reason = "stop" if c.finish_reason == "stop" and ids and ids[-1] in eos else "length"
                 gens.append(apply_stop(Generation(tuple(ids), tuple(lps), reason), tok.decode, params.stop_regex))
+                self.decoded_tokens += len(ids)
+                self.kept_tokens += len(gens[-1].token_ids)
             result.append(gens * copies)
         return result
