@@ -9,6 +9,8 @@ each command's peak RSS).
 
     python benchmarks/demo_seeds.py --seeds 0 1 2            # ~8 min per seed on 2 idle cores
     python benchmarks/demo_seeds.py --seeds 0 1 2 --reuse    # pool seeds whose folders are complete
+    python benchmarks/demo_seeds.py --config configs/demo-selector.yaml --work W2 --results demo-selector.json \
+        --against W1   # and this configuration minus the one trained in W1, after training, paired
 
 A seed's folder is <work>/seed<S> with eval-before/, run/ and eval/ (what `make demo` writes, so a
 `make demo DEMO_OUT=<work>/seed0` run counts as seed 0).
@@ -77,6 +79,8 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/tosca-demo-seeds")
     ap.add_argument("--reuse", action="store_true", help="pool complete seed folders instead of rerunning them")
     ap.add_argument("--results", default="demo.json", help="file name under benchmarks/results/")
+    ap.add_argument("--against", help="another configuration's seed folders (its --work): also report this one's "
+                                      "Acc@final after training minus that one's, paired over the same seeds x problems")
     args = ap.parse_args()
     from tosca_mlmt.analysis.stats import mcnemar, paired_bootstrap, wilson
     from tosca_mlmt.pipelines.evaluate import eval_outcomes
@@ -118,12 +122,34 @@ def main() -> None:
               f"McNemar p {row['final_mcnemar']['p']:.3g}, peak RSS {row['peak_rss_mib']} MiB")
     print(f"pooled over {len(per)} seeds x {args.problems} problems: Acc@final after - before "
           f"{fmt(pooled['final_difference'])}, Acc@t1 after - before {fmt(pooled['t1_difference'])}")
+    against = None
+    if args.against:  # two configurations of the demo, each trained and evaluated on the same seeds x problems
+        other = [eval_outcomes(Path(args.against) / f"seed{seed}" / "eval") for seed, *_ in per]
+        if any(o["ids"] != after["ids"] for o, (_, _, after) in zip(other, per)):
+            raise SystemExit(f"--against {args.against}: its evals hold other problems")
+        against = {"work": args.against, "git_sha": _sha_of(Path(args.against)),
+                   "after_final": paired_bootstrap(np.array([o["final"] for o in other], dtype=float)),
+                   "after_final_difference": paired_bootstrap(
+                       arr["after_final"], np.array([o["final"] for o in other], dtype=float)),
+                   "after_t1_difference": paired_bootstrap(
+                       arr["after_t1"], np.array([o["t1"] for o in other], dtype=float))}
+        print(f"minus {args.against} after training: Acc@final {fmt(against['after_final_difference'])}, "
+              f"Acc@t1 {fmt(against['after_t1_difference'])}")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / args.results).write_text(json.dumps({
         "benchmark": "demo_seeds", "date": dt.datetime.now().isoformat(timespec="seconds"), "commit": sha,
         "command": f"benchmarks/demo_seeds.py --seeds {' '.join(map(str, args.seeds))} (make demo's commands, "
                    f"{args.config}, --seed S)", "machine": f"{platform.machine()} {os.cpu_count()} cores",
-        "load_avg": os.getloadavg(), "problems": args.problems, "seeds": seeds, "pooled": pooled}, indent=1))
+        "load_avg": os.getloadavg(), "problems": args.problems, "seeds": seeds, "pooled": pooled,
+        "against": against}, indent=1))
+
+
+def _sha_of(work: Path) -> str | None:
+    """The code that trained another configuration's seed 0 (its train-joint manifest)."""
+    try:
+        return json.loads((work / "seed0" / "run" / "manifest.json").read_text()).get("git_sha")
+    except (OSError, ValueError):
+        return None
 
 
 if __name__ == "__main__":
