@@ -5,6 +5,13 @@ In ONE process (one model load, one vLLM start-up) it measures:
 * ``collect_<engine>``: ``tosca_mlmt.pipelines.collect.collect`` (solve -> feedback ->
   refine, K rounds) with the hf and/or vllm engine; tokens/s over the wall time of the
   episodes stage (generation + prompt building + verification) and over generate calls only;
+* ``replay_vllm``: raw ``LLM.generate`` replaying the vLLM collect run's own calls, in order: the
+  same prompt ids (turn 3 extends turn 1's), the same SamplingParams, the same engine, nothing
+  between the calls (no prompt building, verification or bookkeeping). collect / replay is what
+  the loop costs on top of vLLM doing the same work; tokens are vLLM's own (the loop counts the
+  tokens its turns keep, which differ only by the forced eos after an answer line);
+* ``stop_ab`` (``--stop-ab N``): the replay N times each with ``engine.vllm.stop_in_engine`` on and
+  off, alternating, in the same process: what ending turns at their answer line inside vLLM saves;
 * ``raw_vllm``: one flat ``LLM.generate`` call over the same turn-1 prompts with n samples,
   the same model, sampling and max_new_tokens. n is chosen from the collect run so the
   generated-token count roughly matches (the comparison is in tokens/s, so it need not be
@@ -28,7 +35,10 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
+
+import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results" / "collect_throughput.json"
 
@@ -58,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="samples per prompt of the raw runs; 0 = as many as match the loop's token count (raw then "
                          "batches more sequences per call than any turn of the loop); --n-samples = the loop's batch")
     ap.add_argument("--raw-runs", type=int, default=2, help="raw vLLM runs, alternating around the vLLM collect")
+    ap.add_argument("--stop-ab", type=int, default=0,
+                    help="after the vLLM collect, replay its calls this many times with engine.vllm.stop_in_engine on "
+                         "and off, alternating (on/off, off/on, ...): the stop's effect on seconds and decoded tokens")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS))
     return ap.parse_args(argv)
@@ -95,6 +108,7 @@ class RecordingEngine:
     def __init__(self, engine):
         self._engine = engine
         self.calls: list[dict] = []
+        self.replay: list[tuple[list[list[int]], object, str]] = []  # (prompts, params, policy) per call
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -104,6 +118,7 @@ class RecordingEngine:
         t0 = time.perf_counter()
         out = self._engine.generate(prompts, params, policy)
         secs = time.perf_counter() - t0
+        self.replay.append(([list(p) for p in prompts], params, policy))
         lens = [len(g.token_ids) for gs in out for g in gs]
         self.calls.append({
             "policy": policy, "prompts": len(prompts), "n": params.n, "sequences": len(lens),
@@ -180,8 +195,10 @@ def main(argv=None) -> int:
 
     results: dict[str, dict] = {}
 
+    recorded: dict[str, RecordingEngine] = {}
+
     def run_collect(name: str, engine) -> None:
-        rec = RecordingEngine(engine)
+        rec = recorded[name] = RecordingEngine(engine)
         if hasattr(engine, "llm"):
             engine.llm.reset_prefix_cache()  # no head start from the raw run's identical turn-1 prompts
         tokens0 = (getattr(engine, "prompt_tokens", 0), getattr(engine, "cached_prompt_tokens", 0))
@@ -252,6 +269,41 @@ def main(argv=None) -> int:
                              "load_after": loadavg()})
             print(f"raw vLLM (n={n_raw}): {tokens} tokens in {secs:.1f} s ({tokens / secs:.1f} tok/s)", flush=True)
 
+        def replay(rec: RecordingEngine) -> dict:
+            # the collect run's calls as bare LLM.generate calls; the weights are the ones it served
+            # (nothing trains in between), so no sync; greedy n > 1 decodes once, as the engine does
+            engine.llm.reset_prefix_cache()  # the same cold start as the collect run
+            turns, t_all = [], time.perf_counter()
+            for prompts, params, policy in rec.replay:
+                sp = engine.sampling_params(replace(params, n=1) if params.greedy and params.n > 1 else params, policy)
+                t = time.perf_counter()
+                outs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False,
+                                           lora_request=engine.lora_request(policy))
+                secs = time.perf_counter() - t
+                toks = sum(len(c.token_ids) for o in outs for c in o.outputs)
+                turns.append({"policy": policy, "gen_tokens": toks, "seconds": round(secs, 3),
+                              "tokens_per_s": round(toks / secs, 1)})
+            secs = time.perf_counter() - t_all
+            tokens = sum(t["gen_tokens"] for t in turns)
+            print(f"replay vLLM: {tokens} tokens in {secs:.1f} s ({tokens / secs:.1f} tok/s)", flush=True)
+            return {"gen_tokens": tokens, "seconds": round(secs, 3), "tokens_per_s": round(tokens / secs, 2),
+                    "turns": turns, "load_after": loadavg()}
+
+        def stop_ab(rec: RecordingEngine, rounds: int) -> dict:
+            runs: dict[str, list] = {"on": [], "off": []}
+            keep = engine.stop_in_engine
+            for i in range(rounds):
+                for flag in ((True, False) if i % 2 == 0 else (False, True)):
+                    engine.stop_in_engine = flag
+                    runs["on" if flag else "off"].append(replay(rec))
+            engine.stop_in_engine = keep
+            med = {k: float(np.median([r["seconds"] for r in v])) for k, v in runs.items()}
+            out = {"rounds": rounds, "median_seconds": med, "off_over_on": round(med["off"] / med["on"], 3),
+                   "decoded_tokens": {k: v[0]["gen_tokens"] for k, v in runs.items()}, "runs": runs}
+            print(f"stop_in_engine A/B over {rounds} rounds: median {med['on']:.1f} s on, {med['off']:.1f} s off "
+                  f"(off / on {out['off_over_on']}); decoded tokens {out['decoded_tokens']}", flush=True)
+            return out
+
         def size_raw(ref: dict) -> int:
             # Match the collect run's token count: n = its tokens / (prompts x mean turn-1 length).
             solve_mean = max(ref["turns"][0]["gen_tokens_mean"], 1.0)
@@ -263,6 +315,9 @@ def main(argv=None) -> int:
                 run_raw(n_raw)
             run_collect("vllm", engine)
             n_raw = n_raw if n_raw is not None else size_raw(results["collect_vllm"])
+            results["replay_vllm"] = replay(recorded["vllm"])
+            if args.stop_ab:
+                results["stop_ab"] = stop_ab(recorded["vllm"], args.stop_ab)
         for _ in range(args.raw_runs - len(raw_runs)):
             run_raw(n_raw if n_raw is not None else 3 * args.n_samples)
         vllm_info.update({"weight_syncs": engine.syncs, "weight_sync_seconds": round(engine.sync_seconds, 3),
@@ -281,12 +336,18 @@ def main(argv=None) -> int:
             if r:
                 ratios[f"collect_{e}/raw_vllm"] = round(r["tokens_per_s"] / raw, 3)
                 ratios[f"collect_{e}/raw_vllm (generate only)"] = round(r["tokens_per_s_gen_only"] / raw, 3)
+    if "replay_vllm" in results and "collect_vllm" in results:
+        rep = results["replay_vllm"]["tokens_per_s"]
+        ratios["collect_vllm/replay_vllm"] = round(results["collect_vllm"]["tokens_per_s"] / rep, 3)
+        ratios["collect_vllm/replay_vllm (generate only)"] = round(results["collect_vllm"]["tokens_per_s_gen_only"] / rep, 3)
     load_after = loadavg()
 
     # ---------------------------------------------------------------- report
     print()
     print(f"{'run':<14}{'tokens':>9}{'seconds':>10}{'tok/s':>9}{'tok/s (gen only)':>18}")
     for name, r in results.items():
+        if "gen_tokens" not in r:  # stop_ab: printed when it ran
+            continue
         secs = r.get("episodes_seconds", r.get("seconds"))
         print(f"{name:<14}{r['gen_tokens']:>9}{secs:>10.1f}{r['tokens_per_s']:>9.1f}"
               f"{r.get('tokens_per_s_gen_only', r['tokens_per_s']):>18.1f}")
