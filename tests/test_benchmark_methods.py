@@ -44,3 +44,27 @@ def test_untrained_unit_ignores_training_sections_only(bench):
     base = bench.identity(bench.MLMT, None, common, train)[0]
     assert bench.identity(bench.MLMT, None, common, {**train, "lower.lr": 1e-5})[0] == base
     assert bench.identity(bench.MLMT, None, {**common, "episode.max_feedback_tokens": 32}, train)[0] != base
+
+
+@pytest.mark.parametrize("env,method", [("none", "mlmt"), ("none", "mlmt-sentences-only"), ("confidence", "mlmt-sentences-only"),
+                                        ("verdict", "mlmt-sentences-only"), ("verdict", "solver-only")])
+def test_the_measured_units_still_count_for_their_method(bench, env, method):
+    """A knob added with a default that changes no result must not orphan days of measured units:
+    the current resolution of the method hashes to the config its stored units recorded."""
+    import json
+
+    common, train = bench.run_overrides(sizes(env))
+    preset, extra = bench.METHODS[method]
+    h = bench.identity(preset, extra, common, train)[0]
+    units = sorted((ROOT / "benchmarks" / "results" / "learning_efficacy" / f"{env}-L2").glob(f"{method}-seed*-*.json"))
+    assert units and any(json.loads(u.read_text()).get("config") == h for u in units)
+
+
+def test_ending_turns_inside_vllm_does_not_define_a_unit(bench):
+    """engine.vllm.stop_in_engine changes how much vLLM decodes, not the kept turns, so units run with the
+    post-hoc cut count for the same method; a knob that does change the method still changes the hash."""
+    common, train = bench.run_overrides(sizes("none"))
+    preset, extra = bench.METHODS["mlmt"]
+    h = bench.identity(preset, extra, common, train)[0]
+    assert bench.identity(preset, extra, {**common, "engine.vllm.stop_in_engine": False}, train)[0] == h
+    assert bench.identity(preset, extra, {**common, "engine.vllm.block_size": 64}, train)[0] != h
