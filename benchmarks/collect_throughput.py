@@ -202,7 +202,7 @@ def main(argv=None) -> int:
         if hasattr(engine, "llm"):
             engine.llm.reset_prefix_cache()  # no head start from the raw run's identical turn-1 prompts
         tokens0 = (getattr(engine, "prompt_tokens", 0), getattr(engine, "cached_prompt_tokens", 0))
-        decoded0 = (getattr(engine, "decoded_tokens", 0), getattr(engine, "kept_tokens", 0))
+        decoded0 = (engine.decoded_tokens, engine.kept_tokens) if hasattr(engine, "llm") else None
         t = time.perf_counter()
         res = collect(cfgs[name], policies=policies, engine=rec, log_dir=str(tmp / f"logs-{name}"))
         wall = time.perf_counter() - t
@@ -219,8 +219,8 @@ def main(argv=None) -> int:
             "score_seconds": s.get("score_seconds"), "turns": rec.per_turn(args.rounds),
             "prefix_hit_rate": hit_rate(engine, *tokens0),
             # vLLM only: tokens it decoded vs those the turns kept (the rest came after an answer line)
-            "engine_decoded_tokens": getattr(engine, "decoded_tokens", 0) - decoded0[0] if hasattr(engine, "llm") else None,
-            "engine_kept_tokens": getattr(engine, "kept_tokens", 0) - decoded0[1] if hasattr(engine, "llm") else None,
+            "engine_decoded_tokens": engine.decoded_tokens - decoded0[0] if decoded0 else None,
+            "engine_kept_tokens": engine.kept_tokens - decoded0[1] if decoded0 else None,
             "load_after": loadavg(),
         }
         r = results[f"collect_{name}"]

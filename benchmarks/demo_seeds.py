@@ -127,12 +127,11 @@ def main() -> None:
         other = [eval_outcomes(Path(args.against) / f"seed{seed}" / "eval") for seed, *_ in per]
         if any(o["ids"] != after["ids"] for o, (_, _, after) in zip(other, per)):
             raise SystemExit(f"--against {args.against}: its evals hold other problems")
+        theirs = {k: np.array([o[k] for o in other], dtype=float) for k in ("t1", "final")}
         against = {"work": args.against, "git_sha": _sha_of(Path(args.against)),
-                   "after_final": paired_bootstrap(np.array([o["final"] for o in other], dtype=float)),
-                   "after_final_difference": paired_bootstrap(
-                       arr["after_final"], np.array([o["final"] for o in other], dtype=float)),
-                   "after_t1_difference": paired_bootstrap(
-                       arr["after_t1"], np.array([o["t1"] for o in other], dtype=float))}
+                   "after_final": paired_bootstrap(theirs["final"]),
+                   "after_final_difference": paired_bootstrap(arr["after_final"], theirs["final"]),
+                   "after_t1_difference": paired_bootstrap(arr["after_t1"], theirs["t1"])}
         print(f"minus {args.against} after training: Acc@final {fmt(against['after_final_difference'])}, "
               f"Acc@t1 {fmt(against['after_t1_difference'])}")
     RESULTS.mkdir(exist_ok=True)

@@ -47,7 +47,7 @@ class AnswerLineStop(AdapterLogitsProcessor):
 
         def force_eos_after_answer(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
             # the tail is cheap to check every step; a tail decoded mid-character could show text the
-            # whole never holds, so a hit is confirmed on the whole text (once per request)
+            # whole never holds, so a hit is confirmed on the whole text (a confirmed hit ends the request)
             if not output_ids or not rx.search(decode(output_ids[-TAIL_TOKENS:])) or not rx.search(decode(output_ids)):
                 return logits
             forced = torch.full_like(logits, float("-inf"))
