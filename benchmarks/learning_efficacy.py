@@ -151,6 +151,10 @@ def identity(preset: Path, extra: dict | None, common: dict, train: dict) -> tup
     # afterwards: the same kept tokens, less decoding. It defines speed, not the method, so units from
     # before the knob existed (post-hoc cut) count for the same configuration.
     cfg["engine"]["vllm"].pop("stop_in_engine")
+    # lower.bonus.scorer=trainer is how every unit before the knob was scored; engine scoring is
+    # another numerics path (bf16: ~0.03 nats per token), so it defines units of its own
+    if cfg["lower"]["bonus"]["scorer"] == "trainer":
+        cfg["lower"]["bonus"].pop("scorer")
     if extra is None:  # nothing trains: what only training reads does not define the unit
         for section in ("lower", "upper", "joint"):
             cfg.pop(section)

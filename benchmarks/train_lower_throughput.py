@@ -12,9 +12,13 @@ the loop), so its start-up is in no iteration's seconds. Our iteration runs the 
 episode (solve, feedback, refine) and trains on two solver turns; TRL trains one turn.
 ``--single-turn`` makes ours the same work as TRL's: turn 1 only (episode.rounds 0), GRPO, beta 0,
 one optimizer step per batch; results go to train_lower_throughput-single-turn.json.
+``--bonus-scorers trainer engine`` runs ours once per ``lower.bonus.scorer``: with ``engine`` the
+context bonus is scored by the rollout engine (its sampling log-probs and one prefill without g),
+so, the batch being one optimizer step, no trainer forward runs before the update.
 
     python benchmarks/train_lower_throughput.py --engines vllm hf --problems 4 --group 4 --max-new-tokens 32 --iterations 3
     python benchmarks/train_lower_throughput.py --engines vllm --single-turn
+    python benchmarks/train_lower_throughput.py --engines vllm --bonus-scorers trainer engine
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 RESULTS = Path(__file__).parent / "results"
 
 
-def run_ours(args, engine: str) -> dict:
+def run_ours(args, engine: str, scorer: str = "trainer") -> dict:
     from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.train_lower import train_lower
 
@@ -45,9 +49,9 @@ def run_ours(args, engine: str) -> dict:
         "writer_sampling.max_new_tokens": args.max_new_tokens, "episode.max_feedback_tokens": args.max_new_tokens,
         "lower.iterations": args.iterations, "lower.problems_per_iteration": args.problems,
         "lower.advantage": "grpo", "lower.minibatch_size": args.problems * args.group, "lower.save_every": 10**6,
-        "lower.keep_snapshots": False, **({"episode.rounds": 0} if args.single_turn else {}),
+        "lower.keep_snapshots": False, "lower.bonus.scorer": scorer, **({"episode.rounds": 0} if args.single_turn else {}),
     })
-    out = Path(args.workdir) / f"ours-{engine}-{int(time.time())}"
+    out = Path(args.workdir) / f"ours-{engine}-{scorer}-{int(time.time())}"
     t0 = time.perf_counter()
     train_lower(cfg, out)
     total = time.perf_counter() - t0
@@ -60,7 +64,7 @@ def run_ours(args, engine: str) -> dict:
     # generate seconds (rounded to 0.1 ms in the log, so equal up to that rounding)
     engine_gen = sum(r["lower/gen_tokens_per_s"] * r["lower/time/generate"] for r in timed)
     secs = sum(r["lower/iteration_seconds"] for r in timed)
-    return {"engine": engine, "generated_tokens": gen, "engine_generated_tokens": round(engine_gen, 1),
+    return {"engine": engine, "bonus_scorer": scorer, "generated_tokens": gen, "engine_generated_tokens": round(engine_gen, 1),
             "seconds": secs, "tokens_per_s": gen / secs,
             "warmup_iteration_seconds": rows[0]["lower/iteration_seconds"] if len(rows) > 1 else None,
             "process_seconds_incl_load_and_engine_start": round(total, 1),
@@ -117,8 +121,8 @@ def child(args) -> None:
     """One run in this process; its result (with this process's peak RSS) goes to ``args.child_out``."""
     from tosca_mlmt.runtime import peak_rss_mb
 
-    kind, _, engine = args.child.partition(":")
-    res = run_ours(args, engine) if kind == "ours" else run_trl(args)
+    kind, engine, scorer = (args.child.split(":") + ["", ""])[:3]
+    res = run_ours(args, engine, scorer) if kind == "ours" else run_trl(args)
     res["peak_rss_mb"] = peak_rss_mb()  # this run alone: model load(s), engine and iterations
     Path(args.child_out).write_text(json.dumps(res))
 
@@ -149,6 +153,8 @@ def main() -> None:
     ap.add_argument("--engines", nargs="+", choices=("hf", "vllm"),
                     help="run ours on each, side by side with one TRL run (TRL runs after the first)")
     ap.add_argument("--single-turn", action="store_true", help="ours trains turn 1 only, as TRL does")
+    ap.add_argument("--bonus-scorers", nargs="+", choices=("trainer", "engine"), default=["trainer"],
+                    help="lower.bonus.scorer of our runs, each engine with each (engine: no pi_old pass)")
     ap.add_argument("--workdir", default="/tmp/tosca-bench-lower")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -172,22 +178,26 @@ def main() -> None:
                         "one turn") + "; load_avg_* = os.getloadavg() (1, 5, 15 min)"}
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / ("train_lower_throughput-single-turn.json" if args.single_turn else "train_lower_throughput.json")
-    # TRL runs right after our first engine, so a cut-short invocation still has one ratio; the
-    # JSON is rewritten after every run
-    order = [("ours", engines[0]), ("trl", None)] + [("ours", e) for e in engines[1:]]
-    for kind, engine in order:
+    # TRL runs right after our first variant, so a cut-short invocation still has one ratio; the
+    # JSON is rewritten after every run. A variant is keyed by its engine, plus "+engine-bonus" when
+    # the engine scores the bonus.
+    variants = [(e, sc) for e in engines for sc in args.bonus_scorers]
+    order = [("ours", variants[0]), ("trl", None)] + [("ours", v) for v in variants[1:]]
+    for kind, variant in order:
         if kind == "ours":
-            res["ours"][engine] = spawn(args, f"ours:{engine}")
+            engine, scorer = variant
+            key = engine if scorer == "trainer" else f"{engine}+engine-bonus"
+            res["ours"][key] = spawn(args, f"ours:{engine}:{scorer}")
         else:
             res["trl_grpo"] = spawn(args, "trl")
         if res["trl_grpo"]:
             res["ratio_ours_over_trl"] = {e: r["tokens_per_s"] / res["trl_grpo"]["tokens_per_s"]
                                           for e, r in res["ours"].items()}
         path.write_text(json.dumps(res, indent=2))
-    print(f"{'':<12}{'gen tokens':>12}{'seconds':>10}{'tok/s':>10}{'ratio':>8}{'peak MiB':>10}{'load 1m':>12}")
+    print(f"{'':<26}{'gen tokens':>12}{'seconds':>10}{'tok/s':>10}{'ratio':>8}{'peak MiB':>10}{'load 1m':>12}")
     for name, r in [(f"ours-{e}", r) for e, r in res["ours"].items()] + [("trl_grpo", res["trl_grpo"])]:
         ratio = r["tokens_per_s"] / res["trl_grpo"]["tokens_per_s"]
-        print(f"{name:<12}{r['generated_tokens']:>12.0f}{r['seconds']:>10.1f}{r['tokens_per_s']:>10.2f}{ratio:>8.2f}"
+        print(f"{name:<26}{r['generated_tokens']:>12.0f}{r['seconds']:>10.1f}{r['tokens_per_s']:>10.2f}{ratio:>8.2f}"
               f"{r['peak_rss_mb']['self']:>10.0f}{r['load_avg_before'][0]:>6.1f}-{r['load_avg_after'][0]:.1f}")
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from tosca_mlmt import runtime
 from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
-from tosca_mlmt.errors import MlmtError
+from tosca_mlmt.errors import ConfigError, MlmtError
 from tosca_mlmt.lower.learner import LowerLearner
 from tosca_mlmt.lower.stats import group_reward_stats, with_refine_bonus
 from tosca_mlmt.lower.trajectory import episode_to_trajectory
@@ -101,10 +101,13 @@ def train_lower(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
 
 def _train_lower(cfg: Config, out, *, console, resume, allow_drift, verify, snapshot_ids, snapshot_root,
                  policies, engine, stop_after, init_from, tee, started: list) -> LowerResult:
+    lo = cfg.lower
+    if snapshot_ids and lo.bonus.scorer == "engine" and lo.bonus.coef > 0:
+        raise ConfigError("lower.bonus.scorer=engine scores the bonus with the rollout engine, and training from "
+                          "snapshots starts none; set lower.bonus.scorer=trainer")
     runtime.setup(cfg)
     rd = RunDir(out, "train-lower", console)
     run = rd.path
-    lo = cfg.lower
     # prefixes become full ids before run.json records them: a resume compares full ids
     snapshot_ids = full_ids(snapshot_root, snapshot_ids or [])
     _open_run(rd, cfg, resume, allow_drift, snapshot_ids)
@@ -183,7 +186,7 @@ def _train_lower(cfg: Config, out, *, console, resume, allow_drift, verify, snap
             rows, trajs = [i for i, _ in kept], [t for _, t in kept]
             if len(trajs) < len(episodes):
                 warnings.warn(f"{len(episodes) - len(trajs)} episodes had truncated prompts and were not trained on")
-            upd = trainer.update(trajs, it, it_timer)
+            upd = trainer.update(trajs, it, it_timer, engine=engine if offline is None else None)
             if manifest is not None and dist.is_main():
                 with it_timer("snapshot"):
                     # written after the update, so each refine turn carries the bonus it was trained with

@@ -416,6 +416,59 @@ def test_auto_old_logprobs_skip_the_pass_only_where_pi_old_is_pi_theta(debug_cfg
 
 
 @pytest.mark.slow
+def test_engine_scored_bonus_equals_the_trainer_scored_one_with_no_forward_before_the_update(
+        lower_setup, policies, monkeypatch):
+    """lower.bonus.scorer=engine: log pi(y | x, z, g) is the engine's sampling log-prob and
+    log pi(y | x, z) the engine's teacher-forced score, so with one optimizer step per batch and
+    old_logprobs=auto no no-grad trainer forward runs at all, and every refine's bonus term equals
+    the trainer-scored one (fp32, HF engine: its generate and its score read the same weights)."""
+    from peft import set_peft_model_state_dict
+
+    from tosca_mlmt.lower.learner import LowerLearner
+    from tosca_mlmt.lower.scoring import SolverScorer
+    from tosca_mlmt.rollout.engines.hf import HFEngine
+
+    cfg, trajs = lower_setup
+    # ungated and summed: the raw two-log-prob quantity, whatever the rewards; kl 0 so no reference pass
+    lo = replace(cfg.lower, kl_coef=0.0, advantage="grpo", old_logprobs="auto", minibatch_size=len(trajs),
+                 bonus=replace(cfg.lower.bonus, gate="none", reduce="sum", clip=100.0))
+    state = copy.deepcopy(policies.adapter_state("solver"))
+    nograd, forward = [], SolverScorer.forward
+
+    def counting_forward(self, *args, **kw):
+        nograd.append(not torch.is_grad_enabled())
+        return forward(self, *args, **kw)
+
+    monkeypatch.setattr(SolverScorer, "forward", counting_forward)
+    engine, runs = HFEngine(policies, 8), {}
+    for scorer in ("trainer", "engine"):
+        nograd.clear()
+        learner = LowerLearner(replace(cfg, lower=replace(lo, bonus=replace(lo.bonus, scorer=scorer))), policies)
+        metrics = learner.update(trajs, step=0, engine=engine)
+        runs[scorer] = (metrics, sum(nograd), learner.refine_bonus, copy.deepcopy(policies.adapter_state("solver")))
+        set_peft_model_state_dict(policies.model("solver"), state, adapter_name="solver")
+    (mt, nt, bt, _), (me, ne, be, we) = runs["trainer"], runs["engine"]
+    assert nt >= 2 and mt["old_pass"] == 1.0  # pi_old and the no-feedback forward
+    assert ne == 0 and me["old_pass"] == 0.0, f"engine scoring still ran {ne} trainer forwards"
+    assert len(bt) == len(be) >= 4 and [r[:2] for r in bt] == [r[:2] for r in be]
+    raw_t, raw_e = torch.tensor([r[2] for r in bt]), torch.tensor([r[2] for r in be])
+    assert raw_t.abs().max() > 0.1, "the feedback changes nothing: the comparison is vacuous"
+    torch.testing.assert_close(raw_e, raw_t, atol=2e-3, rtol=1e-4)  # a sum of ~30 terms each ~1e-5 apart
+    assert max(float((we[k] - state[k]).abs().max()) for k in state) > 0, "the engine-scored update did not train"
+
+
+def test_engine_scored_bonus_is_refused_for_snapshot_training(tiny_cfg, tmp_path):
+    """Training from snapshots starts no engine: the run stops before anything loads, naming the knob."""
+    from tosca_mlmt.errors import ConfigError
+    from tosca_mlmt.pipelines.train_lower import train_lower
+
+    cfg = replace(tiny_cfg, lower=replace(tiny_cfg.lower, bonus=replace(tiny_cfg.lower.bonus, scorer="engine")))
+    with pytest.raises(ConfigError, match="lower.bonus.scorer=engine"):
+        train_lower(cfg, tmp_path / "run", snapshot_ids=["0123abcd"], snapshot_root=tmp_path)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
 def test_micro_batches_are_cut_to_their_longest_row_without_changing_the_loss(debug_cfg, debug_policies):
     """UpdateBatch.select drops the right padding past the selected rows' longest sequence; the
     loss and its gradient on the cut micro-batch equal those on the full width (fp32)."""
@@ -532,7 +585,7 @@ def test_train_lower_closes_the_engine_it_started_also_when_the_update_fails(
         started.append(Engine(pol, batch_size=8))
         return started[-1]
 
-    def fail(self, trajs, it, timer):
+    def fail(self, trajs, it, timer, engine=None):
         raise FloatingPointError("loss is nan")
 
     monkeypatch.setattr(tl, "make_engine", make_engine)

@@ -121,3 +121,21 @@ def test_rpc_route_serves_the_same_adapter_as_the_runner(env):
         engine.served.pop("solver", None)  # the engine pushes the policy's own adapter again when asked
     assert max_diff(rpc, first) > 1e-2, "the two adapters give the same numbers: the comparison is vacuous"
     assert max_diff(rpc, runner) <= RESTORE_TOL
+
+
+def test_score_under_a_served_adapter_is_the_trainers_log_pi(env):
+    """VLLMEngine.score with served adapters (lower.bonus.scorer=engine): vLLM's batched prompt
+    log-probs break under LoRA (its LM-head mapping is per sampled row), so the engine scores one
+    sequence per call; each equals the live peft model's teacher-forced log pi under a trained-looking
+    solver adapter, and differs from the base's (the adapter really applied)."""
+    policies, engine, fmt = env
+    prompts = [fmt.first_prompt(q) for q in ("What is 17 + 5?", "Name three colors of the rainbow.",
+                                             "Ben has 12 apples and gives away 4. How many are left?")]
+    responses = [fmt.encode(" The answer is 22."), fmt.encode(" Red, green and blue."), fmt.encode(" 8 apples.")]
+    base = engine.score(prompts, responses, "solver")
+    with perturbed_lora_b(policies, "solver", seed=11):
+        served = engine.score(prompts, responses, "solver")
+        assert engine.lora_request("solver") is not None
+        for p, r, s in zip(prompts, responses, served):
+            assert len(s) == len(r) and max_diff(s, teacher_forced(policies, "solver", p, r)) < LOGPROB_TOL
+    assert max(max_diff(s, b) for s, b in zip(served, base)) > 10 * LOGPROB_TOL

@@ -238,6 +238,28 @@ def test_weight_sync_changes_and_restores_logprobs(env):
     print(f"sync: {engine.syncs - syncs0} reloads, {engine.sync_seconds - secs0:.2f} s")
 
 
+def test_score_is_teacher_forced_log_pi_under_the_weights_it_syncs(env):
+    """VLLMEngine.score (lower.bonus.scorer=engine) returns, for given tokens, the quantity generate
+    logs for sampled ones: on sampled responses it equals their sampling log-probs, the live model's
+    teacher-forced log pi and the HF engine's score (fp32); after the solver's adapter changes it
+    scores with the new weights (it syncs first), not with those vLLM held."""
+    _, policies, engine, hf, fmt = env
+    prompts = _prompts(fmt)
+    gens = [g[0] for g in engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=1.0, seed=3), "solver")]
+    responses = [list(g.token_ids) for g in gens]
+    scored = engine.score(prompts, responses, "solver")
+    by_hf = hf.score(prompts, responses, "solver")
+    for p, r, g, s, h in zip(prompts, responses, gens, scored, by_hf):
+        assert len(s) == len(r) == len(h)
+        assert max_diff(s, g.logprobs) < LOGPROB_TOL and max_diff(h, g.logprobs) < LOGPROB_TOL
+        assert max_diff(s, teacher_forced(policies, "solver", p, r)) < LOGPROB_TOL
+    with perturbed_lora_b(policies, "solver", seed=5):
+        moved = engine.score(prompts, responses, "solver")
+        for p, r, m in zip(prompts, responses, moved):
+            assert max_diff(m, teacher_forced(policies, "solver", p, r)) < LOGPROB_TOL
+        assert max(max_diff(m, s) for m, s in zip(moved, scored)) > 10 * LOGPROB_TOL, "the adapter change is vacuous"
+
+
 def _prompt_logprobs(engine, prompt: list[int], response: tuple[int, ...]) -> list[float]:
     """vLLM's teacher-forced log pi(response | prompt) with the weights it holds now (no sync)."""
     from vllm import SamplingParams as VSP

@@ -19,7 +19,8 @@ before generating, which would hide a loop that forgot to sync.
 Everything runs once per ``engine.vllm.weight_sync`` path (memory, file) and once with
 ``engine.vllm.serve_adapters``, each with its own engine, and the engine must report that its
 reloads travelled that way: as deltas (only the adapted modules, ``engine.vllm.delta_sync``), or
-as the adapter alone.
+as the adapter alone. The served-adapter run also scores the context bonus in the engine
+(``lower.bonus.scorer=engine``), so the engine's scoring runs under a LoRA request in the loop.
 
 Skipped when vllm cannot be imported or the embedded model is unavailable. One engine
 start-up per sync path; about a minute each on a 2-core CPU.
@@ -28,6 +29,7 @@ start-up per sync path; about a minute each on a 2-core CPU.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -53,6 +55,8 @@ ITERATIONS = 2
 def _overrides(weight_sync: str) -> dict:
     # "adapters": vLLM serves the LoRA adapters themselves (engine.vllm.serve_adapters)
     route = {"engine.vllm.serve_adapters": True} if weight_sync == "adapters" else {"engine.vllm.weight_sync": weight_sync}
+    if weight_sync == "adapters":  # and the bonus scored by the engine, under the solver's LoRA request
+        route["lower.bonus.scorer"] = "engine"
     return {**route,
         # FP32: fp32 training on every machine, so the run does not depend on the CPU's bf16 support.
         # the sync is mechanics: the random-weight debug base (GAE: its rewards are all 0) is ~4x faster
@@ -125,7 +129,8 @@ def run(request, tmp_path_factory):
         # iterations, apart from the policy swaps that generate() does on its own.
         loop_syncs: list[float] = []
         in_generate = [False]
-        orig_sync, orig_generate = engine.sync_weights, engine.generate
+        score_calls = [0]
+        orig_sync, orig_generate, orig_score = engine.sync_weights, engine.generate, engine.score
 
         def sync_weights(policy, force=False):
             dt = orig_sync(policy, force)
@@ -140,12 +145,20 @@ def run(request, tmp_path_factory):
             finally:
                 in_generate[0] = False
 
-        engine.sync_weights, engine.generate = sync_weights, generate
+        def score(*args, **kwargs):  # lower.bonus.scorer=engine; its own sync check is not the loop's
+            score_calls[0] += 1
+            in_generate[0] = True
+            try:
+                return orig_score(*args, **kwargs)
+            finally:
+                in_generate[0] = False
+
+        engine.sync_weights, engine.generate, engine.score = sync_weights, generate, score
         try:
             run_dir = tmp_path_factory.mktemp("vllm-in-loop") / "run"
             result = train_lower(cfg, run_dir, policies=policies, engine=engine)
         finally:
-            del engine.sync_weights, engine.generate
+            del engine.sync_weights, engine.generate, engine.score
         post = {"engine": _engine_logprobs(engine, prompt, response),  # before anything else can sync
                 "trainer": _trainer_logprobs(policies, prompt, response)}
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -157,7 +170,8 @@ def run(request, tmp_path_factory):
         yield {"weight_sync": request.param, "route": engine.sync_route, "expected_route": expected,
                "kind": engine.sync_kind, "expected_kind": kind,
                "policies": policies, "engine": engine, "result": result, "adapter0": adapter0, "writer0": writer0,
-               "pre": pre, "post": post, "loop_syncs": loop_syncs, "records": records}
+               "pre": pre, "post": post, "loop_syncs": loop_syncs, "records": records,
+               "bonus_scorer": cfg.lower.bonus.scorer, "score_calls": score_calls[0]}
 
 
 def test_loop_trained_the_solver_adapter(run):
@@ -207,3 +221,12 @@ def test_sync_time_logged_per_iteration(run):
     # The logged stage time wraps exactly that call (rounded to 4 decimals).
     for it, (t, s) in enumerate(zip(logged, loop_syncs)):
         assert t >= s - 1e-4, f"iteration {it}: logged weight_sync {t} < engine-measured reload {s:.4f}"
+
+
+def test_bonus_scored_in_every_iteration_by_the_configured_scorer(run):
+    """Each iteration's refines got a bonus term (raw log-ratio logged, not 0: g changes log pi), scored by
+    the engine in the run that asks for it (lower.bonus.scorer=engine, one call per iteration) and never
+    by it otherwise."""
+    raws = [r.get("lower/bonus/raw_logratio_mean") for r in run["records"]]
+    assert all(x is not None and math.isfinite(x) and x != 0.0 for x in raws), raws
+    assert run["score_calls"] == (ITERATIONS if run["bonus_scorer"] == "engine" else 0)

@@ -26,6 +26,7 @@ from tosca_mlmt import parallel as dist
 from tosca_mlmt.algos.advantages import ADVANTAGES, CRITIC, VALUES, AdvantageInputs, turn_sums
 from tosca_mlmt.algos.qlearning import polyak_update
 from tosca_mlmt.config import Config
+from tosca_mlmt.errors import MlmtError
 from tosca_mlmt.lower import archer, objective, stats
 from tosca_mlmt.lower.objective import UpdateBatch
 from tosca_mlmt.lower.scoring import Scores, SolverScorer
@@ -97,7 +98,9 @@ class LowerLearner:
     def close(self) -> None:
         self.engine.close()
 
-    def update(self, trajs: list[SolverTrajectory], step: int, timer: StageTimer | None = None) -> dict:
+    def update(self, trajs: list[SolverTrajectory], step: int, timer: StageTimer | None = None, engine=None) -> dict:
+        """``engine``: the rollout engine that sampled ``trajs``, still holding those weights; read
+        only with lower.bonus.scorer=engine."""
         lo, needs = self.lo, self.estimator.needs
         timer = timer or StageTimer()
         tt = to_tensors(trajs, self.pad_id)
@@ -112,7 +115,8 @@ class LowerLearner:
                 rewards = objective.token_rewards(trajs, tt, scores, lo, step)
                 adv, returns, critic_targets = self._advantages(trajs, tt, rewards, scores)
             with timer("bonus"):
-                bonus, terms = self._bonus(trajs, scores.old_logprobs, scores.ref_logprobs, adv)
+                with_g = tt.behaviour_logprobs if lo.bonus.scorer == "engine" else scores.old_logprobs
+                bonus, terms = self._bonus(trajs, with_g, scores.ref_logprobs, adv, engine)
                 bstats = stats.bonus_stats(terms)
                 self.refine_bonus = stats.refine_bonus_rows(terms)
                 adv = adv + bonus
@@ -121,7 +125,9 @@ class LowerLearner:
                             rewards.kl_weight, critic_targets)
         with timer("update"):
             upd = self._epochs(batch, step)
-        return {**stats.iteration_stats(tt, rewards, scores, adv, returns), **bstats, **upd}
+        # old_pass 0: no pi_old forward ran (lower.old_logprobs=auto found pi_old = pi_theta at the loss)
+        return {**stats.iteration_stats(tt, rewards, scores, adv, returns), **bstats, **upd,
+                "old_pass": float(not self.skipped_old)}
 
     def old_is_current(self, rows: int, n_turns: int, needs) -> bool:
         """Whether the scoring pass can be skipped (lower.old_logprobs=auto): the batch is one
@@ -129,7 +135,7 @@ class LowerLearner:
         that sampled, and nothing reads the pass before the update: no bonus on refines, value
         head, critic features or reference."""
         lo = self.lo
-        bonus_reads_it = lo.bonus.coef > 0 and n_turns > 1
+        bonus_reads_it = lo.bonus.coef > 0 and n_turns > 1 and lo.bonus.scorer == "trainer"
         others_read_it = VALUES in needs or CRITIC in needs or self.scorer.needs_reference()
         return (lo.old_logprobs == "auto" and lo.epochs == 1 and rows <= lo.minibatch_size
                 and not bonus_reads_it and not others_read_it)
@@ -148,20 +154,25 @@ class LowerLearner:
 
     @torch.no_grad()
     def context_bonus(self, trajs: list[SolverTrajectory], lp_with: torch.Tensor, ref_with: torch.Tensor | None,
-                      adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
+                      adv: torch.Tensor, engine=None) -> tuple[torch.Tensor, dict]:
         """Bonus [B, T] for the advantages ``adv`` [B, T], and its statistics. ``lp_with`` are the
-        old policy's log-probs, ``ref_with`` the reference's; ``lower.bonus.model`` picks one."""
-        bonus, terms = self._bonus(trajs, lp_with, ref_with, adv)
+        old policy's log-probs (the engine's sampling ones with bonus.scorer=engine), ``ref_with``
+        the reference's; ``lower.bonus.model`` picks one."""
+        bonus, terms = self._bonus(trajs, lp_with, ref_with, adv, engine)
         return bonus, stats.bonus_stats(terms)
 
-    def _bonus(self, trajs, lp_with, ref_with, adv) -> tuple[torch.Tensor, objective.BonusTerms | None]:
+    def _bonus(self, trajs, lp_with, ref_with, adv, engine=None) -> tuple[torch.Tensor, objective.BonusTerms | None]:
         """Bonus [B, T] and its per-refine terms; None when none was computed (coefficient 0 or
         no refine with its feedback intact)."""
         bo = self.lo.bonus
         if bo.coef == 0:
             return torch.zeros_like(adv), None
+        if bo.scorer == "engine" and engine is None:
+            raise MlmtError("lower.bonus.scorer=engine: the bonus is scored by the rollout engine, and this update "
+                            "has none (training from snapshots?); set lower.bonus.scorer=trainer")
         reference = bo.model == "reference"
-        refine = self.scorer.without_feedback(trajs, reference=reference)
+        refine = self.scorer.without_feedback(trajs, reference=reference,
+                                              engine=engine if bo.scorer == "engine" else None)
         if not refine.where:
             return torch.zeros_like(adv), None
         return objective.refine_bonus(trajs, ref_with if reference else lp_with, refine, adv, bo)

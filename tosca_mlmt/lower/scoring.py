@@ -122,11 +122,17 @@ class SolverScorer:
         return Scores(lp, ent, v, ref, (hs, ha) if features else None)
 
     @torch.no_grad()
-    def without_feedback(self, trajs: list[SolverTrajectory], reference: bool) -> RefineScores:
+    def without_feedback(self, trajs: list[SolverTrajectory], reference: bool, engine=None) -> RefineScores:
+        """By the trainer's forwards, or with ``engine`` (lower.bonus.scorer=engine) by the rollout
+        engine's teacher-forced scoring; each rank scores its share either way."""
         prompts, responses, where = no_feedback_sequences(trajs)
         if not where:  # every rank sees the same trajectories, so all skip the collective alike
             return RefineScores([], [])
         local = []
+        if engine is not None:
+            mine = list(dist.shard(len(where)))
+            scored = engine.score([prompts[i] for i in mine], [responses[i] for i in mine], "solver") if mine else []
+            return RefineScores(where, dist.gather_sharded([torch.tensor(x) for x in scored], len(where)))
         for c in self._chunks(dist.shard(len(where))):
             batch = build_batch([prompts[i] for i in c], [responses[i] for i in c], self.pad_id)
             lp = self.forward(batch.input_ids, batch.attention_mask, reference=reference).logprobs

@@ -44,6 +44,11 @@ class Engine(Protocol):
         """Return ``[len(prompts)][params.n]`` generations sampled from ``policy`` ("solver"/"writer")."""
         ...
 
+    def score(self, prompts: list[list[int]], responses: list[list[int]], policy: str) -> list[list[float]]:
+        """Teacher-forced raw log pi(response[i] | prompt + response[:i]) under ``policy``'s current
+        weights, one list per pair: the same quantity as ``Generation.logprobs``, for given tokens."""
+        ...
+
     def sync_weights(self, policy: str) -> float:
         """Make the engine serve the policy's current weights; returns seconds spent."""
         ...

@@ -12,7 +12,7 @@ from tosca_mlmt.parallel import full_parameters
 from tosca_mlmt.rollout.engines.base import Generation, SamplingParams
 from tosca_mlmt.rollout.engines.stop import TAIL_TOKENS, apply_stop
 from tosca_mlmt.seeds import seeded
-from tosca_mlmt.tensors import pad_batch
+from tosca_mlmt.tensors import pad_batch, token_logprobs_from_hidden
 
 
 class _RawLogprobRecorder(LogitsProcessor):
@@ -77,6 +77,25 @@ class HFEngine:
 
     def close(self) -> None:
         pass
+
+    @torch.no_grad()
+    def score(self, prompts: list[list[int]], responses: list[list[int]], policy: str) -> list[list[float]]:
+        """One forward of the live model per batch of ``batch_size`` pairs (no autocast: the
+        model's own dtype, as ``generate`` runs)."""
+        model = self.policies.model(policy)
+        tok = self.policies.tokenizer(policy)
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        head = model.get_base_model().get_output_embeddings()
+        out: list[list[float]] = []
+        for start in range(0, len(prompts), self.batch_size):
+            ps, rs = prompts[start: start + self.batch_size], responses[start: start + self.batch_size]
+            ids, attn = pad_batch([list(p) + list(r) for p, r in zip(ps, rs)], pad_id)  # right-padded
+            with self.policies.use(policy), full_parameters(model):
+                hidden = model(input_ids=ids, attention_mask=attn, output_hidden_states=True,
+                               logits_to_keep=1).hidden_states[-1]
+                lp = token_logprobs_from_hidden(hidden, head, ids, 256)  # [B, T]; the head in chunks
+            out += [lp[j, len(p): len(p) + len(r)].tolist() for j, (p, r) in enumerate(zip(ps, rs))]
+        return out
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, policy: str) -> list[list[Generation]]:

@@ -239,6 +239,33 @@ class VLLMEngine:
                    top_k=params.top_k if params.top_k > 0 else -1, max_tokens=params.max_new_tokens,
                    logprobs=0, seed=params.seed, stop_token_ids=eos, detokenize=False, extra_args=extra)
 
+    def score(self, prompts: list[list[int]], responses: list[list[int]], policy: str) -> list[list[float]]:
+        """Prompt log-probs of prompt + response: one prefill each and a single decoded token that
+        is thrown away. vLLM computes them as log_softmax of the raw logits (no temperature, no
+        logits processor), as it does the sampling log-probs of ``generate``."""
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        self.sync_weights(policy)
+        seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+        sp = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        # With LoRA enabled, vLLM maps the LM head's adapter per *sampled* row, not per prompt position,
+        # so prompt log-probs of a batch fail (vllm#16668, #29955); one request per call is right as long
+        # as no adapter sits on the LM head, whose delta prompt log-probs drop (vllm#51594).
+        per_call = 1 if self.serve_adapters else max(1, len(seqs))
+        if self.serve_adapters and any(m.split(".")[-1] == "lm_head" for m in self.policies.adapted_modules(policy)):
+            raise NotImplementedError("engine.vllm.serve_adapters: vLLM's prompt log-probs drop an LM-head "
+                                      "adapter's delta; score with lower.bonus.scorer=trainer")
+        outs = []
+        for i in range(0, len(seqs), per_call):
+            outs += self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs[i: i + per_call]], sp,
+                                      use_tqdm=False, lora_request=self.lora_request(policy))
+        self.prompt_tokens += sum(len(s) for s in seqs)  # counted, never cached: prompt log-probs skip the cache
+        self.cached_prompt_tokens += sum(o.num_cached_tokens or 0 for o in outs)
+        # prompt_logprobs[i] holds {token: Logprob} for seq[i], the sampled id among them (None at i = 0)
+        return [[o.prompt_logprobs[i][s[i]].logprob for i in range(len(p), len(s))]
+                for o, s, p in zip(outs, seqs, prompts)]
+
     def generate(self, prompts: list[list[int]], params: SamplingParams, policy: str) -> list[list[Generation]]:
         from vllm.inputs import TokensPrompt
 
