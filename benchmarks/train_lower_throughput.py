@@ -15,6 +15,9 @@ one optimizer step per batch; results go to train_lower_throughput-single-turn.j
 ``--bonus-scorers trainer engine`` runs ours once per ``lower.bonus.scorer``: with ``engine`` the
 context bonus is scored by the rollout engine (its sampling log-probs and one prefill without g),
 so, the batch being one optimizer step, no trainer forward runs before the update.
+Precision: our model weights are fp32 and our update autocasts to bf16 where the CPU has it
+natively (``lower.autocast=auto``); TRL's ``bf16`` flag follows the same decision by default
+(``--trl-bf16``), so both train in the same precision (until 2026-11-26 TRL ran fp32 throughout).
 
     python benchmarks/train_lower_throughput.py --engines vllm hf --problems 4 --group 4 --max-new-tokens 32 --iterations 3
     python benchmarks/train_lower_throughput.py --engines vllm --single-turn
@@ -64,7 +67,10 @@ def run_ours(args, engine: str, scorer: str = "trainer") -> dict:
     # generate seconds (rounded to 0.1 ms in the log, so equal up to that rounding)
     engine_gen = sum(r["lower/gen_tokens_per_s"] * r["lower/time/generate"] for r in timed)
     secs = sum(r["lower/iteration_seconds"] for r in timed)
-    return {"engine": engine, "bonus_scorer": scorer, "generated_tokens": gen, "engine_generated_tokens": round(engine_gen, 1),
+    from tosca_mlmt.precision import use_bf16_autocast
+
+    return {"engine": engine, "bonus_scorer": scorer, "autocast_bf16": use_bf16_autocast(cfg.lower.autocast),
+            "generated_tokens": gen, "engine_generated_tokens": round(engine_gen, 1),
             "seconds": secs, "tokens_per_s": gen / secs,
             "warmup_iteration_seconds": rows[0]["lower/iteration_seconds"] if len(rows) > 1 else None,
             "process_seconds_incl_load_and_engine_start": round(total, 1),
@@ -107,14 +113,22 @@ def run_trl(args) -> dict:
     conf = GRPOConfig(output_dir=str(Path(args.workdir) / "trl"), use_vllm=False, num_generations=args.group,
                       max_completion_length=args.max_new_tokens, per_device_train_batch_size=args.problems * args.group,
                       gradient_accumulation_steps=1, max_steps=args.iterations, logging_steps=1, report_to="none",
-                      use_cpu=True, bf16=False, learning_rate=1e-4, beta=0.0, save_strategy="no", temperature=0.7)
+                      use_cpu=True, bf16=trl_bf16(args), learning_rate=1e-4, beta=0.0, save_strategy="no", temperature=0.7)
     trainer = GRPOTrainer(model=path, reward_funcs=[correctness], args=conf, train_dataset=ds,
                           processing_class=AutoTokenizer.from_pretrained(path), callbacks=[Timer()],
                           peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
     trainer.train()
     t, n = times[1:] or times, toks[1:] or toks
-    return {"engine": "hf (use_vllm=False)", "generated_tokens": sum(n), "seconds": sum(t),
+    return {"engine": "hf (use_vllm=False)", "bf16": trl_bf16(args), "generated_tokens": sum(n), "seconds": sum(t),
             "tokens_per_s": sum(n) / sum(t)}
+
+
+def trl_bf16(args) -> bool:
+    """TRL's bf16 (autocast) flag: by default the decision our lower.autocast=auto makes on this machine
+    (bf16 where the CPU has it natively), so both train in the same precision."""
+    from tosca_mlmt.precision import use_bf16_autocast
+
+    return use_bf16_autocast("auto") if args.trl_bf16 == "auto" else args.trl_bf16 == "on"
 
 
 def child(args) -> None:
@@ -133,7 +147,8 @@ def spawn(args, what: str) -> dict:
     out.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--child", what, "--child-out", str(out), "--problems", str(args.problems),
            "--group", str(args.group), "--max-new-tokens", str(args.max_new_tokens),
-           "--iterations", str(args.iterations), "--workdir", args.workdir] + (["--single-turn"] if args.single_turn else [])
+           "--iterations", str(args.iterations), "--workdir", args.workdir, "--trl-bf16", args.trl_bf16] + (
+        ["--single-turn"] if args.single_turn else [])
     before = os.getloadavg()
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
@@ -156,6 +171,9 @@ def main() -> None:
     ap.add_argument("--bonus-scorers", nargs="+", choices=("trainer", "engine"), default=["trainer"],
                     help="lower.bonus.scorer of our runs, each engine with each (engine: no pi_old pass)")
     ap.add_argument("--workdir", default="/tmp/tosca-bench-lower")
+    ap.add_argument("--trl-bf16", choices=("auto", "on", "off"), default="auto",
+                    help="TRL's bf16 autocast; auto = what our lower.autocast=auto picks here")
+    ap.add_argument("--out", help="result JSON (default: results/train_lower_throughput[-single-turn].json)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -177,7 +195,8 @@ def main() -> None:
                         "ours runs three-turn episodes (solve, feedback, refine) and trains two solver turns, TRL "
                         "one turn") + "; load_avg_* = os.getloadavg() (1, 5, 15 min)"}
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / ("train_lower_throughput-single-turn.json" if args.single_turn else "train_lower_throughput.json")
+    path = Path(args.out) if args.out else RESULTS / (
+        "train_lower_throughput-single-turn.json" if args.single_turn else "train_lower_throughput.json")
     # TRL runs right after our first variant, so a cut-short invocation still has one ratio; the
     # JSON is rewritten after every run. A variant is keyed by its engine, plus "+engine-bonus" when
     # the engine scores the bonus.

@@ -6,6 +6,8 @@ vocabulary, H = hidden size.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -59,29 +61,27 @@ def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, i
     for s in range(0, T - 1, chunk):
         e = min(s + chunk, T - 1)
         h, tgt = hidden[:, s:e], targets[:, s:e]
-        fn = _chunk_logprobs_entropy if with_entropy else _chunk_logprobs
+        out: list | None = [] if with_entropy else None
+        fn = functools.partial(_chunk_logprobs, entropy_out=out)
         if torch.is_grad_enabled() and h.requires_grad:
-            out = torch.utils.checkpoint.checkpoint(fn, h, tgt, lm_head, use_reentrant=False)
+            lps.append(torch.utils.checkpoint.checkpoint(fn, h, tgt, lm_head, use_reentrant=False))
         else:
-            out = fn(h, tgt, lm_head)
+            lps.append(fn(h, tgt, lm_head))
         if with_entropy:
-            lps.append(out[0])
-            ents.append(out[1])
-        else:
-            lps.append(out)
+            ents.append(out[0])
     lp = torch.cat(lps, dim=1)
     if with_entropy:
         return lp, (torch.cat(ents, dim=1) if len(ents) > 1 else torch.zeros_like(lp))
     return lp
 
 
-def _chunk_logprobs_entropy(h: torch.Tensor, tgt: torch.Tensor, lm_head: torch.nn.Module):
-    """(log-probs with grad, entropy without): the entropy of a training forward is a diagnostic."""
-    logp = torch.log_softmax(fp32_logits(h, lm_head), dim=-1)
-    ent = -(logp.detach().exp() * logp.detach()).sum(-1)
-    return logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1), ent
-
-
-def _chunk_logprobs(h: torch.Tensor, tgt: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:
-    logits = fp32_logits(h, lm_head)  # [B, c, V]
-    return torch.log_softmax(logits, dim=-1).gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
+def _chunk_logprobs(h: torch.Tensor, tgt: torch.Tensor, lm_head: torch.nn.Module,
+                    entropy_out: list | None = None) -> torch.Tensor:
+    """Log-probs [B, c] of the targets (with grad). With ``entropy_out``, the first call also appends
+    the entropy [B, c] of pi, without grad: a diagnostic. A checkpointed chunk runs again in the
+    backward pass, and that run skips it (two more passes over [B, c, V] that nothing reads)."""
+    logp = torch.log_softmax(fp32_logits(h, lm_head), dim=-1)  # [B, c, V]
+    if entropy_out is not None and not entropy_out:
+        with torch.no_grad():
+            entropy_out.append(-(logp.exp() * logp).sum(-1))
+    return logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
