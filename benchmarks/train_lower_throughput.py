@@ -133,11 +133,12 @@ def trl_bf16(args) -> bool:
 
 def child(args) -> None:
     """One run in this process; its result (with this process's peak RSS) goes to ``args.child_out``."""
-    from tosca_mlmt.runtime import peak_rss_mb
+    from tosca_mlmt.runtime import git_sha, peak_rss_mb
 
     kind, engine, scorer = (args.child.split(":") + ["", ""])[:3]
     res = run_ours(args, engine, scorer) if kind == "ours" else run_trl(args)
     res["peak_rss_mb"] = peak_rss_mb()  # this run alone: model load(s), engine and iterations
+    res["code"] = git_sha()  # each child's own: a run spans minutes, the tree may change between children
     Path(args.child_out).write_text(json.dumps(res))
 
 
