@@ -258,6 +258,9 @@ def test_score_is_teacher_forced_log_pi_under_the_weights_it_syncs(env):
         for p, r, m in zip(prompts, responses, moved):
             assert max_diff(m, teacher_forced(policies, "solver", p, r)) < LOGPROB_TOL
         assert max(max_diff(m, s) for m, s in zip(moved, scored)) > 10 * LOGPROB_TOL, "the adapter change is vacuous"
+    # the adapter is restored; score syncs it back, and the module's later tests find vLLM on the base again
+    back = engine.score(prompts, responses, "solver")
+    assert max(max_diff(b, s) for b, s in zip(back, scored)) <= RESTORE_TOL
 
 
 def _prompt_logprobs(engine, prompt: list[int], response: tuple[int, ...]) -> list[float]:
