@@ -128,11 +128,11 @@ class SolverScorer:
         prompts, responses, where = no_feedback_sequences(trajs)
         if not where:  # every rank sees the same trajectories, so all skip the collective alike
             return RefineScores([], [])
-        local = []
         if engine is not None:
-            mine = list(dist.shard(len(where)))
+            mine = dist.shard(len(where))
             scored = engine.score([prompts[i] for i in mine], [responses[i] for i in mine], "solver") if mine else []
             return RefineScores(where, dist.gather_sharded([torch.tensor(x) for x in scored], len(where)))
+        local = []
         for c in self._chunks(dist.shard(len(where))):
             batch = build_batch([prompts[i] for i in c], [responses[i] for i in c], self.pad_id)
             lp = self.forward(batch.input_ids, batch.attention_mask, reference=reference).logprobs
