@@ -10,13 +10,14 @@ from tosca_mlmt.tensors import token_logprobs_from_hidden
 def test_chunked_logprobs_entropy_and_gradient_equal_the_full_logits(chunk):
     """Log-probs, entropy and the log-probs' gradient through the checkpointed chunks equal those of
     one log_softmax over all positions; the entropy (a diagnostic) carries no graph, and asking for
-    it changes neither the log-probs nor their gradient (the backward's recompute skips it)."""
+    it changes neither the log-probs nor their gradient (the backward's recompute skips it). fp32 throughout,
+    on any CPU (no model, no autocast)."""
     gen = torch.Generator().manual_seed(0)
     B, T, H, V = 2, 7, 5, 11
-    head = torch.nn.Linear(H, V, bias=False)
+    head = torch.nn.Linear(H, V, bias=False, dtype=torch.float32)
     with torch.no_grad():
-        head.weight.copy_(torch.randn(V, H, generator=gen))
-    hidden = torch.randn(B, T, H, generator=gen, requires_grad=True)
+        head.weight.copy_(torch.randn(V, H, generator=gen, dtype=torch.float32))
+    hidden = torch.randn(B, T, H, generator=gen, dtype=torch.float32, requires_grad=True)
     ids = torch.randint(0, V, (B, T), generator=gen)
     full = torch.log_softmax(head(hidden), -1)  # [B, T, V]
     want = full[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
