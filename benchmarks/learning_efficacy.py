@@ -68,6 +68,10 @@ METHODS = {
     # verdict env the trained writer trailed the template, whose one true sentence breaks nothing, while
     # confirm's sentence alone broke 3-6 % and the writer's text after the others more
     "mlmt-sentences-only": (ROOT / "configs" / "mlmt-selector.yaml", {}),
+    # the same with the context bonus scored by the rollout engine (lower.bonus.scorer=engine, the faster
+    # PPO iteration): bf16 engine and trainer log-probs differ by ~0.03 nats a token, so whether it learns
+    # as the trainer-scored selector does is measured, paired seed by seed, not assumed
+    "mlmt-sentences-only-engine-bonus": (ROOT / "configs" / "mlmt-selector.yaml", {"lower.bonus.scorer": "engine"}),
     # turn 1 credited mostly by its own reward, a quarter by the refine's: in the honest confidence env
     # turn-own credit (turn_gamma 0) left nothing that asks a first answer to survive its refine
     # (c->i 3.0 % against i->c 2.8 %), while reward-to-go (1) broke the PPO batches' right attempts' credit
