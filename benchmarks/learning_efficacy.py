@@ -72,6 +72,14 @@ METHODS = {
     # PPO iteration): bf16 engine and trainer log-probs differ by ~0.03 nats a token, so whether it learns
     # as the trainer-scored selector does is measured, paired seed by seed, not assumed
     "mlmt-sentences-only-engine-bonus": (ROOT / "configs" / "mlmt-selector.yaml", {"lower.bonus.scorer": "engine"}),
+    # the selector choosing between the verdict template's own two sentences: in the verdict env the template
+    # is then the best policy it can learn, so its gap to the template is what learning the choice costs (the
+    # six-sentence selector trailed the template by 5.7 points over 5 seeds, all of it in Acc@t1)
+    "mlmt-verdict-sentences": (ROOT / "configs" / "mlmt-selector.yaml", {
+        "episode.strategies": [
+            {"name": "say_right", "instruction": "Tell the solver its answer is right.", "prefix": "Your answer is right."},
+            {"name": "say_wrong", "instruction": "Tell the solver its answer is wrong.", "prefix": "Your answer is wrong."}],
+        "episode.prefix_only": ["say_right", "say_wrong"]}),
     # turn 1 credited mostly by its own reward, a quarter by the refine's: in the honest confidence env
     # turn-own credit (turn_gamma 0) left nothing that asks a first answer to survive its refine
     # (c->i 3.0 % against i->c 2.8 %), while reward-to-go (1) broke the PPO batches' right attempts' credit
