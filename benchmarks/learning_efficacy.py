@@ -50,10 +50,12 @@ MLMT = ROOT / "configs" / "mlmt.yaml"
 
 # configs/mlmt.yaml's solver credit before 2026-11-26: reward-to-go over the turns, the KL as a reward
 REWARD_TO_GO = {"lower.turn_gamma": 1.0, "lower.kl_mode": "reward"}
-# the verdict template's two sentences as a writer's strategy set
+# the verdict template's two sentences as a writer's strategy set, each sent as its sentence alone
 VERDICT_SENTENCES = [
     {"name": "say_right", "instruction": "Tell the solver its answer is right.", "prefix": "Your answer is right."},
     {"name": "say_wrong", "instruction": "Tell the solver its answer is wrong.", "prefix": "Your answer is wrong."}]
+VERDICT_SELECTOR = {"episode.strategies": VERDICT_SENTENCES,
+                    "episode.prefix_only": [s["name"] for s in VERDICT_SENTENCES]}
 # name -> (preset, overrides). All share the compute budget set in main(). Units are found by the hash of
 # the resolved configuration, not by name (identity), so a renamed method keeps its units.
 METHODS = {
@@ -79,14 +81,12 @@ METHODS = {
     # the selector choosing between the verdict template's own two sentences: in the verdict env the template
     # is then the best policy it can learn, so its gap to the template is what learning the choice costs (the
     # six-sentence selector trailed the template by 5.7 points over 5 seeds, all of it in Acc@t1)
-    "mlmt-verdict-sentences": (ROOT / "configs" / "mlmt-selector.yaml", {
-        "episode.strategies": VERDICT_SENTENCES, "episode.prefix_only": ["say_right", "say_wrong"]}),
+    "mlmt-verdict-sentences": (ROOT / "configs" / "mlmt-selector.yaml", VERDICT_SELECTOR),
     # the same two sentences drawn at random (writer frozen: no collect, no writer update): the verdict template
     # trains its solver under true verdicts, this one under coin flips, so their Acc@t1 gap measures what the
     # truth of the feedback in the PPO batches does for the first answer
-    "solver-only-verdict-sentences": (ROOT / "configs" / "mlmt-selector.yaml", {
-        "episode.strategies": VERDICT_SENTENCES, "episode.prefix_only": ["say_right", "say_wrong"],
-        "joint.freeze_writer": True}),
+    "solver-only-verdict-sentences": (ROOT / "configs" / "mlmt-selector.yaml",
+                                      {**VERDICT_SELECTOR, "joint.freeze_writer": True}),
     # turn 1 credited mostly by its own reward, a quarter by the refine's: in the honest confidence env
     # turn-own credit (turn_gamma 0) left nothing that asks a first answer to survive its refine
     # (c->i 3.0 % against i->c 2.8 %), while reward-to-go (1) broke the PPO batches' right attempts' credit
