@@ -82,6 +82,12 @@ METHODS = {
     # is then the best policy it can learn, so its gap to the template is what learning the choice costs (the
     # six-sentence selector trailed the template by 5.7 points over 5 seeds, all of it in Acc@t1)
     "mlmt-verdict-sentences": (ROOT / "configs" / "mlmt-selector.yaml", VERDICT_SELECTOR),
+    # the same, with each decision rewarded by the rise in the solver's probability of the gold answer
+    # (episode.gold_prob, upper.reward=gold_prob): the greedy refines' 0/1 outcomes hardly depended on the
+    # sentence (it broke 0-9 % of right answers and fixed 0-14 % of wrong ones under either), so Q ranked
+    # the two by noise; the probability still moves when the argmax does not
+    "mlmt-verdict-sentences-gold-prob": (ROOT / "configs" / "mlmt-selector.yaml",
+                                         {**VERDICT_SELECTOR, "episode.gold_prob": True, "upper.reward": "gold_prob"}),
     # the same two sentences drawn at random (writer frozen: no collect, no writer update): the verdict template
     # trains its solver under true verdicts, this one under coin flips, so their Acc@t1 gap measures what the
     # truth of the feedback in the PPO batches does for the first answer
@@ -174,6 +180,9 @@ def identity(preset: Path, extra: dict | None, common: dict, train: dict) -> tup
     # another numerics path (bf16: ~0.03 nats per token), so it defines units of its own
     if cfg["lower"]["bonus"]["scorer"] == "trainer":
         cfg["lower"]["bonus"].pop("scorer")
+    # episode.gold_prob off scores nothing and samples the same: units from before the knob count
+    if not cfg["episode"]["gold_prob"]:
+        cfg["episode"].pop("gold_prob")
     if extra is None:  # nothing trains: what only training reads does not define the unit
         for section in ("lower", "upper", "joint"):
             cfg.pop(section)

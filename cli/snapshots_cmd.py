@@ -87,7 +87,7 @@ def _attempt(title: str, text: str, correct, reward, extracted, extras: dict) ->
 
 def render_episode(r: dict, i: int, n: int) -> Group:
     """One decoded episode (samples.episode_record) as rich renderables."""
-    from tosca_mlmt.pipelines.snapshots import bonus_text
+    from tosca_mlmt.pipelines.snapshots import LOGGED_EXTRAS, bonus_text
 
     parts = [Rule(Text(f"{i}/{n}  {r['episode_id']}  {r['outcome'].replace('_to_', ' -> ')}"), align="left"),
              Text.assemble(("problem  ", "bold"), r["problem"]),
@@ -100,7 +100,7 @@ def render_episode(r: dict, i: int, n: int) -> Group:
             title.append("  LEAKS THE ANSWER", style="bold yellow")
         parts.append(Panel(Text(rd["g"] or ""), title=title, title_align="left",
                            border_style="yellow" if leak else "blue"))
-        extras = {k: v for k, v in rd.items() if k == "counterfactual_reward"}
+        extras = {k: v for k, v in rd.items() if k in LOGGED_EXTRAS}
         extras["bonus"] = bonus_text(rd.get("bonus"), rd.get("bonus_raw"))
         parts.append(_attempt(f"ŷ (attempt {rd['round'] + 1})", rd["y"], rd["correct"], rd["reward"],
                               rd["extracted"], extras))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tosca_mlmt.models.loading import resolve_model
-from tosca_mlmt.samples import bonus_text, episode_record, select  # noqa: F401 (bonus_text: for cli/)
+from tosca_mlmt.samples import LOGGED_EXTRAS, bonus_text, episode_record, select  # noqa: F401 (the first two: for cli/)
 from tosca_mlmt.snapshot import read_manifest, verify_snapshot
 from tosca_mlmt.snapshot_index import environment_of, open_snapshot, resolve_snapshot, row_line, snapshot_rows
 

@@ -291,3 +291,22 @@ def test_a_continued_head_keeps_its_table_and_a_head_without_one_gains_a_zero_ta
 def test_q_signal_needs_the_head():
     with pytest.raises(ConfigError, match="upper.q_signal"):
         load_config(overrides={"upper.q_signal": True, "upper.q_source": "logits"})
+
+
+def test_gold_prob_reward_is_the_rise_in_the_gold_answers_probability():
+    # attempt 1 right with p_gold 0.9; the refine kept it at 0.6 (the feedback shook it), then lost it (0.2)
+    ep = _episode("e", [1.0, 1.0, 0.0], actions=[0, 1])
+    for t, p in zip(ep.solver_turns, (0.9, 0.6, 0.2)):
+        t.info["gold_prob"] = p
+    tr = build_transitions([("snap-a", [ep])], reward_mode="gold_prob", break_penalty=0.5, gamma=1.0)
+    # round 2 broke a right answer: the break penalty on top of -0.4
+    assert [t.reward for t in tr] == pytest.approx([-0.3, -0.4 - 0.5])
+    assert round_rewards([0.0, 0.0], [False, False], "gold_prob", 0.5, gold_probs=[0.1, 0.35]) == pytest.approx([0.25])
+    with pytest.raises(SnapshotError, match="episode.gold_prob=true"):
+        build_transitions([("snap-b", [_episode("f", [0.0, 1.0], [2])])], reward_mode="gold_prob")
+
+
+def test_gold_prob_reward_needs_the_collect_knob():
+    with pytest.raises(ConfigError, match="upper.reward"):
+        load_config(overrides={"upper.reward": "gold_prob"})
+    assert load_config(overrides={"upper.reward": "gold_prob", "episode.gold_prob": True}).episode.gold_prob

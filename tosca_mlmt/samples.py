@@ -14,8 +14,8 @@ from tosca_mlmt.leak import episode_leaks
 # Turn-1 correctness -> final correctness (metrics.summarize's 2x2 table).
 OUTCOMES = ("right_to_wrong", "wrong_to_right", "right_to_right", "wrong_to_wrong")
 FILTERS = (*OUTCOMES, "leak")
-# Refine info keys worth showing when a run logged them (episode.counterfactual).
-LOGGED_EXTRAS = ("counterfactual_reward",)
+# Refine info keys worth showing when a run logged them (episode.counterfactual, episode.gold_prob).
+LOGGED_EXTRAS = ("counterfactual_reward", "gold_prob")
 # The solver's context bonus of a refine, stored by train-lower with its batch snapshots
 # (lower/stats.with_refine_bonus): the value added to the refine's advantages (summed over its
 # tokens) and the raw, unclipped log-ratio term. Every record has both keys: None where no PPO

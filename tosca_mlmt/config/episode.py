@@ -83,6 +83,10 @@ class EpisodeConfig(Section):
     max_prompt_tokens: int = knob(1536, "Prompts longer than this are left-truncated (counted in metrics).", min=1)
     counterfactual: bool = knob(False, "Also sample each refine with the feedback cut out of its context and score it "
                                        "(one more solver turn per round), for upper.reward=counterfactual.")
+    gold_prob: bool = knob(False, "Also score every solver turn by the solver's teacher-forced probability of the gold "
+                                  "answer where the turn put its own (after its reasoning, at its 'The answer is:' "
+                                  "line; one batched prefill per batch; arith and gsm8k), logged as gold_prob, for "
+                                  "upper.reward=gold_prob. Dense where 0/1 outcomes of greedy refines hardly move.")
     leak_penalty: float = knob(0.0, "Subtracted from the writer's reward for a decision whose feedback gives the gold "
                                     "answer away ('The answer is 15.'; see tosca_mlmt/leak.py); collect logs the "
                                     "share of such feedback as leak_rate. 0 = measure only.", min=0.0)

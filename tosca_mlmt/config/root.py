@@ -41,3 +41,5 @@ class Config(Section):
                  "vLLM refuses longer prompts and needs room for the response")
         need(self.upper.reward != "counterfactual" or self.episode.counterfactual, f"{prefix}upper.reward",
              "counterfactual needs episode.counterfactual=true (refines scored without their feedback)")
+        need(self.upper.reward != "gold_prob" or self.episode.gold_prob, f"{prefix}upper.reward",
+             "gold_prob needs episode.gold_prob=true (solver turns scored by their gold-answer probability)")

@@ -30,9 +30,12 @@ class UpperConfig(Section):
     # ---- the strategy-level MDP
     reward: str = knob("improvement", "Reward of a decision: 'improvement' = each round's r_k - r_{k-1} (sums to "
                                       "r_final - r1); 'counterfactual' = r_k - r(the refine the same solver wrote "
-                                      "without g_k) (needs episode.counterfactual); 'final' = correctness of the "
-                                      "last attempt, mostly decided by whether z was right.",
-                       choices=("improvement", "counterfactual", "final"))
+                                      "without g_k) (needs episode.counterfactual); 'gold_prob' = p_gold(y_k) - "
+                                      "p_gold(y_{k-1}), the rise in the solver's probability of the gold answer "
+                                      "(needs episode.gold_prob; RLPR's reference likelihood as an improvement); "
+                                      "'final' = correctness of the last attempt, mostly decided by whether z was "
+                                      "right.",
+                       choices=("improvement", "counterfactual", "gold_prob", "final"))
     break_penalty: float = knob(0.5, "Subtracted from a round's reward when it turns a correct attempt wrong.", min=0.0)
     gamma: float = knob(0.95, "Discount between feedback rounds (K > 1); ArCHer's 0.95. Unused when K = 1.",
                         min=0.0, max=1.0)

@@ -22,10 +22,12 @@ import numpy as np
 
 from tosca_mlmt.config import Config, SamplingConfig
 from tosca_mlmt.config.episode import WRITER_SIGNALS
+from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.prompts import (REFINE_USER_PREFIX, REFINE_USER_SUFFIX, WRITER_STATE, WRITER_STRATEGY,
                                 WRITER_SYSTEM, ChatFormat)
 from tosca_mlmt.records import Episode, FeedbackSpan, Turn
 from tosca_mlmt.rollout.engines.base import Engine, Generation, SamplingParams
+from tosca_mlmt.rollout.gold import gold_continuation, gold_prob
 from tosca_mlmt.seeds import stream
 from tosca_mlmt.strategies import behaviour_distribution, sample_strategies
 from tosca_mlmt.tasks.base import Problem, Task
@@ -60,6 +62,9 @@ class EpisodeRunner:
         self.truncated_prompts = 0
         # solver turns end at the task's first complete answer line (rollout/engines/stop.py)
         self.stop_regex = getattr(task, "stop_regex", None) if cfg.episode.stop_at_answer else None
+        if cfg.episode.gold_prob and not hasattr(task, "answer_slot"):
+            raise ConfigError(f"invalid value true for field 'episode.gold_prob': task {task.name!r} has no "
+                              "'The answer is: N' line to score the gold answer at (arith and gsm8k have one)")
 
     # ------------------------------------------------------------------ helpers
     def _seed(self, round_: int, kind: str, batch_index: int) -> int:
@@ -165,6 +170,8 @@ class EpisodeRunner:
         rng = stream(cfg.seed, "strategy", batch_index)
         for rnd in range(1, cfg.episode.rounds + 1):
             self._feedback_round(episodes, contexts, rnd, batch_index, rng)
+        if cfg.episode.gold_prob:
+            self._gold_probs(episodes)
         return episodes
 
     def _feedback_round(self, episodes: list[Episode], contexts: list[list[int]], rnd: int, batch_index: int,
@@ -257,6 +264,22 @@ class EpisodeRunner:
             contexts[i] = refine_prompts[i] + list(g.token_ids)
         if cfg.episode.counterfactual:
             self._counterfactual_refines(episodes, refine_prompts, fb_spans, rnd, batch_index)
+
+    def _gold_probs(self, episodes: list[Episode]) -> None:
+        """Every solver turn's ``info["gold_prob"]``: the solver's teacher-forced probability of the
+        gold answer at the turn's answer slot (rollout/gold.py), one batched scoring pass."""
+        sfmt, tok = self.fmt["solver"], self.policies.tokenizer("solver")
+        decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+        turns, prompts, targets = [], [], []
+        for ep in episodes:
+            for t in ep.solver_turns:
+                prefix, target = gold_continuation(sfmt.strip_eos(t.response_ids), decode, sfmt.encode,
+                                                   self.task.answer_slot, ep.problem.answer)
+                turns.append(t)
+                prompts.append(list(t.prompt_ids) + prefix)
+                targets.append(target)
+        for t, lps in zip(turns, self.engine.score(prompts, targets, "solver")):
+            t.info["gold_prob"] = gold_prob(lps)
 
     def _counterfactual_refines(self, episodes: list[Episode], prompts: list[list[int]], spans: list[FeedbackSpan],
                                 rnd: int, batch_index: int) -> None:

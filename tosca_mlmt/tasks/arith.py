@@ -26,7 +26,8 @@ import sys
 from pathlib import Path
 
 from tosca_mlmt.tasks.base import LoadResult, Problem, Verdict, check_split
-from tosca_mlmt.tasks.mathverify import ANSWER_FORMAT, ANSWER_LINE, echoes_format, extract_answer, is_equivalent
+from tosca_mlmt.tasks.mathverify import (ANSWER_FORMAT, ANSWER_LINE, answer_slot, echoes_format, extract_answer,
+                                         is_equivalent)
 
 VERIFIER_VERSION = "arith-v2"  # v2: an echo of the answer-format instruction scores wrong
 GENERATOR_VERSION = "arith-gen-v2"
@@ -167,6 +168,7 @@ class ArithTask:
     # No placeholder a verifier could read as an answer, and a line the engines can stop on.
     answer_format = ANSWER_FORMAT
     stop_regex = ANSWER_LINE
+    answer_slot = staticmethod(answer_slot)  # where episode.gold_prob scores the gold answer
 
     def __init__(self, level: int = 1):
         if level not in LEVELS:

@@ -13,7 +13,8 @@ from tosca_mlmt.errors import ConfigError, DataError
 from tosca_mlmt.tasks.base import (DATA_ENV_VAR, LoadResult, Problem, Verdict, check_split, check_text, decode_line,
                                     default_data_path, no_problems, parse_json_line, read_lines, short_repr,
                                     stable_split)
-from tosca_mlmt.tasks.mathverify import ANSWER_FORMAT, ANSWER_LINE, VERIFIER_VERSION, echoes_format, extract_answer, extract_gold, match_method
+from tosca_mlmt.tasks.mathverify import (ANSWER_FORMAT, ANSWER_LINE, VERIFIER_VERSION, answer_slot, echoes_format,
+                                         extract_answer, extract_gold, match_method)
 
 
 
@@ -88,6 +89,7 @@ class GSM8KTask(_MathTask):
     name = "gsm8k"
     answer_format = ANSWER_FORMAT
     stop_regex = ANSWER_LINE
+    answer_slot = staticmethod(answer_slot)  # where episode.gold_prob scores the gold answer
 
     def load(self, split: str, limit: int | None = None, skip_bad_rows: bool = False) -> LoadResult:
         check_split(split)

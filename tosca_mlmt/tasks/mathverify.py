@@ -30,6 +30,20 @@ ANSWER_LINE = r"[Tt]he (?:final )?answer is:?\**\s*\$?\s*-?\d[\d,]*(?:\.\d+)?(?:
 _ECHO_RE = re.compile(r"starts? with\W+the answer is\W+followed by (?:your|the) number", re.IGNORECASE)
 
 
+# Where a final answer's number starts: after "The answer is:" (bold, "$" and spaces allowed), before
+# an optional minus sign and the first digit.
+_ANSWER_SLOT_RE = re.compile(r"[Tt]he (?:final )?answer is:?[ \t]*\**[ \t]*\$?[ \t]*(?=-?\d)")
+
+
+def answer_slot(response: str) -> int | None:
+    """Character index where the number of the response's last "The answer is: N" line starts,
+    or None when it has no such line (episode.gold_prob scores the gold answer there)."""
+    last = None
+    for m in _ANSWER_SLOT_RE.finditer(response):
+        last = m
+    return None if last is None else last.end()
+
+
 def echoes_format(response: str) -> bool:
     """True when a response repeats the answer-format instruction (a template echo, not an answer)."""
     return bool(_ECHO_RE.search(response))

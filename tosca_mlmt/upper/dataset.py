@@ -6,7 +6,9 @@ One transition per writer turn (feedback round k = 1..K of an episode):
 * action a_k  = the logged strategy index, with mu(a_k | s_k) and mu(. | s_k) from collection;
 * reward r_k  = ``final``: r_final at the last round, 0 before it; ``improvement``:
   r(attempt k) - r(attempt k-1), which sums to r_final - r1 over the rounds; or
-  ``counterfactual``: r(attempt k) - r(attempt k written without g_k); minus
+  ``counterfactual``: r(attempt k) - r(attempt k written without g_k); ``gold_prob``:
+  p_gold(attempt k) - p_gold(attempt k-1), the solver's probability of the gold answer at each
+  attempt's answer slot (rollout/gold.py), which moves where 0/1 outcomes do not; minus
   ``break_penalty`` when round k turns a correct attempt wrong, and minus
   ``episode.leak_penalty`` when g_k gives the gold answer away (tosca_mlmt/leak.py);
 * next state  = the writer state of round k + 1 (an index into the same list), terminal
@@ -66,14 +68,16 @@ def task_type(ep: Episode) -> str:
 
 def round_rewards(solver_rewards: list[float], solver_correct: list[bool], mode: str,
                   break_penalty: float, counterfactual: list[float | None] | None = None,
-                  leaked: list[bool | None] | None = None, leak_penalty: float = 0.0) -> list[float]:
+                  leaked: list[bool | None] | None = None, leak_penalty: float = 0.0,
+                  gold_probs: list[float | None] | None = None) -> list[float]:
     """Per-round rewards r_1..r_K from the K + 1 solver attempts' rewards (pure).
 
     ``counterfactual[k - 1]`` is the reward of the refine the same solver wrote at round k with
     the feedback cut out of its context (mode ``counterfactual``): r_k = r(y_k) - r(y_k without g_k),
     the part of the outcome the feedback itself caused. ``leaked[k - 1]`` is True when g_k gave
     the gold answer away: that decision's reward loses ``leak_penalty``, whatever the outcome,
-    because a refine that copied the answer says nothing about the strategy (None = not measured)."""
+    because a refine that copied the answer says nothing about the strategy (None = not measured).
+    ``gold_probs[k]`` is attempt k's p_gold (mode ``gold_prob``), one per solver attempt."""
     K = len(solver_rewards) - 1
     out = []
     for k in range(1, K + 1):
@@ -86,6 +90,11 @@ def round_rewards(solver_rewards: list[float], solver_correct: list[bool], mode:
                 raise ValueError("upper.reward=counterfactual needs refines scored without their feedback: "
                                  "collect with episode.counterfactual=true")
             r = solver_rewards[k] - counterfactual[k - 1]
+        elif mode == "gold_prob":
+            if gold_probs is None or gold_probs[k] is None or gold_probs[k - 1] is None:
+                raise ValueError("upper.reward=gold_prob needs every attempt's gold-answer probability: "
+                                 "collect with episode.gold_prob=true")
+            r = gold_probs[k] - gold_probs[k - 1]
         else:
             raise ValueError(f"unknown reward mode {mode!r}")
         if solver_correct[k - 1] and not solver_correct[k]:
@@ -123,7 +132,8 @@ def episode_transitions(ep: Episode, snapshot_id: str, reward_mode: str, break_p
     leaked = episode_leaks(ep) if leak_penalty else None  # measured from the texts: old snapshots work too
     try:
         rewards = round_rewards([float(s.reward or 0.0) for s in solver], [bool(s.correct) for s in solver],
-                                reward_mode, break_penalty, cf, leaked, leak_penalty)
+                                reward_mode, break_penalty, cf, leaked, leak_penalty,
+                                [s.info.get("gold_prob") for s in solver])
     except ValueError as e:
         raise SnapshotError(f"{snapshot_id}: episode {ep.episode_id}: {e}") from None
     returns = discounted_returns(rewards, gamma)
