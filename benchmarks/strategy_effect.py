@@ -9,6 +9,10 @@ whether the writer's own text passes on the first attempt's correctness: each fe
 keywords as calling the attempt right ("correct", "right"), wrong ("incorrect", "wrong", "mistake",
 "error") or neither, split by the attempt's real correctness; a fixed sentence (finish_reason
 "fixed": episode.prefix_only, static or verdict feedback) is counted apart, as no writer text.
+Where the snapshot was collected with episode.gold_prob, it also gives per strategy the mean rise of
+the solver's gold-answer probability from attempt to refine, p_gold(y) - p_gold(z), on right and on
+wrong attempts (the writer's reward under upper.reward=gold_prob, break penalty aside), with a 95 %
+normal interval: a sentence can move that probability when it flips no greedy outcome.
 
     mlmt collect -c mlmt --task arith --level 2 --limit 160 --engine vllm --out /tmp/snaps \\
         --set episode.writer_sees=verdict --set episode.max_prompt_tokens=768 --set engine.vllm.max_model_len=1024
@@ -70,6 +74,13 @@ def text_says(text: str) -> str:
     return "right" if POSITIVE.search(text) else "neither"
 
 
+def mean_ci(xs: list[float]) -> tuple[float, float, float, int]:
+    """(mean, low, high, n): a normal 95 % interval of the mean (a single value: zero width)."""
+    a = np.asarray(xs, dtype=float)
+    half = 1.96 * a.std(ddof=1) / np.sqrt(len(a)) if len(a) > 1 else 0.0
+    return float(a.mean()), float(a.mean() - half), float(a.mean() + half), len(a)
+
+
 def main() -> None:
     from tosca_mlmt.analysis.stats import wilson
     from tosca_mlmt.snapshot_index import open_snapshot
@@ -86,6 +97,7 @@ def main() -> None:
     says = Counter()
     acts = {"right": [], "wrong": []}
     outs = {"right": [], "wrong": []}
+    rises = defaultdict(list)  # (strategy, attempt kind) -> p_gold(y) - p_gold(z), when logged
     for ep in snap.episodes():
         z, y = ep.solver_turns[0], ep.solver_turns[1] if len(ep.solver_turns) > 1 else None
         fb = next((t for t in ep.turns if t.kind == "feedback"), None)
@@ -102,13 +114,17 @@ def main() -> None:
         r["broken" if z.correct else "fixed"] += int(changed)
         acts[kind].append(names.index(fb.strategy_name))
         outs[kind].append(int(changed))
+        if "gold_prob" in (z.info or {}) and "gold_prob" in (y.info or {}):
+            rises[(fb.strategy_name, kind)].append(y.info["gold_prob"] - z.info["gold_prob"])
     table = {}
     for name in sorted(rows):
         r = rows[name]
         table[name] = {**r, "break_rate": r["broken"] / r["right"] if r["right"] else None,
                        "break_ci": wilson(r["broken"], r["right"]) if r["right"] else None,
                        "fix_rate": r["fixed"] / r["wrong"] if r["wrong"] else None,
-                       "fix_ci": wilson(r["fixed"], r["wrong"]) if r["wrong"] else None}
+                       "fix_ci": wilson(r["fixed"], r["wrong"]) if r["wrong"] else None,
+                       **{f"gold_prob_rise_{k}": mean_ci(rises[(name, k)]) for k in ("right", "wrong")
+                          if rises[(name, k)]}}
     tests = {f"{k}_outcome_depends_on_strategy_p": permutation_p(np.array(acts[k], dtype=int),
                                                                  np.array(outs[k]), len(names), args.draws)
              for k in ("right", "wrong")}
@@ -131,6 +147,11 @@ def main() -> None:
         f = f"{r['fix_rate']:.2f} [{r['fix_ci'][0]:.2f}, {r['fix_ci'][1]:.2f}]" if r["wrong"] else "-"
         print(f"{name:<22}{r['right']:>6}{r['broken']:>8}  {b:<22}{r['wrong']:>6}{r['fixed']:>7}  {f}")
     print(", ".join(f"{k} {v:.3g}" for k, v in tests.items()))
+    for name, r in table.items():
+        for k in ("right", "wrong"):
+            if f"gold_prob_rise_{k}" in r:
+                m, lo, hi, n = r[f"gold_prob_rise_{k}"]
+                print(f"{name}: p_gold rise on {k} attempts {m:+.3f} [{lo:+.3f}, {hi:+.3f}] (n {n})")
     for k, v in report["feedback_text_says"].items():
         print(f"feedback text on {k.split('_')[1]} attempts: " + ", ".join(f"says {w} {n}" for w, n in v.items()))
     print(f"wrote {out}")
