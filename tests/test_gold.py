@@ -1,8 +1,7 @@
 """episode.gold_prob: where the gold answer is scored, and that the score is the solver's own probability."""
 
-from dataclasses import replace
-
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -104,6 +103,7 @@ def test_runner_scores_the_gold_with_the_solvers_own_probability(tiny_cfg, polic
     assert checked >= 1
 
 
+@pytest.mark.slow
 def test_gold_prob_refuses_a_task_without_an_answer_line(tiny_cfg, policies):
     from tosca_mlmt.errors import ConfigError
     from tosca_mlmt.rollout.runner import EpisodeRunner
