@@ -268,12 +268,12 @@ class EpisodeRunner:
     def _gold_probs(self, episodes: list[Episode]) -> None:
         """Every solver turn's ``info["gold_prob"]``: the solver's teacher-forced probability of the
         gold answer at the turn's answer slot (rollout/gold.py), one batched scoring pass."""
-        sfmt, tok = self.fmt["solver"], self.policies.tokenizer("solver")
-        decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+        sfmt = self.fmt["solver"]
         turns, prompts, targets = [], [], []
         for ep in episodes:
             for t in ep.solver_turns:
-                prefix, target = gold_continuation(sfmt.strip_eos(t.response_ids), decode, sfmt.encode,
+                # _solver_text decodes as the verifier reads turns, so the slot is found in the same text
+                prefix, target = gold_continuation(sfmt.strip_eos(t.response_ids), self._solver_text, sfmt.encode,
                                                    self.task.answer_slot, ep.problem.answer)
                 turns.append(t)
                 prompts.append(list(t.prompt_ids) + prefix)
