@@ -315,7 +315,54 @@ def run_unit(*args) -> dict:
         return pool.apply(run_method, args)
 
 
-def main() -> None:
+class Units:
+    """The stored units of one environment and protocol (``args``: the sizes), found by the hash of each
+    method's resolved configuration, whichever name ran them."""
+
+    def __init__(self, args):
+        self.env = args.env
+        self.every = dict(METHODS, **(VERDICT_CONTROL if args.env == "verdict" else {}))
+        common, train = run_overrides(args)
+        ids = {name: identity(preset, extra, common, train) for name, (preset, extra) in self.every.items()}
+        self.hashes = {name: h for name, (h, _) in ids.items()}
+        self.has_q = {name: q for name, (_, q) in ids.items()}
+        self.key = _unit_key(args)
+        self.folder = RESULTS / "learning_efficacy" / (f"{args.env}-L{args.level}" + ("-smoke" if args.smoke else ""))
+        self.stored = [json.loads(f.read_text()) for f in sorted(self.folder.glob("*.json"))]
+
+    def finished(self, name: str, seed: int) -> dict | None:
+        """A unit of this configuration and seed under this protocol, whichever method name ran it."""
+        for u in self.stored:
+            if (u["seed"] == seed and u.get("config") == self.hashes[name]
+                    and _same_unit(u.get("key"), self.key, self.has_q[name])):
+                return u
+        return None
+
+    def per_method(self) -> tuple[dict[str, list[dict]], set[str], dict[str, str]]:
+        """(method -> its units with t1/final as arrays, the code shas they ran, name -> the earlier name
+        of the same configuration). The untrained pair has no training seed: its one eval stands for
+        every seed the trained methods have, so it pairs with each."""
+        per: dict[str, list[dict]] = {}
+        shas: set[str] = set()
+        same_as: dict[str, str] = {}
+        shown: dict[str, str] = {}
+        for name in self.every:
+            if self.hashes[name] in shown:
+                same_as[name] = shown[self.hashes[name]]
+                continue
+            shown[self.hashes[name]] = name
+            for seed in sorted({u["seed"] for u in self.stored}):
+                u = self.finished(name, seed)
+                if u is not None:
+                    shas.add(u["git_sha"])
+                    per.setdefault(name, []).append({**u, "t1": np.array(u["t1"]), "final": np.array(u["final"])})
+        seeds = sorted({r["seed"] for name, runs in per.items() if name != "untrained" for r in runs})
+        if "untrained" in per and seeds:
+            per["untrained"] = [{**per["untrained"][0], "seed": k} for k in seeds]
+        return per, shas, same_as
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--env", default="none", choices=tuple(ENV_OVERRIDES))
     ap.add_argument("--methods", nargs="+", default=None, help="subset of the methods (default: all)")
@@ -346,6 +393,11 @@ def main() -> None:
     ap.add_argument("--primary", default="mlmt", help="the method every other is contrasted with (the "
                                                         "pre-registered one is mlmt; another writes its own file)")
     ap.add_argument("--work", default="/tmp/tosca-bench-efficacy")
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     if args.smoke:
         args.seeds, args.test_problems, args.rounds = args.seeds[:1], 8, 1
@@ -353,7 +405,8 @@ def main() -> None:
 
     # --methods picks the units to run; the table always holds every method with finished units, so a
     # run of one ablation does not rewrite the environment's table with that ablation alone
-    every = dict(METHODS, **(VERDICT_CONTROL if args.env == "verdict" else {}))
+    units = Units(args)
+    every = units.every
     methods = every
     if args.methods:
         unknown = set(args.methods) - set(every)
@@ -367,41 +420,28 @@ def main() -> None:
                if args.eval_strategy_temperature == 0 else
                {"episode.strategy_selection": "epsilon_softmax", "episode.epsilon": 0.0,
                 "episode.strategy_temperature": args.eval_strategy_temperature})
-    key = _unit_key(args)
     # units of a writer with Q under another eval rule sit beside the default ones, not over them
     default_rule = args.eval_strategy_temperature == ap.get_default("eval_strategy_temperature")
     eval_tag = "greedy-eval" if args.eval_strategy_temperature == 0 else f"eval-T{args.eval_strategy_temperature:g}"
-    units = RESULTS / "learning_efficacy" / (f"{args.env}-L{args.level}" + ("-smoke" if args.smoke else ""))
-    units.mkdir(parents=True, exist_ok=True)
+    units.folder.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) / f"{args.env}-{dt.datetime.now():%Y%m%d-%H%M%S}"
     from tosca_mlmt.runtime import git_sha
 
     # the code that runs: read before the first unit imports it (a commit may land while units run)
     sha = git_sha() or "unknown"
     t_start = time.time()
-    ids = {name: identity(preset, extra, common, train) for name, (preset, extra) in every.items()}
-    hashes = {name: h for name, (h, _) in ids.items()}
-    has_q = {name: q for name, (_, q) in ids.items()}
-    stored = [json.loads(f.read_text()) for f in sorted(units.glob("*.json"))]
-
-    def finished(name: str, seed: int) -> dict | None:
-        """A unit of this configuration and seed under this protocol, whichever method name ran it."""
-        for u in stored:
-            if (u["seed"] == seed and u.get("config") == hashes[name]
-                    and _same_unit(u.get("key"), key, has_q[name])):
-                return u
-        return None
+    hashes, has_q, key = units.hashes, units.has_q, units.key
 
     # seed-major: every method's seed 0 before any seed 1, so a budget cut leaves complete pairings
     for seed in args.seeds:
         for name, (preset, extra) in methods.items():
             if extra is None and seed != args.seeds[0]:
                 continue
-            if not args.force and finished(name, seed) is not None:
+            if not args.force and units.finished(name, seed) is not None:
                 continue
-            path = units / (f"{name}-seed{seed}-{hashes[name][:8]}"
-                            + (f"-{eval_tag}" if not default_rule and has_q[name] else "")
-                            + ".json")
+            path = units.folder / (f"{name}-seed{seed}-{hashes[name][:8]}"
+                                   + (f"-{eval_tag}" if not default_rule and has_q[name] else "")
+                                   + ".json")
             if args.table_only:
                 print(f"table only: {name} seed {seed} has no unit", flush=True)
                 continue
@@ -413,29 +453,13 @@ def main() -> None:
                     "load_avg": os.getloadavg(),
                     **{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in r.items()}}
             path.write_text(json.dumps(unit))
-            stored.append(unit)
+            units.stored.append(unit)
             print(f"{name} seed {seed}: Acc@t1 {r['t1'].mean():.3f} Acc@final {r['final'].mean():.3f} "
                   f"({r['train_seconds'] or 0:.0f} s train, {r['eval_seconds']:.0f} s eval)", flush=True)
-    per: dict[str, list[dict]] = {}
-    shas = set()
-    same_as: dict[str, str] = {}  # a name whose configuration an earlier name already shows
-    shown: dict[str, str] = {}
-    for name in every:
-        if hashes[name] in shown:
-            same_as[name] = shown[hashes[name]]
-            continue
-        shown[hashes[name]] = name
-        for seed in sorted({u["seed"] for u in stored}):
-            u = finished(name, seed)
-            if u is not None:
-                shas.add(u["git_sha"])
-                per.setdefault(name, []).append({**u, "t1": np.array(u["t1"]), "final": np.array(u["final"])})
+    per, shas, same_as = units.per_method()
     if args.primary in same_as:
         ap.error(f"--primary {args.primary} has the configuration of {same_as[args.primary]}; name that one")
     seeds = sorted({r["seed"] for name, runs in per.items() if name != "untrained" for r in runs}) or args.seeds
-    # the untrained pair has no training seed: its one eval stands for every seed of the pairing
-    if "untrained" in per:
-        per["untrained"] = [{**per["untrained"][0], "seed": k} for k in seeds]
     summary, lines = table(per, args.primary)
     lines += batch_lines(per)
     if same_as:

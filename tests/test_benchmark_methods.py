@@ -71,3 +71,43 @@ def test_ending_turns_inside_vllm_does_not_define_a_unit(bench):
     h = bench.identity(preset, extra, common, train)[0]
     assert bench.identity(preset, extra, {**common, "engine.vllm.stop_in_engine": False}, train)[0] == h
     assert bench.identity(preset, extra, {**common, "engine.vllm.block_size": 64}, train)[0] != h
+
+
+def test_readme_learning_tables_are_the_stored_units(bench):
+    """README's learning-efficacy tables are generated (benchmarks/learning_summary.py): a unit added
+    without regenerating them, or a hand edit, leaves README claiming numbers the units do not give."""
+    spec = importlib.util.spec_from_file_location("learning_summary", ROOT / "benchmarks" / "learning_summary.py")
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    text = summary.README.read_text()
+    a, b = summary.readme_block(text)
+    lines, record = summary.summarise()
+    assert text[a:b] == "\n".join(lines) + "\n", "README is stale: run python benchmarks/learning_summary.py --readme"
+
+
+def test_summary_judges_each_writer_by_the_targets_rule(bench):
+    """On hand-made units: a writer 1 point under the template meets "≥ template − 0.02", one 4 points under
+    misses it, and a writer that breaks 5 % of answers misses "c→i ≤ 3 %" while one that breaks none meets it."""
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location("learning_summary", ROOT / "benchmarks" / "learning_summary.py")
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    n = 300
+    template = np.zeros(n)
+    template[:150] = 1
+    close, far = template.copy(), template.copy()
+    close[:3] = 0  # 1 point under the template
+    far[:12] = 0  # 4 points under
+    t1_far = template.copy()  # far's refines broke its 12 right first answers: c->i 4 %
+    unit = lambda t1, fin: [{"seed": 0, "t1": t1, "final": fin, "used": {"rounds": 4}}]  # noqa: E731
+    per = {"verdict-template": unit(template, template), "mlmt": unit(close, close),
+           "mlmt-sentences-only": unit(t1_far, far)}
+    data = {"verdict": {"per": per, "methods": {m: summary.pooled(r) for m, r in per.items()}},
+            "confidence": {"per": {}, "methods": {}}, "none": {"per": {}, "methods": {}}}
+    _, record = summary.targets(data)
+    by = {t["target"]: t for t in record}
+    assert by["verdict: ≥ template − 0.02"]["met_by"] == ["`mlmt`"]
+    assert by["verdict: ≥ template − 0.02"]["missed_by"] == ["selector"]
+    assert by["verdict: c→i ≤ 3 %"]["met_by"] == ["`mlmt`"] and by["verdict: c→i ≤ 3 %"]["missed_by"] == ["selector"]
+    assert not any(t["env"] != "verdict" for t in record)  # no units, no judgement
