@@ -205,6 +205,10 @@ def train_curve(metrics: Path) -> dict[str, list[float]]:
         if "lower/episodes" in row:
             for k in CURVE_KEYS:
                 curve[k].append(row.get(k))
+            # whether the writer's choice in the PPO batches followed the attempt's correctness
+            for k, v in row.items():
+                if k.startswith("lower/strategy_share/"):
+                    curve.setdefault(k, [None] * (len(curve["lower/episodes"]) - 1)).append(v)
     return curve
 
 

@@ -66,7 +66,24 @@ def summarize(episodes: list[Episode]) -> dict[str, float]:
     strat = Counter(t.strategy_name for ep in episodes for t in ep.turns if t.kind == "feedback")
     for name, n in sorted(strat.items()):
         out[f"strategy_count/{name}"] = n
+    out.update(strategy_shares(episodes))
     return out
+
+
+def strategy_shares(episodes: list[Episode]) -> dict[str, float]:
+    """Whether the writer's choice depends on the attempt it answered: each strategy's share of the feedback
+    that followed a right attempt and of the feedback that followed a wrong one (nan where there was none).
+    Equal shares say the choice ignores correctness; in the verdict env the verdict sentences' shares say
+    how often the feedback told the truth, the thing the solver's training under it depends on."""
+    after: dict[bool, Counter] = {True: Counter(), False: Counter()}
+    for ep in episodes:
+        feedback = [t for t in ep.turns if t.kind == "feedback"]
+        for attempt, fb in zip(ep.solver_turns, feedback):  # feedback k answers solver turn k
+            after[bool(attempt.correct)][fb.strategy_name] += 1
+    names = sorted(set(after[True]) | set(after[False]))
+    return {f"strategy_share/{name}/after_{'right' if ok else 'wrong'}":
+            (after[ok][name] / sum(after[ok].values()) if after[ok] else float("nan"))
+            for name in names for ok in (True, False)}
 
 
 class MetricsSink:
