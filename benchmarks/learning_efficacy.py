@@ -205,10 +205,11 @@ def train_curve(metrics: Path) -> dict[str, list[float]]:
         if "lower/episodes" in row:
             for k in CURVE_KEYS:
                 curve[k].append(row.get(k))
-            # whether the writer's choice in the PPO batches followed the attempt's correctness
-            for k, v in row.items():
-                if k.startswith("lower/strategy_share/"):
-                    curve.setdefault(k, [None] * (len(curve["lower/episodes"]) - 1)).append(v)
+            # whether the writer's choice in the PPO batches followed the attempt's correctness (a strategy
+            # no batch chose is absent from a row: None keeps every list one entry per iteration)
+            n = len(curve["lower/episodes"])
+            for k in {k for k in row if k.startswith("lower/strategy_share/")} | {k for k in curve if "share/" in k}:
+                curve.setdefault(k, [None] * (n - 1)).append(row.get(k))
     return curve
 
 
