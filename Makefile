@@ -53,8 +53,11 @@ demo: $(STAMP)
 		--limit $(DEMO_PROBLEMS) --compare-to $(DEMO_OUT)/eval-before
 	$(VENV)/bin/mlmt analyze $(DEMO_OUT)/run $(DEMO_OUT)/eval-before $(DEMO_OUT)/eval --out $(DEMO_OUT)/report
 
+# two workers, a test file each (pytest-xdist, --dist loadfile: a file's module-scoped vLLM engine and
+# session-scoped model stay in one process): half the wall time on 2 cores, since the vLLM tests run
+# on one thread and the CLI tests mostly wait on subprocesses
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15
 
 clean-demo:
 	rm -rf $(DEMO_OUT)
