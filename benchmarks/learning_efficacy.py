@@ -28,6 +28,7 @@ invocation trained are evaluated again under the new rule instead of being retra
 The table is assembled from every finished unit with the same sizes and written to
 benchmarks/results/learning_efficacy-<env>.json (+ .md) with date, machine, load and seeds; units
 from different code (git sha) are listed so a reader can judge whether they may be pooled.
+benchmarks/learning_summary.py turns the stored units of all three environments into README's tables.
 """
 
 from __future__ import annotations
@@ -325,7 +326,6 @@ class Units:
     method's resolved configuration, whichever name ran them."""
 
     def __init__(self, args):
-        self.env = args.env
         self.every = dict(METHODS, **(VERDICT_CONTROL if args.env == "verdict" else {}))
         common, train = run_overrides(args)
         ids = {name: identity(preset, extra, common, train) for name, (preset, extra) in self.every.items()}
