@@ -118,6 +118,28 @@ def test_strategy_distribution_and_value(run):
         (1, "explain", 2, 0.2, 0.5, 0.5), (1, "hint", 4, 0.4, 0.5, 0.0), (1, "verify", 4, 0.4, 1.0, 0.5)]
 
 
+def test_strategy_share_after_right_and_after_wrong_attempts(run):
+    """B: two rounds of "verify"; round 2's feedback answers the refine before it, so the 8 feedback turns
+    follow right and wrong attempts 4 and 4. A: after the 4 right first attempts verify x2, hint x2; after
+    the 6 wrong ones verify x2, hint x2, explain x2."""
+    path, sid_a, sid_b = run
+    t = tables_for(path)
+    assert rows(t.strategy_correctness, "order", "after", "strategy", "count", "share") == [
+        (0, "right", "verify", 4, 1.0), (0, "wrong", "verify", 4, 1.0),
+        (1, "right", "hint", 2, 0.5), (1, "right", "verify", 2, 0.5),
+        (1, "wrong", "explain", 2, round(1 / 3, 9)), (1, "wrong", "hint", 2, round(1 / 3, 9)),
+        (1, "wrong", "verify", 2, round(1 / 3, 9))]
+    # a second round's feedback counts after the refine it read, not after the first attempt
+    from tosca_mlmt.analysis.tables import strategy_by_correctness
+
+    ep = episode(0, (W, R, R), ["hint", "verify"], [4, 4], "c")
+    turns = pd.DataFrame([{"order": 0, "snapshot": "s", "episode_id": ep.episode_id, "turn_index": t.index,
+                           "role": t.role, "kind": t.kind, "correct": t.correct, "strategy_name": t.strategy_name}
+                          for t in ep.turns])
+    assert rows(strategy_by_correctness(turns), "after", "strategy", "count") == [("right", "verify", 1),
+                                                                                ("wrong", "hint", 1)]
+
+
 def test_feedback_length_vs_outcome(run):
     path, sid_a, _ = run
     t = tables_for(sid_a, root=path / "snapshots")  # a snapshot id resolved under --root
@@ -154,7 +176,7 @@ def test_cli_writes_figures_and_a_report_linking_them(run, tmp_path):
     # joint and upper logged one step each: a single dot is no curve (report.md has the values)
     assert pngs == sorted(["curves-01-lower.png",
                            "accuracy_per_turn.png", "correction_matrix.png", "strategies.png",
-                           "q_per_strategy.png", "bonus_vs_correctness.png", "feedback_length.png"])
+                           "strategy_by_correctness.png", "q_per_strategy.png", "bonus_vs_correctness.png", "feedback_length.png"])
     assert (tmp_path / "out" / "report.html").stat().st_size > 1000  # tests/test_report_html.py reads it
     assert all((tmp_path / "out" / p).stat().st_size > 1000 for p in pngs)
     assert sorted(re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)) == pngs

@@ -177,6 +177,10 @@ def _more(t: Tables, out: Path, figures: dict[str, str]) -> str:
     parts.append(_figure(out, figures, "strategies", "strategies",
                          "Left: share of the writer's feedback turns per strategy per snapshot. Right: the mean "
                          "improvement (r_final − r1) of the episodes that used it."))
+    parts.append(_figure(out, figures, "strategy_correctness", "strategy by correctness",
+                         "Each strategy's share of the feedback after a right attempt (solid) and after a wrong "
+                         "one (dashed), per snapshot: where the two lines of a strategy meet, the writer chooses "
+                         "it regardless of whether the attempt was right."))
     parts.append(_figure(out, figures, "bonus", "bonus vs correctness",
                          "Context bonus (<code>lower/bonus/mean</code>) and its correlation with a correct answer "
                          "per step, and the bonus against Acc@final."))

@@ -98,6 +98,28 @@ def strategies(strat: pd.DataFrame, path: Path) -> Path:
     return _save(fig, path)
 
 
+def strategy_by_correctness(sc: pd.DataFrame, path: Path) -> Path:
+    """Each strategy's share of the feedback after a right attempt (solid) and after a wrong one
+    (dashed), per snapshot, in one colour per strategy: lines that sit on each other say the writer's
+    choice ignores whether the attempt was right."""
+    fig = Figure(figsize=(7, 4), layout="constrained")
+    ax = fig.subplots()
+    for name, g in sc.groupby("strategy"):
+        colour = None
+        for after, style in (("right", "-"), ("wrong", "--")):
+            s = g[g["after"] == after]
+            if len(s):
+                line, = ax.plot(s["order"], s["share"], ls=style, marker="o", color=colour,
+                                label=f"{name} after {after}")
+                colour = line.get_color()
+    ax.set(xlabel=SNAPSHOT_AXIS, ylabel="share of the feedback", ylim=(-0.02, 1.02),
+           title="Writer's choice after right (solid) and wrong (dashed) attempts")
+    _integer_x(ax)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, path)
+
+
 def bonus(bonus_table: pd.DataFrame, path: Path) -> Path:
     """Left: bonus and its correlation with correctness over steps; right: bonus vs accuracy."""
     fig = Figure(figsize=(11, 4), layout="constrained")
@@ -130,8 +152,8 @@ def feedback_length(fl: pd.DataFrame, path: Path) -> Path:
 def draw_all(t: Tables, out: Path) -> dict[str, str]:
     """Every figure whose table has rows, drawn into ``out``. Returns file names by report
     key: ``curves:<run>:<level>`` (absent when all its metrics are constant), ``accuracy``,
-    ``correction``, ``q_values``, ``bonus_transitions``, ``strategies``, ``bonus``,
-    ``feedback_length``."""
+    ``correction``, ``q_values``, ``bonus_transitions``, ``strategies``, ``strategy_correctness``,
+    ``bonus``, ``feedback_length``."""
     files: dict[str, str] = {}
     for i, ((run, level), g) in enumerate(t.curves.groupby(["run", "level"])):
         drawn = curves.learning_curves(g, f"{run}: {level}", out / f"curves-{i:02d}-{level}.png")
@@ -149,6 +171,9 @@ def draw_all(t: Tables, out: Path) -> dict[str, str]:
                                                                  out / "bonus_per_transition.png").name
     if len(t.strategies):
         files["strategies"] = strategies(t.strategies, out / "strategies.png").name
+    if len(t.strategy_correctness):
+        files["strategy_correctness"] = strategy_by_correctness(t.strategy_correctness,
+                                                                out / "strategy_by_correctness.png").name
     if len(t.bonus):
         files["bonus"] = bonus(t.bonus, out / "bonus_vs_correctness.png").name
     if len(t.feedback_length):

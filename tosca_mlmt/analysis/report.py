@@ -102,7 +102,11 @@ def _strategies(t: Tables, figures: dict[str, str]) -> list[str]:
     if not len(t.strategies):
         return out + _missing("no feedback turns in the snapshots")
     out += _figure(figures, "strategies", "strategies")
-    return out + [md_table(t.strategies.rename(columns={"order": "#"})), ""]
+    out += [md_table(t.strategies.rename(columns={"order": "#"})), "",
+            "Per snapshot: each strategy's share of the feedback that followed a right attempt and of the "
+            "feedback that followed a wrong one. Equal shares say the writer's choice ignores correctness.", ""]
+    out += _figure(figures, "strategy_correctness", "strategy by correctness")
+    return out + [md_table(t.strategy_correctness.rename(columns={"order": "#"})), ""]
 
 
 def _q_and_transitions(t: Tables, figures: dict[str, str]) -> list[str]:

@@ -53,6 +53,7 @@ class Tables:
     correction: pd.DataFrame  # correction_matrix per snapshot
     correction_all: pd.DataFrame  # correction_matrix pooled over every snapshot
     strategies: pd.DataFrame  # strategy_over_time
+    strategy_correctness: pd.DataFrame  # strategy_by_correctness
     feedback_length: pd.DataFrame  # feedback_length_outcome
 
 
@@ -67,7 +68,8 @@ def compute_tables(records: pd.DataFrame, manifests: list[dict], turns: pd.DataF
         bonus_transitions=bonus_per_transition(curves), bonus=bonus_vs_correctness(curves),
         accuracy=accuracy_per_turn(turns), correction=correction_matrix(outcomes),
         correction_all=correction_matrix(outcomes.assign(order=0, snapshot="all")),
-        strategies=strategy_over_time(turns, outcomes), feedback_length=feedback_length_outcome(turns, outcomes))
+        strategies=strategy_over_time(turns, outcomes), strategy_correctness=strategy_by_correctness(turns),
+        feedback_length=feedback_length_outcome(turns, outcomes))
 
 
 # ---------------------------------------------------------------------- run metrics
@@ -231,6 +233,21 @@ def strategy_over_time(turns: pd.DataFrame, outcomes: pd.DataFrame) -> pd.DataFr
            .agg(count=("episode_id", "size"), mean_r_final=("r_final", "mean"),
                 mean_improvement=("improvement", "mean")).reset_index())
     out.insert(4, "share", out["count"] / out.groupby("order")["count"].transform("sum"))
+    return out
+
+
+def strategy_by_correctness(turns: pd.DataFrame) -> pd.DataFrame:
+    """Per snapshot, for the feedback that followed a right attempt and the feedback that followed a
+    wrong one: how many used each strategy and their share. Feedback k answers the solver turn just
+    before it (turn_index - 1), so with K > 1 rounds a later round counts after the refine it read.
+    Equal shares say the writer's choice ignores correctness (the summaries' strategy_share/*)."""
+    fb = turns[turns["kind"] == "feedback"]
+    solver = turns.loc[turns["role"] == "solver", ["snapshot", "episode_id", "turn_index", "correct"]]
+    fb = fb.merge(solver.assign(turn_index=solver["turn_index"] + 1), on=["snapshot", "episode_id", "turn_index"],
+                  suffixes=("", "_answered"))
+    out = (fb.assign(strategy=fb["strategy_name"], after=np.where(fb["correct_answered"].astype(bool), "right", "wrong"))
+           .groupby(["order", "snapshot", "after", "strategy"]).size().rename("count").reset_index())
+    out["share"] = out["count"] / out.groupby(["order", "after"])["count"].transform("sum")
     return out
 
 
