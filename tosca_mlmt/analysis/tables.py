@@ -245,7 +245,8 @@ def strategy_by_correctness(turns: pd.DataFrame) -> pd.DataFrame:
     solver = turns.loc[turns["role"] == "solver", ["snapshot", "episode_id", "turn_index", "correct"]]
     fb = fb.merge(solver.assign(turn_index=solver["turn_index"] + 1), on=["snapshot", "episode_id", "turn_index"],
                   suffixes=("", "_answered"))
-    out = (fb.assign(strategy=fb["strategy_name"], after=np.where(fb["correct_answered"].astype(bool), "right", "wrong"))
+    after = np.where(fb["correct_answered"].astype(bool), "right", "wrong")
+    out = (fb.assign(strategy=fb["strategy_name"], after=after)
            .groupby(["order", "snapshot", "after", "strategy"]).size().rename("count").reset_index())
     out["share"] = out["count"] / out.groupby(["order", "after"])["count"].transform("sum")
     return out
