@@ -89,6 +89,13 @@ METHODS = {
     # the two by noise; the probability still moves when the argmax does not
     "mlmt-verdict-sentences-gold-prob": (ROOT / "configs" / "mlmt-selector.yaml",
                                          {**VERDICT_SELECTOR, "episode.gold_prob": True, "upper.reward": "gold_prob"}),
+    # the same with the writer's refines sampled at the PPO batches' temperature (collect.refine_temperature -1 =
+    # solver_sampling's 0.7) instead of greedily: in seed 0 of the p_gold line the PPO batches' feedback told the
+    # truth 60 % of the time (lower/strategy_share/*), wrong attempts hearing "wrong" 25-73 %, because the greedy
+    # refine barely depends on the sentence, so Q ranks the two by noise. The sampled refine is what the solver
+    # learns from; a decision rewarded by it is rewarded for what its sentence does there
+    "mlmt-verdict-sentences-sampled-refines": (ROOT / "configs" / "mlmt-selector.yaml",
+                                               {**VERDICT_SELECTOR, "collect.refine_temperature": -1.0}),
     # the same two sentences drawn at random (writer frozen: no collect, no writer update): the verdict template
     # trains its solver under true verdicts, this one under coin flips, so their Acc@t1 gap measures what the
     # truth of the feedback in the PPO batches does for the first answer
