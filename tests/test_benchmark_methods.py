@@ -111,3 +111,19 @@ def test_summary_judges_each_writer_by_the_targets_rule(bench):
     assert by["verdict: ≥ template − 0.02"]["missed_by"] == ["selector"]
     assert by["verdict: c→i ≤ 3 %"]["met_by"] == ["`mlmt`"] and by["verdict: c→i ≤ 3 %"]["missed_by"] == ["selector"]
     assert not any(t["env"] != "verdict" for t in record)  # no units, no judgement
+
+
+def test_train_curve_keeps_one_strategy_share_per_iteration(bench, tmp_path):
+    """A strategy no PPO batch chose is absent from that iteration's record: its list holds None there,
+    so every curve lines up with lower/episodes."""
+    import json
+
+    rows = [{"lower/episodes": 16, "lower/strategy_share/a/after_right": 1.0},
+            {"upper/td_loss": 0.5},  # not a PPO iteration
+            {"lower/episodes": 16, "lower/strategy_share/b/after_right": 0.5},
+            {"lower/episodes": 8}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    curve = bench.train_curve(tmp_path / "metrics.jsonl")
+    assert curve["lower/episodes"] == [16, 16, 8]
+    assert curve["lower/strategy_share/a/after_right"] == [1.0, None, None]
+    assert curve["lower/strategy_share/b/after_right"] == [None, 0.5, None]
