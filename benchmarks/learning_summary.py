@@ -40,10 +40,13 @@ WRITERS = {"verdict": [("mlmt", "`mlmt`"), ("mlmt-sentences-only", "selector"),
            "none": [("mlmt", "`mlmt`"), ("mlmt-sentences-only", "selector")]}
 VERDICT_ONLY = [("verdict-template", "verdict template (control)"),
                 ("solver-only-verdict-sentences", "random verdict sentences, frozen writer")]
+# the ablations of `mlmt` (shown once measured; not judged by the targets)
+ABLATIONS = [("mlmt-no-bonus", "`mlmt` without the bonus"), ("writer-only", "`mlmt` writer-only (solver frozen)"),
+             ("solver-only", "`mlmt` solver-only (writer frozen)")]
 
 
 def rows(env: str) -> list[tuple[str, str]]:
-    return CONTROLS + (VERDICT_ONLY if env == "verdict" else []) + WRITERS[env]
+    return CONTROLS + (VERDICT_ONLY if env == "verdict" else []) + ABLATIONS + WRITERS[env]
 
 
 def env_units(env: str) -> tuple[dict[str, list[dict]], dict[str, bool]]:
