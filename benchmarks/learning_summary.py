@@ -35,7 +35,8 @@ ENVS = {"verdict": "verdict (privileged)", "confidence": "confidence (honest)", 
 CONTROLS = [("untrained", "untrained"), ("score", "SCoRe"), ("single-turn-grpo", "single-turn GRPO")]
 WRITERS = {"verdict": [("mlmt", "`mlmt`"), ("mlmt-sentences-only", "selector"),
                        ("mlmt-verdict-sentences", "verdict selector"),
-                       ("mlmt-verdict-sentences-gold-prob", "verdict selector on p_gold")],
+                       ("mlmt-verdict-sentences-gold-prob", "verdict selector on p_gold"),
+                       ("mlmt-verdict-sentences-sampled-refines", "verdict selector on sampled refines")],
            "confidence": [("mlmt", "`mlmt`"), ("mlmt-sentences-only", "selector")],
            "none": [("mlmt", "`mlmt`"), ("mlmt-sentences-only", "selector")]}
 VERDICT_ONLY = [("verdict-template", "verdict template (control)"),

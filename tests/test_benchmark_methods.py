@@ -50,7 +50,8 @@ def test_untrained_unit_ignores_training_sections_only(bench):
                                         ("verdict", "mlmt-sentences-only"), ("verdict", "solver-only"),
                                         ("verdict", "mlmt-sentences-only-engine-bonus"),
                                         ("verdict", "mlmt-verdict-sentences"), ("verdict", "solver-only-verdict-sentences"),
-                                        ("verdict", "mlmt-verdict-sentences-gold-prob")])
+                                        ("verdict", "mlmt-verdict-sentences-gold-prob"),
+                                        ("verdict", "mlmt-verdict-sentences-sampled-refines")])
 def test_the_measured_units_still_count_for_their_method(bench, env, method):
     """A knob added with a default that changes no result must not orphan days of measured units:
     the current resolution of the method hashes to the config its stored units recorded."""
