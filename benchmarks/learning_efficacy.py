@@ -267,7 +267,8 @@ def batch_lines(per: dict[str, list[dict]]) -> list[str]:
              "|---|---|---|---|"]
     rows = 0
     for name, runs in per.items():
-        curves = [r["train_curve"] for r in runs if r.get("train_curve")]
+        # a frozen solver (writer-only) ran no PPO iteration: its curve has no points
+        curves = [r["train_curve"] for r in runs if (r.get("train_curve") or {}).get("lower/episodes")]
         if not curves:
             continue
         early, late, broken, right = [], [], 0, 0

@@ -128,3 +128,14 @@ def test_train_curve_keeps_one_strategy_share_per_iteration(bench, tmp_path):
     assert curve["lower/episodes"] == [16, 16, 8]
     assert curve["lower/strategy_share/a/after_right"] == [1.0, None, None]
     assert curve["lower/strategy_share/b/after_right"] == [None, 0.5, None]
+
+
+def test_batch_table_skips_a_method_that_ran_no_ppo_iteration(bench):
+    """writer-only freezes the solver: its unit's train curve has keys but no iteration, and the PPO-batch
+    table leaves it out instead of failing (it did, on the first writer-only unit)."""
+    empty = {k: [] for k in bench.CURVE_KEYS}
+    trained = {"lower/reward_turn0": [0.25, 0.5], "lower/reward_turn1": [0.25, 0.5],
+               "lower/right_to_wrong": [0.0, 0.5], "lower/wrong_to_right": [0.0, 0.0], "lower/episodes": [4, 4]}
+    lines = bench.batch_lines({"writer-only": [{"train_curve": empty}], "mlmt": [{"train_curve": trained}]})
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| method")]
+    assert rows == ["| mlmt | 1 | 0.250 → 0.500 | 2 of 3 |"]  # 1 + 2 right first attempts, 0 + 2 broken
