@@ -216,9 +216,18 @@ def train_curve(metrics: Path) -> dict[str, list[float]]:
             # whether the writer's choice in the PPO batches followed the attempt's correctness (a strategy
             # no batch chose is absent from a row: None keeps every list one entry per iteration)
             n = len(curve["lower/episodes"])
-            for k in {k for k in row if k.startswith("lower/strategy_share/")} | {k for k in curve if "share/" in k}:
+            for k in {k for k in [*row, *curve] if k.startswith("lower/strategy_share/")}:
                 curve.setdefault(k, [None] * (n - 1)).append(row.get(k))
     return curve
+
+
+def paired_finals(per: dict[str, list[dict]], a: str, b: str) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """(the seeds both methods have, a's and b's per-problem Acc@final [seeds, problems] on them)."""
+    mine, theirs = {r["seed"]: r for r in per.get(a, [])}, {r["seed"]: r for r in per.get(b, [])}
+    common = sorted(set(mine) & set(theirs))
+    if not common:
+        return [], np.empty((0, 0)), np.empty((0, 0))
+    return common, np.stack([mine[k]["final"] for k in common]), np.stack([theirs[k]["final"] for k in common])
 
 
 def table(per: dict[str, list[dict]], primary: str) -> tuple[dict, list[str]]:
@@ -241,16 +250,12 @@ def table(per: dict[str, list[dict]], primary: str) -> tuple[dict, list[str]]:
         lines += ["", f"Contrast: {primary} minus each baseline on Acc@final (paired over the seeds both have x "
                       "problems; McNemar p per seed).", "", "| baseline | seeds | difference [95 % CI] | "
                       "McNemar p per seed |", "|---|---|---|---|"]
-        mine = {r["seed"]: r for r in per[primary]}
-        for name, runs in per.items():
+        for name in per:
             if name == primary:
                 continue
-            theirs = {r["seed"]: r for r in runs}
-            common = sorted(set(mine) & set(theirs))
+            common, a, b = paired_finals(per, primary, name)
             if not common:
                 continue
-            a = np.stack([mine[k]["final"] for k in common])
-            b = np.stack([theirs[k]["final"] for k in common])
             d = paired_bootstrap(a, b)
             ps = [mcnemar(a[i], b[i])["p"] for i in range(len(common))]
             summary[f"{primary}-minus-{name}"] = {**d, "mcnemar_p": ps, "seeds": common}

@@ -76,14 +76,8 @@ def contrast(per: dict[str, list[dict]], a: str, b: str) -> dict | None:
     """Acc@final of a minus b, paired over the seeds both have x problems."""
     from tosca_mlmt.analysis.stats import paired_bootstrap
 
-    if a not in per or b not in per:
-        return None
-    mine, theirs = {r["seed"]: r for r in per[a]}, {r["seed"]: r for r in per[b]}
-    common = sorted(set(mine) & set(theirs))
-    if not common:
-        return None
-    d = paired_bootstrap(np.stack([mine[k]["final"] for k in common]), np.stack([theirs[k]["final"] for k in common]))
-    return {**d, "seeds": common}
+    common, fa, fb = le.paired_finals(per, a, b)
+    return {**paired_bootstrap(fa, fb), "seeds": common} if common else None
 
 
 def _num(x: float, sign: str = "") -> str:

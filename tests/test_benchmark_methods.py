@@ -20,6 +20,14 @@ def bench():
     return mod
 
 
+@pytest.fixture(scope="module")
+def summary():
+    spec = importlib.util.spec_from_file_location("learning_summary", ROOT / "benchmarks" / "learning_summary.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def sizes(env: str) -> types.SimpleNamespace:
     return types.SimpleNamespace(env=env, level=2, test_problems=300, engine="vllm", rounds=4, n_samples=4,
                                  collect_problems=32, lower_iterations=2, problems_per_iteration=4, upper_steps=30)
@@ -74,26 +82,20 @@ def test_ending_turns_inside_vllm_does_not_define_a_unit(bench):
     assert bench.identity(preset, extra, {**common, "engine.vllm.block_size": 64}, train)[0] != h
 
 
-def test_readme_learning_tables_are_the_stored_units(bench):
+def test_readme_learning_tables_are_the_stored_units(summary):
     """README's learning-efficacy tables are generated (benchmarks/learning_summary.py): a unit added
     without regenerating them, or a hand edit, leaves README claiming numbers the units do not give."""
-    spec = importlib.util.spec_from_file_location("learning_summary", ROOT / "benchmarks" / "learning_summary.py")
-    summary = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(summary)
     text = summary.README.read_text()
     a, b = summary.readme_block(text)
     lines, record = summary.summarise()
     assert text[a:b] == "\n".join(lines) + "\n", "README is stale: run python benchmarks/learning_summary.py --readme"
 
 
-def test_summary_judges_each_writer_by_the_targets_rule(bench):
+def test_summary_judges_each_writer_by_the_targets_rule(summary):
     """On hand-made units: a writer 1 point under the template meets "≥ template − 0.02", one 4 points under
-    misses it, and a writer that breaks 5 % of answers misses "c→i ≤ 3 %" while one that breaks none meets it."""
+    misses it, and a writer that breaks 4 % of answers misses "c→i ≤ 3 %" while one that breaks none meets it."""
     import numpy as np
 
-    spec = importlib.util.spec_from_file_location("learning_summary", ROOT / "benchmarks" / "learning_summary.py")
-    summary = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(summary)
     n = 300
     template = np.zeros(n)
     template[:150] = 1
