@@ -320,7 +320,10 @@ def run_overrides(args) -> tuple[dict, dict]:
              "joint.collect_problems": args.collect_problems, "joint.lower_iterations": args.lower_iterations,
              "lower.problems_per_iteration": args.problems_per_iteration, "joint.upper_steps": args.upper_steps,
              "upper.warmup_steps": min(5, args.upper_steps), "upper.eval_every": max(1, args.upper_steps),
-             "upper.save_every": max(1, args.upper_steps)}
+             "upper.save_every": max(1, args.upper_steps),
+             # every unit before lower.bonus.scorer=auto (the default since) was scored by the trainer;
+             # a method that wants the engine says so in its own overrides
+             "lower.bonus.scorer": "trainer"}
     return common, train
 
 

@@ -421,7 +421,9 @@ def test_engine_scored_bonus_equals_the_trainer_scored_one_with_no_forward_befor
     """lower.bonus.scorer=engine: log pi(y | x, z, g) is the engine's sampling log-prob and
     log pi(y | x, z) the engine's teacher-forced score, so with one optimizer step per batch and
     old_logprobs=auto no no-grad trainer forward runs at all, and every refine's bonus term equals
-    the trainer-scored one (fp32, HF engine: its generate and its score read the same weights)."""
+    the trainer-scored one (fp32, HF engine: its generate and its score read the same weights).
+    auto, the default, keeps the trainer on an HF engine (its scoring would be the same forward
+    again): the very update the trainer makes."""
     from peft import set_peft_model_state_dict
 
     from tosca_mlmt.lower.learner import LowerLearner
@@ -441,14 +443,16 @@ def test_engine_scored_bonus_equals_the_trainer_scored_one_with_no_forward_befor
 
     monkeypatch.setattr(SolverScorer, "forward", counting_forward)
     engine, runs = HFEngine(policies, 8), {}
-    for scorer in ("trainer", "engine"):
+    for scorer in ("trainer", "auto", "engine"):
         nograd.clear()
         learner = LowerLearner(replace(cfg, lower=replace(lo, bonus=replace(lo.bonus, scorer=scorer))), policies)
         metrics = learner.update(trajs, step=0, engine=engine)
         runs[scorer] = (metrics, sum(nograd), learner.refine_bonus, copy.deepcopy(policies.adapter_state("solver")))
         set_peft_model_state_dict(policies.model("solver"), state, adapter_name="solver")
-    (mt, nt, bt, _), (me, ne, be, we) = runs["trainer"], runs["engine"]
+    (mt, nt, bt, wt), (me, ne, be, we), (ma, na, ba, wa) = runs["trainer"], runs["engine"], runs["auto"]
     assert nt >= 2 and mt["old_pass"] == 1.0  # pi_old and the no-feedback forward
+    assert (mt["bonus/engine_scored"], me["bonus/engine_scored"], ma["bonus/engine_scored"]) == (0.0, 1.0, 0.0)
+    assert na == nt and ba == bt and all(torch.equal(wa[k], wt[k]) for k in wt), "auto on HF is not the trainer"
     assert ne == 0 and me["old_pass"] == 0.0, f"engine scoring still ran {ne} trainer forwards"
     assert len(bt) == len(be) >= 4 and [r[:2] for r in bt] == [r[:2] for r in be]
     raw_t, raw_e = torch.tensor([r[2] for r in bt]), torch.tensor([r[2] for r in be])

@@ -20,7 +20,9 @@ Everything runs once per ``engine.vllm.weight_sync`` path (memory, file) and onc
 ``engine.vllm.serve_adapters``, each with its own engine, and the engine must report that its
 reloads travelled that way: as deltas (only the adapted modules, ``engine.vllm.delta_sync``), or
 as the adapter alone. The served-adapter run also scores the context bonus in the engine
-(``lower.bonus.scorer=engine``), so the engine's scoring runs under a LoRA request in the loop.
+(``lower.bonus.scorer=engine``), so the engine's scoring runs under a LoRA request in the loop; the
+memory run leaves the scorer at its default (auto, which picks the vLLM engine), the file run pins
+the trainer.
 
 Skipped when vllm cannot be imported or the embedded model is unavailable. One engine
 start-up per sync path; about a minute each on a 2-core CPU.
@@ -50,13 +52,15 @@ LOGPROB_TOL = 1e-3
 # sync could pass unnoticed.
 MIN_TRAINING_SHIFT = 10 * LOGPROB_TOL
 ITERATIONS = 2
+SCORER = {"adapters": "engine", "memory": "auto", "file": "trainer"}
 
 
 def _overrides(weight_sync: str) -> dict:
     # "adapters": vLLM serves the LoRA adapters themselves (engine.vllm.serve_adapters)
     route = {"engine.vllm.serve_adapters": True} if weight_sync == "adapters" else {"engine.vllm.weight_sync": weight_sync}
-    if weight_sync == "adapters":  # and the bonus scored by the engine, under the solver's LoRA request
-        route["lower.bonus.scorer"] = "engine"
+    # the bonus's scorer: the engine, asked for, under the solver's LoRA request (adapters); the
+    # default auto, which picks the vLLM engine (memory); the trainer (file)
+    route["lower.bonus.scorer"] = SCORER[weight_sync]
     return {**route,
         # FP32: fp32 training on every machine, so the run does not depend on the CPU's bf16 support.
         # the sync is mechanics: the random-weight debug base (GAE: its rewards are all 0) is ~4x faster
@@ -225,8 +229,10 @@ def test_sync_time_logged_per_iteration(run):
 
 def test_bonus_scored_in_every_iteration_by_the_configured_scorer(run):
     """Each iteration's refines got a bonus term (raw log-ratio logged, not 0: g changes log pi), scored by
-    the engine in the run that asks for it (lower.bonus.scorer=engine, one call per iteration) and never
-    by it otherwise."""
+    the engine in the runs whose lower.bonus.scorer picks it (engine, and auto on this vLLM engine: one
+    call per iteration) and never by it otherwise; each iteration logs which scored it."""
     raws = [r.get("lower/bonus/raw_logratio_mean") for r in run["records"]]
     assert all(x is not None and math.isfinite(x) and x != 0.0 for x in raws), raws
-    assert run["score_calls"] == (ITERATIONS if run["bonus_scorer"] == "engine" else 0)
+    by_engine = run["bonus_scorer"] in ("engine", "auto")
+    assert run["score_calls"] == (ITERATIONS if by_engine else 0)
+    assert [r["lower/bonus/engine_scored"] for r in run["records"]] == [float(by_engine)] * ITERATIONS

@@ -45,20 +45,24 @@ class ContextBonus(Section):
                      choices=BONUS_GATES)
     model: str = knob("policy", "Who scores log pi(y | x, z) without the feedback: the current policy (no grad) or "
                                 "the frozen reference (adapter off).", choices=("policy", "reference"))
-    scorer: str = knob("trainer", "Who computes the bonus's two log-probs: trainer = no-grad forwards of the "
-                                  "training model (pi_old of the batch, and the refines with g cut out); engine = "
-                                  "the rollout engine: log pi(y | x, z, g) is its logged sampling log-prob and "
-                                  "log pi(y | x, z) one prefill (vLLM prompt log-probs), so no trainer forward runs "
-                                  "before the update (with lower.old_logprobs=auto and one optimizer step per "
-                                  "batch, none at all). Same weights (pi_old), other kernels: equal to ~1e-5 in "
-                                  "fp32, ~0.03 nats per token in bf16, as the trainer's own bf16 forwards. Online "
-                                  "train-lower only (snapshots bring no engine); bonus.model=policy only.",
-                       choices=("trainer", "engine"))
+    scorer: str = knob("auto", "Who computes the bonus's two log-probs: trainer = no-grad forwards of the "
+                               "training model (pi_old of the batch, and the refines with g cut out); engine = "
+                               "the rollout engine: log pi(y | x, z, g) is its logged sampling log-prob and "
+                               "log pi(y | x, z) one prefill (vLLM prompt log-probs), so no trainer forward runs "
+                               "before the update (with lower.old_logprobs=auto and one optimizer step per "
+                               "batch, none at all). Same weights (pi_old), other kernels: equal to ~1e-5 in "
+                               "fp32, ~0.03 nats per token in bf16, as the trainer's own bf16 forwards; the "
+                               "learning benchmark's selector ends level under either. engine: online "
+                               "train-lower only (snapshots bring no engine), bonus.model=policy only. auto = "
+                               "engine where it is faster and allowed (a vLLM engine sampled the batch, "
+                               "bonus.model=policy), else trainer; logged per iteration as "
+                               "lower/bonus/engine_scored.",
+                       choices=("auto", "trainer", "engine"))
 
     def check(self, prefix: str) -> None:
         # the engine serves the policy's weights; the adapter-off reference is only in the trainer
-        need(self.scorer == "trainer" or self.model == "policy", f"{prefix}scorer",
-             f"engine scores the policy the engine serves; {prefix}model=reference needs {prefix}scorer=trainer")
+        need(self.scorer != "engine" or self.model == "policy", f"{prefix}scorer",
+             f"engine scores the policy the engine serves; {prefix}model=reference needs {prefix}scorer=trainer or auto")
 
 
 @dataclass

@@ -100,23 +100,24 @@ class LowerLearner:
 
     def update(self, trajs: list[SolverTrajectory], step: int, timer: StageTimer | None = None, engine=None) -> dict:
         """``engine``: the rollout engine that sampled ``trajs``, still holding those weights; read
-        only with lower.bonus.scorer=engine."""
+        only when it scores the bonus (lower.bonus.scorer, see engine_scores_bonus)."""
         lo, needs = self.lo, self.estimator.needs
         timer = timer or StageTimer()
         tt = to_tensors(trajs, self.pad_id)
+        by_engine = self.engine_scores_bonus(engine)
         self.model.eval()  # LoRA dropout is 0; eval keeps old/new log-probs comparable
         # ZeRO-3: weights whole for the scoring block, so ranks may run different forwards
         with torch.no_grad(), self.policies.full_weights(), dist.full_parameters(self.value_head, self.critic):
             with timer("old_ref_logprobs"):
-                self.skipped_old = self.old_is_current(len(trajs), tt.n_turns, needs)
+                self.skipped_old = self.old_is_current(len(trajs), tt.n_turns, needs, by_engine)
                 scores = self.scorer.score(tt, trajs, values=VALUES in needs, features=CRITIC in needs,
                                            skip_old=self.skipped_old)
             with timer("advantages"):
                 rewards = objective.token_rewards(trajs, tt, scores, lo, step)
                 adv, returns, critic_targets = self._advantages(trajs, tt, rewards, scores)
             with timer("bonus"):
-                with_g = tt.behaviour_logprobs if lo.bonus.scorer == "engine" else scores.old_logprobs
-                bonus, terms = self._bonus(trajs, with_g, scores.ref_logprobs, adv, engine)
+                with_g = tt.behaviour_logprobs if by_engine else scores.old_logprobs
+                bonus, terms = self._bonus(trajs, with_g, scores.ref_logprobs, adv, engine if by_engine else None)
                 bstats = stats.bonus_stats(terms)
                 self.refine_bonus = stats.refine_bonus_rows(terms)
                 adv = adv + bonus
@@ -127,15 +128,26 @@ class LowerLearner:
             upd = self._epochs(batch, step)
         # old_pass 0: no pi_old forward ran (lower.old_logprobs=auto found pi_old = pi_theta at the loss)
         return {**stats.iteration_stats(tt, rewards, scores, adv, returns), **bstats, **upd,
-                "old_pass": float(not self.skipped_old)}
+                "old_pass": float(not self.skipped_old), "bonus/engine_scored": float(by_engine)}
 
-    def old_is_current(self, rows: int, n_turns: int, needs) -> bool:
+    def engine_scores_bonus(self, engine) -> bool:
+        """lower.bonus.scorer resolved for one update. auto picks the engine only where that is
+        faster and reads the same model: a vLLM engine (one prefill per refine instead of a trainer
+        forward, and with it the pi_old pass can go) that sampled this batch (online) and serves the
+        policy the bonus reads (bonus.model=policy). An HF engine's scoring is the trainer's forward
+        again, so auto keeps the trainer there."""
+        bo = self.lo.bonus
+        if bo.scorer == "auto":
+            return engine is not None and engine.name == "vllm" and bo.model == "policy"
+        return bo.scorer == "engine"
+
+    def old_is_current(self, rows: int, n_turns: int, needs, engine_scored_bonus: bool) -> bool:
         """Whether the scoring pass can be skipped (lower.old_logprobs=auto): the batch is one
         optimizer step (one epoch, one minibatch), so the loss's forward runs with the very weights
         that sampled, and nothing reads the pass before the update: no bonus on refines, value
         head, critic features or reference."""
         lo = self.lo
-        bonus_reads_it = lo.bonus.coef > 0 and n_turns > 1 and lo.bonus.scorer == "trainer"
+        bonus_reads_it = lo.bonus.coef > 0 and n_turns > 1 and not engine_scored_bonus
         others_read_it = VALUES in needs or CRITIC in needs or self.scorer.needs_reference()
         return (lo.old_logprobs == "auto" and lo.epochs == 1 and rows <= lo.minibatch_size
                 and not bonus_reads_it and not others_read_it)
@@ -156,9 +168,9 @@ class LowerLearner:
     def context_bonus(self, trajs: list[SolverTrajectory], lp_with: torch.Tensor, ref_with: torch.Tensor | None,
                       adv: torch.Tensor, engine=None) -> tuple[torch.Tensor, dict]:
         """Bonus [B, T] for the advantages ``adv`` [B, T], and its statistics. ``lp_with`` are the
-        old policy's log-probs (the engine's sampling ones with bonus.scorer=engine), ``ref_with``
-        the reference's; ``lower.bonus.model`` picks one."""
-        bonus, terms = self._bonus(trajs, lp_with, ref_with, adv, engine)
+        old policy's log-probs (the engine's sampling ones where the engine scores the bonus),
+        ``ref_with`` the reference's; ``lower.bonus.model`` picks one."""
+        bonus, terms = self._bonus(trajs, lp_with, ref_with, adv, engine if self.engine_scores_bonus(engine) else None)
         return bonus, stats.bonus_stats(terms)
 
     def _bonus(self, trajs, lp_with, ref_with, adv, engine=None) -> tuple[torch.Tensor, objective.BonusTerms | None]:
@@ -171,8 +183,7 @@ class LowerLearner:
             raise MlmtError("lower.bonus.scorer=engine: the bonus is scored by the rollout engine, and this update "
                             "has none (training from snapshots?); set lower.bonus.scorer=trainer")
         reference = bo.model == "reference"
-        refine = self.scorer.without_feedback(trajs, reference=reference,
-                                              engine=engine if bo.scorer == "engine" else None)
+        refine = self.scorer.without_feedback(trajs, reference=reference, engine=engine)
         if not refine.where:
             return torch.zeros_like(adv), None
         return objective.refine_bonus(trajs, ref_with if reference else lp_with, refine, adv, bo)
