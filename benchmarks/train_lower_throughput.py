@@ -14,7 +14,9 @@ episode (solve, feedback, refine) and trains on two solver turns; TRL trains one
 one optimizer step per batch; results go to train_lower_throughput-single-turn.json.
 ``--bonus-scorers trainer engine`` runs ours once per ``lower.bonus.scorer``: with ``engine`` the
 context bonus is scored by the rollout engine (its sampling log-probs and one prefill without g),
-so, the batch being one optimizer step, no trainer forward runs before the update.
+so, the batch being one optimizer step, no trainer forward runs before the update. The default,
+``auto`` (the config's default), picks the engine on vLLM and the trainer on HF; each result
+records which scored (``bonus_engine_scored``).
 Precision: our model weights are fp32 and our update autocasts to bf16 where the CPU has it
 natively (``lower.autocast=auto``); TRL's ``bf16`` flag follows the same decision by default
 (``--trl-bf16``), so both train in the same precision (until 2026-11-26 TRL ran fp32 throughout).
@@ -42,7 +44,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 RESULTS = Path(__file__).parent / "results"
 
 
-def run_ours(args, engine: str, scorer: str = "trainer") -> dict:
+def run_ours(args, engine: str, scorer: str = "auto") -> dict:
     from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.train_lower import train_lower
 
@@ -69,7 +71,9 @@ def run_ours(args, engine: str, scorer: str = "trainer") -> dict:
     secs = sum(r["lower/iteration_seconds"] for r in timed)
     from tosca_mlmt.precision import use_bf16_autocast
 
-    return {"engine": engine, "bonus_scorer": scorer, "autocast_bf16": use_bf16_autocast(cfg.lower.autocast),
+    scored = [r["lower/bonus/engine_scored"] for r in timed if "lower/bonus/engine_scored" in r]
+    return {"engine": engine, "bonus_scorer": scorer, "bonus_engine_scored": max(scored) if scored else None,
+            "autocast_bf16": use_bf16_autocast(cfg.lower.autocast),
             "generated_tokens": gen, "engine_generated_tokens": round(engine_gen, 1),
             "seconds": secs, "tokens_per_s": gen / secs,
             "warmup_iteration_seconds": rows[0]["lower/iteration_seconds"] if len(rows) > 1 else None,
@@ -169,8 +173,9 @@ def main() -> None:
     ap.add_argument("--engines", nargs="+", choices=("hf", "vllm"),
                     help="run ours on each, side by side with one TRL run (TRL runs after the first)")
     ap.add_argument("--single-turn", action="store_true", help="ours trains turn 1 only, as TRL does")
-    ap.add_argument("--bonus-scorers", nargs="+", choices=("trainer", "engine"), default=["trainer"],
-                    help="lower.bonus.scorer of our runs, each engine with each (engine: no pi_old pass)")
+    ap.add_argument("--bonus-scorers", nargs="+", choices=("auto", "trainer", "engine"), default=["auto"],
+                    help="lower.bonus.scorer of our runs, each engine with each (engine: no pi_old pass; "
+                         "auto: the engine on vLLM, the trainer on HF)")
     ap.add_argument("--workdir", default="/tmp/tosca-bench-lower")
     ap.add_argument("--trl-bf16", choices=("auto", "on", "off"), default="auto",
                     help="TRL's bf16 autocast; auto = what our lower.autocast=auto picks here")
@@ -200,13 +205,14 @@ def main() -> None:
         "train_lower_throughput-single-turn.json" if args.single_turn else "train_lower_throughput.json")
     # TRL runs right after our first variant, so a cut-short invocation still has one ratio; the
     # JSON is rewritten after every run. A variant is keyed by its engine, plus "+engine-bonus" when
-    # the engine scores the bonus.
+    # the engine is asked to score the bonus and "+auto-bonus" under auto (keys of files before auto
+    # existed: a bare engine name was the trainer scorer).
     variants = [(e, sc) for e in engines for sc in args.bonus_scorers]
     order = [("ours", variants[0]), ("trl", None)] + [("ours", v) for v in variants[1:]]
     for kind, variant in order:
         if kind == "ours":
             engine, scorer = variant
-            key = engine if scorer == "trainer" else f"{engine}+engine-bonus"
+            key = engine + {"trainer": "", "engine": "+engine-bonus", "auto": "+auto-bonus"}[scorer]
             res["ours"][key] = spawn(args, f"ours:{engine}:{scorer}")
         else:
             res["trl_grpo"] = spawn(args, "trl")
