@@ -12,20 +12,22 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("learning_efficacy", ROOT / "benchmarks" / "learning_efficacy.py")
+def _benchmark(name: str):
+    """A script under benchmarks/ as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _benchmark("learning_efficacy")
 
 
 @pytest.fixture(scope="module")
 def summary():
-    spec = importlib.util.spec_from_file_location("learning_summary", ROOT / "benchmarks" / "learning_summary.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _benchmark("learning_summary")
 
 
 def sizes(env: str) -> types.SimpleNamespace:
