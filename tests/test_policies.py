@@ -80,6 +80,39 @@ def test_delta_of_modules_is_the_full_merge_restricted_to_them(debug_policies):
             p.data.copy_(saved[n])
 
 
+def test_adapter_key_follows_every_lora_tensor_and_nothing_else(debug_policies):
+    """The key a vLLM engine checks before each call: "base" while the B matrices are zero, new
+    whenever any A or B entry moves, back to the same value when the tensor is restored, and
+    blind to the other role's adapter (each role's merged weights depend on its own only)."""
+    lora = {n: p for n, p in debug_policies.model("solver").named_parameters() if "lora_" in n}
+    saved = {n: p.detach().clone() for n, p in lora.items()}
+    try:
+        assert debug_policies.adapter_key("solver") == "base"
+        first_a = next(p for n, p in lora.items() if "lora_A.solver" in n)
+        with torch.no_grad():
+            first_a.add_(1.0)  # A alone: the merged weights are still the base
+        assert debug_policies.adapter_key("solver") == "base"
+        last_b = [p for n, p in lora.items() if "lora_B.solver" in n][-1]
+        with torch.no_grad():
+            last_b[0, 0] = 0.5
+        trained = debug_policies.adapter_key("solver")
+        assert trained.startswith("solver:")
+        with torch.no_grad():
+            first_a[0, 0] += 1.0
+        assert debug_policies.adapter_key("solver") not in ("base", trained)
+        with torch.no_grad():
+            first_a[0, 0] -= 1.0
+        assert debug_policies.adapter_key("solver") == trained
+        with torch.no_grad():
+            next(p for n, p in lora.items() if "lora_B.writer" in n)[0, 0] = 0.5
+        assert debug_policies.adapter_key("solver") == trained
+        assert debug_policies.adapter_key("writer") not in ("base", trained)
+    finally:
+        with torch.no_grad():
+            for n, p in lora.items():
+                p.copy_(saved[n])
+
+
 @pytest.mark.slow
 def test_saved_writer_with_q_head_drives_strategy_choice(tiny_cfg, policies, tmp_path):
     from dataclasses import replace

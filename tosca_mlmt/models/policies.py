@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -93,6 +94,55 @@ def _merged_weight(w: torch.Tensor, mod, role: str) -> torch.Tensor:
     return w + mod.get_delta_weight(role).to(w.dtype)
 
 
+LORA_B = {"lora_B", "lora_embedding_B"}  # the factors that start at zero
+
+
+def _reader(root: nn.Module, key: str):
+    """Reads ``root``'s state-dict entry ``key`` from its owner at call time (a Parameter object
+    may be swapped, e.g. by DeepSpeed; the owning module is not)."""
+    owner, _, attr = key.rpartition(".")
+    module = root.get_submodule(owner)
+    return lambda: getattr(module, attr)
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """One role's tensors as a weight sync reads them, in state-dict order.
+
+    ``base``: (HF key, HF module name, reader, LoRA layer adapting it or None) for every base
+    tensor; ``lora_tensors``: (name, reader) of the role's LoRA A/B matrices; ``lora_modules``:
+    the HF names of its LoRA layers; ``aux``: the adapter also trains whole modules or tokens."""
+
+    base: tuple[tuple[str, str, object, object], ...]
+    lora_tensors: tuple[tuple[str, object], ...]
+    lora_modules: frozenset[str]
+    aux: bool
+
+    @classmethod
+    def of(cls, base: nn.Module, role: str) -> "SyncPlan":
+        from peft.tuners.lora import LoraLayer
+        from peft.utils import AuxiliaryTrainingWrapper
+
+        lora, aux = {}, False
+        for name, mod in base.named_modules():
+            aux = aux or isinstance(mod, AuxiliaryTrainingWrapper)
+            if isinstance(mod, LoraLayer) and role in mod.lora_A:
+                lora[f"{name}.base_layer.weight"] = (name, mod)
+        modules = frozenset(name for name, _ in lora.values())
+        rows, tensors = [], []
+        for k in base.state_dict(keep_vars=True):
+            if "lora_" in k:
+                if k.split(".")[-2] == role or k.split(".")[-1] == role:  # lora_A.<role>.weight, lora_embedding_A.<role>
+                    tensors.append((k, _reader(base, k)))
+                continue
+            hf = k.replace(".base_layer.", ".")
+            name_mod = lora.pop(k, None)
+            rows.append((hf, hf.rpartition(".")[0], _reader(base, k), None if name_mod is None else name_mod[1]))
+        if lora:
+            raise RuntimeError(f"LoRA layers without a base weight: {sorted(lora)[:3]}")
+        return cls(tuple(rows), tuple(tensors), modules, aux)
+
+
 class PolicyPair:
     def __init__(self, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype | None = None):
         from peft import LoraConfig, PeftModel, get_peft_model
@@ -143,6 +193,7 @@ class PolicyPair:
         if cfg.writer_adapter:
             self._load_writer_extras(Path(cfg.writer_adapter))
         self._base_fp: dict[Path, str] = {}
+        self._plans: dict[str, SyncPlan] = {}
         # provenance a stage hands over (describe) for the model card of what save_role writes
         self.card_info: dict[str, dict] = {r: {} for r in ROLES}
 
@@ -224,16 +275,38 @@ class PolicyPair:
         """HF names of the base modules whose weights ``role``'s adapter changes (its LoRA
         layers), or None when the adapter also trains whole modules or tokens (peft's
         modules_to_save / trainable tokens): then no subset of modules covers what it changes."""
-        from peft.tuners.lora import LoraLayer
-        from peft.utils import AuxiliaryTrainingWrapper
+        plan = self._sync_plan(role)
+        return None if plan.aux else set(plan.lora_modules)
 
-        names = set()
-        for name, mod in self._models[role].get_base_model().named_modules():
-            if isinstance(mod, AuxiliaryTrainingWrapper):
-                return None
-            if isinstance(mod, LoraLayer) and role in mod.lora_A:
-                names.add(name)
-        return names
+    def adapter_key(self, role: str) -> str:
+        """A cheap identity of ``role``'s live adapter, hence of the merged weights it serves (the
+        base is frozen): "base" while every LoRA B matrix is zero (solver and writer then share
+        one weight set, whatever their random A matrices), else a sha256 of the LoRA tensors read
+        in place (no state-dict walk, no copies: a vLLM engine asks before every call). An
+        adapter that also trains whole modules or tokens is hashed from peft's state dict, which
+        holds those too, and is never "base"."""
+        import hashlib
+
+        plan = self._sync_plan(role)
+        if plan.aux:
+            return f"{role}:{weights_fingerprint(self.adapter_state(role))}"
+        with full_parameters(self._models[role]):
+            if not any(bool(t().any()) for name, t in plan.lora_tensors if LORA_B & set(name.split("."))):
+                return "base"
+            h = hashlib.sha256()
+            for name, t in plan.lora_tensors:
+                v = t().detach().contiguous()
+                h.update(f"{name}{tuple(v.shape)}{v.dtype}".encode())
+                h.update(v.view(-1).view(torch.uint8).numpy())
+        return f"{role}:{h.hexdigest()[:16]}"
+
+    def _sync_plan(self, role: str) -> "SyncPlan":
+        """Where a sync reads ``role``'s tensors, found once: adapters are only added in
+        ``__init__``, and walking the module tree and state dict per sync cost ~0.1 s of a
+        0.36 s delta sync on the 135M model (profiled)."""
+        if role not in self._plans:
+            self._plans[role] = SyncPlan.of(self._models[role].get_base_model(), role)
+        return self._plans[role]
 
     @torch.no_grad()
     def merged_state_dict(self, role: str, modules: set[str] | None = None) -> dict[str, torch.Tensor]:
@@ -248,29 +321,15 @@ class PolicyPair:
             return self._merged(role, modules)
 
     def _merged(self, role: str, modules: set[str] | None) -> dict[str, torch.Tensor]:
-        from peft.tuners.lora import LoraLayer
-
-        base = self._models[role].get_base_model()
-        lora: dict[str, LoraLayer] = {}
-        for name, mod in base.named_modules():
-            if not isinstance(mod, LoraLayer) or role not in mod.lora_A:
-                continue
-            if modules is not None and name not in modules:
-                continue
-            if mod.merged or role in getattr(mod, "lora_variant", {}) or mod.lora_bias.get(role, False):
-                raise NotImplementedError(f"{name}: merged adapters, DoRA and LoRA bias are not supported for sync")
-            lora[f"{name}.base_layer.weight"] = mod
         sd = {}
-        for k, v in base.state_dict().items():
-            if "lora_" in k:
+        for hf, module, tensor, mod in self._sync_plan(role).base:
+            if modules is not None and module not in modules:
                 continue
-            hf = k.replace(".base_layer.", ".")
-            if modules is not None and hf.rpartition(".")[0] not in modules:
-                continue
-            mod = lora.pop(k, None)
-            sd[hf] = v.detach().clone() if mod is None else _merged_weight(v.detach(), mod, role)
-        if lora:
-            raise RuntimeError(f"LoRA layers without a base weight: {sorted(lora)[:3]}")
+            if mod is not None and (mod.merged or role in getattr(mod, "lora_variant", {})
+                                    or mod.lora_bias.get(role, False)):
+                raise NotImplementedError(f"{module}: merged adapters, DoRA and LoRA bias are not supported for sync")
+            v = tensor().detach()
+            sd[hf] = v.clone() if mod is None else _merged_weight(v, mod, role)
         return sd
 
     # ------------------------------------------------------------------ saving
