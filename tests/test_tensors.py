@@ -31,3 +31,32 @@ def test_chunked_logprobs_entropy_and_gradient_equal_the_full_logits(chunk):
     torch.testing.assert_close(grad, want_grad)
     plain = token_logprobs_from_hidden(hidden, head, ids, chunk=chunk)
     torch.testing.assert_close(plain, lp)
+
+
+def test_onto_moves_inputs_to_the_module_device_and_leaves_host_tensors_alone():
+    """The device rule (tensors.onto): a call's inputs go to the module's device. A module on the
+    meta device stands in for a GPU here; a CPU module gets the very same tensor objects back."""
+    from tosca_mlmt.tensors import device_of, onto
+
+    x = torch.arange(6.0).view(2, 3)
+    cpu = torch.nn.Linear(3, 2)
+    assert device_of(cpu).type == "cpu" and onto(cpu, x)[0] is x
+    far = torch.nn.Linear(3, 2, device="meta")
+    moved, ids = onto(far, x, torch.tensor([1, 2]))
+    assert moved.device.type == "meta" and ids.device.type == "meta" and moved.shape == x.shape
+    buffers_only = torch.nn.Module()
+    buffers_only.register_buffer("b", torch.zeros(1, device="meta"))
+    assert device_of(buffers_only).type == "meta"
+    assert device_of(torch.nn.Module()).type == "cpu"
+
+
+def test_compute_device_is_the_local_rank_gpu_where_cuda_is_visible(monkeypatch):
+    from tosca_mlmt import parallel
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert parallel.compute_device() == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert parallel.compute_device() == torch.device("cuda", 3)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert parallel.compute_device() == torch.device("cuda", 0)

@@ -34,6 +34,16 @@ def init(backend: str = "auto", timeout_minutes: int = 30, force: bool = False) 
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
+def compute_device() -> torch.device:
+    """Where this process's models and heads compute: its own GPU (``LOCAL_RANK``; the one ``init``
+    selects under NCCL) where CUDA is visible, else the CPU. ``CUDA_VISIBLE_DEVICES=`` keeps a
+    run on a GPU machine on the CPU. DDP and DeepSpeed move the trainer's modules to the same
+    device themselves; batches stay on the host and cross at each model call (tensors.onto)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 def free_port() -> int:
     """A TCP port free on this host now (a launcher's --master_port)."""
     import socket

@@ -11,6 +11,26 @@ import functools
 import torch
 
 
+def device_of(module: torch.nn.Module) -> torch.device:
+    """Where ``module`` computes: the device of its first parameter (or buffer); CPU for none."""
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def onto(module: torch.nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` moved to ``module``'s device (no copy where they are there already).
+
+    Device rule of the package: batches, advantages and every loss term are built on the host;
+    each model or head call moves its inputs onto the module's device (``onto``) and its
+    results back (``.cpu()``, which autograd differentiates across devices). On a CPU run both
+    are no-ops; on a GPU run the trunk, its LM head and the heads compute on the GPU."""
+    dev = device_of(module)
+    return tuple(t.to(dev) for t in tensors)
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     """Mean of ``x`` where ``mask`` is 1; an empty mask gives 0, not NaN."""
     if dim is None:

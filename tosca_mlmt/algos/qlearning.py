@@ -69,9 +69,10 @@ def cql_penalty(q: torch.Tensor, actions: torch.Tensor, temperature: float = 1.0
 
 @torch.no_grad()
 def polyak_update(target: Iterable[torch.Tensor], online: Iterable[torch.Tensor], tau: float) -> None:
-    """theta_bar <- (1 - tau) * theta_bar + tau * theta, in place."""
+    """theta_bar <- (1 - tau) * theta_bar + tau * theta, in place (the target may sit on another
+    device than the online tensors: a copy made before the trainer placed them)."""
     for t, o in zip(target, online, strict=True):
-        t.mul_(1.0 - tau).add_(o.detach().to(t.dtype), alpha=tau)
+        t.mul_(1.0 - tau).add_(o.detach().to(t.device, t.dtype), alpha=tau)
 
 
 @torch.no_grad()

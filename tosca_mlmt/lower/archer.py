@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tosca_mlmt.tensors import onto
+
 
 class UtteranceCritic(nn.Module):
     def __init__(self, hidden: int):
@@ -30,8 +32,9 @@ class UtteranceCritic(nn.Module):
             nn.init.zeros_(layer.bias)
 
     def forward(self, h_state: torch.Tensor, h_action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, K, H] x2 -> (Q [B, K, 2], V [B, K, 2])."""
-        return self.q(h_action.float()), self.v(h_state.float())
+        """[B, K, H] x2 -> (Q [B, K, 2], V [B, K, 2]); host in, host out (tensors.onto)."""
+        h_state, h_action = onto(self, h_state.float(), h_action.float())
+        return self.q(h_action).cpu(), self.v(h_state).cpu()
 
 
 def turn_features(hidden: torch.Tensor, spans: list[list[tuple[int, int]]], n_turns: int) -> tuple[torch.Tensor, torch.Tensor]:

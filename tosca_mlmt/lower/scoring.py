@@ -20,7 +20,7 @@ from tosca_mlmt.lower import archer
 from tosca_mlmt.lower.trajectory import SolverTrajectory, TrajectoryTensors, no_feedback_sequences
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.precision import use_bf16_autocast
-from tosca_mlmt.tensors import token_logprobs_from_hidden
+from tosca_mlmt.tensors import onto, token_logprobs_from_hidden
 from tosca_mlmt.train.batching import build_batch
 
 if TYPE_CHECKING:
@@ -67,8 +67,10 @@ class SolverScorer:
 
     def forward(self, ids: torch.Tensor, attn: torch.Tensor, values: bool = False, reference: bool = False,
                 entropy: bool = False) -> Forward:
-        """Under the solver, or with ``reference`` the same base with every adapter disabled."""
+        """Under the solver, or with ``reference`` the same base with every adapter disabled. Takes
+        and returns host tensors; the forwards run on the model's device (tensors.onto)."""
         ctx = self.model.disable_adapter() if reference else self.policies.use("solver")
+        ids, attn = onto(self.model, ids, attn)
         with ctx, self._autocast():
             # logits_to_keep=1: the LM head runs in chunks below, never over [B, T, V] at once
             out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1)
@@ -79,9 +81,9 @@ class SolverScorer:
         v = None
         if values:
             # V for action token t is read from the state before it, i.e. hidden position t - 1
-            v = self.value_head(hidden[:, :-1].float()).squeeze(-1)
+            v = self.value_head(*onto(self.value_head, hidden[:, :-1].float())).squeeze(-1).cpu()
             v = torch.cat([torch.zeros_like(v[:, :1]), v], dim=1)
-        return Forward(lp, v, ent, hidden)
+        return Forward(lp.cpu(), v, None if ent is None else ent.cpu(), hidden.cpu())
 
     def _chunks(self, rows: list[int]) -> list[list[int]]:
         n = self.lo.score_batch or len(rows)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tosca_mlmt.tensors import pad_batch
+from tosca_mlmt.tensors import onto, pad_batch
 
 
 def writer_state_features(model: nn.Module, states: list[list[int]], pad_id: int,
@@ -28,11 +28,11 @@ def writer_state_features(model: nn.Module, states: list[list[int]], pad_id: int
     out = []
     for i in range(0, len(states), step):
         chunk = states[i:i + step]
-        ids, attn = pad_batch(chunk, pad_id)
+        ids, attn = onto(model, *pad_batch(chunk, pad_id))
         kw = dict(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1)
         if params is None:
             hidden = model(**kw).hidden_states[-1]
         else:
             hidden = torch.func.functional_call(model, params, args=(), kwargs=kw).hidden_states[-1]
-        out.append(hidden[torch.arange(len(chunk)), attn.sum(1) - 1])
+        out.append(hidden[torch.arange(len(chunk), device=hidden.device), attn.sum(1) - 1].cpu())
     return out[0] if len(out) == 1 else torch.cat(out)

@@ -23,9 +23,10 @@ from tosca_mlmt.config import ModelConfig
 from tosca_mlmt.models.features import writer_state_features
 from tosca_mlmt.models.artefacts import check_base
 from tosca_mlmt.models.loading import resolve_model, weights_fingerprint
-from tosca_mlmt.parallel import full_parameters, is_main
+from tosca_mlmt.parallel import compute_device, full_parameters, is_main
 from tosca_mlmt.precision import model_dtype
 from tosca_mlmt.seeds import seeded
+from tosca_mlmt.tensors import onto
 
 ROLES = ("solver", "writer")
 Q_HEAD_FILE = "q_head.safetensors"
@@ -53,10 +54,11 @@ class QHead(nn.Module):
         self.signal_table = nn.Parameter(torch.zeros(signals, n_actions)) if signals else None
 
     def forward(self, h: torch.Tensor, signal: torch.Tensor | None = None) -> torch.Tensor:  # [B, H], [B] -> [B, A]
+        h, = onto(self, h)  # host in, host out: the device rule of tensors.onto
         q = self.proj((h.float() - self.mean) / self.scale)
         if self.signal_table is not None and signal is not None:
-            q = q + self.signal_table[signal.long()]
-        return q
+            q = q + self.signal_table[onto(self, signal.long())[0]]
+        return q.cpu()
 
     @classmethod
     def from_state_dict(cls, sd: dict[str, torch.Tensor]) -> "QHead":
@@ -179,7 +181,9 @@ class PolicyPair:
                 else:
                     pm = get_peft_model(base, lora, adapter_name=role)
                 pm.eval()
-                self._models[role] = pm
+                # the GPU where there is one (parallel.compute_device): the HF engine generates
+                # and every scoring forward runs there; batches cross at each call (tensors.onto)
+                self._models[role] = pm.to(compute_device())
         for role in ROLES:
             if adapters[role]:
                 check_base(Path(adapters[role]), self.base_names[role], self.base_paths[role])
@@ -295,7 +299,7 @@ class PolicyPair:
                 return "base"
             h = hashlib.sha256()
             for name, t in plan.lora_tensors:
-                v = t().detach().contiguous()
+                v = t().detach().contiguous().cpu()
                 h.update(f"{name}{tuple(v.shape)}{v.dtype}".encode())
                 h.update(v.view(-1).view(torch.uint8).numpy())
         return f"{role}:{h.hexdigest()[:16]}"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tosca_mlmt.tensors import pad_batch, token_logprobs_from_hidden
+from tosca_mlmt.tensors import onto, pad_batch, token_logprobs_from_hidden
 
 
 @dataclass
@@ -41,10 +41,11 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: in
 def forward_logprobs(model, batch: TokenBatch, chunk: int = 256, return_hidden: bool = False):
     """Per-token log-probs [B, T] of ``batch`` under ``model`` (a causal LM, possibly peft-wrapped).
 
-    Runs the trunk once, then the LM head in chunks (see token_logprobs_from_hidden)."""
+    Runs the trunk once, then the LM head in chunks (see token_logprobs_from_hidden), on the
+    model's device; takes and returns host tensors (tensors.onto)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True,
-                logits_to_keep=1)
+    ids, attn = onto(model, batch.input_ids, batch.attention_mask)
+    out = model(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1)
     hidden = out.hidden_states[-1]  # [B, T, H], final norm applied
-    lp = token_logprobs_from_hidden(hidden, base.get_output_embeddings(), batch.input_ids, chunk)
-    return (lp, hidden) if return_hidden else lp
+    lp = token_logprobs_from_hidden(hidden, base.get_output_embeddings(), ids, chunk).cpu()
+    return (lp, hidden.cpu()) if return_hidden else lp

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from tosca_mlmt.errors import ConfigError, TrainingDiverged
-from tosca_mlmt.parallel import free_port, init, is_main, track_zero3_engine, untrack_zero3_engine, world
+from tosca_mlmt.parallel import compute_device, free_port, init, is_main, track_zero3_engine, untrack_zero3_engine, world
 
 
 def deepspeed_config_path(configured: str) -> str:
@@ -167,7 +167,8 @@ class TrainEngine:
                 DistributedDataParallelKwargs(find_unused_parameters=find_unused)])
             self.engine = self.acc.prepare(self.module)
         else:
-            self.engine = self.module
+            # DDP (accelerate) and DeepSpeed place the modules; one process places them itself
+            self.engine = self.module.to(compute_device())
 
     def __call__(self, fn: Callable, *args, **kwargs):
         return self.engine(fn, *args, **kwargs)

@@ -30,6 +30,7 @@ from tosca_mlmt.config import UpperConfig
 from tosca_mlmt.config.episode import SIGNAL_BUCKETS
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.models.policies import QHead
+from tosca_mlmt.tensors import onto
 
 
 class VHead(QHead):
@@ -52,7 +53,8 @@ class LogitsQ(nn.Module):
                                       else torch.zeros(rows.shape[0])))  # [A]
 
     def forward(self, h: torch.Tensor, signal: torch.Tensor | None = None) -> torch.Tensor:  # [B, H] -> [B, A]
-        return nn.functional.linear(h.float(), self.rows, self.bias)  # no signal table (q_signal needs a head)
+        h, = onto(self, h.float())  # host in, host out (tensors.onto)
+        return nn.functional.linear(h, self.rows, self.bias).cpu()  # no signal table (q_signal needs a head)
 
     def as_q_head(self) -> QHead:
         head = QHead(self.rows.shape[1], self.rows.shape[0])

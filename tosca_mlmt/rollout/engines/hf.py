@@ -12,7 +12,7 @@ from tosca_mlmt.parallel import full_parameters
 from tosca_mlmt.rollout.engines.base import Generation, SamplingParams
 from tosca_mlmt.rollout.engines.stop import TAIL_TOKENS, apply_stop
 from tosca_mlmt.seeds import seeded
-from tosca_mlmt.tensors import pad_batch, token_logprobs_from_hidden
+from tosca_mlmt.tensors import onto, pad_batch, token_logprobs_from_hidden
 
 
 class _RawLogprobRecorder(LogitsProcessor):
@@ -62,7 +62,8 @@ class _AnswerLineStop(StoppingCriteria):
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         tails = input_ids[:, max(self.width, input_ids.shape[1] - TAIL_TOKENS):].tolist()
-        return torch.tensor([bool(self.rx.search(self.tok.decode(t))) for t in tails], dtype=torch.bool)
+        return torch.tensor([bool(self.rx.search(self.tok.decode(t))) for t in tails], dtype=torch.bool,
+                            device=input_ids.device)
 
 
 class HFEngine:
@@ -89,11 +90,11 @@ class HFEngine:
         out: list[list[float]] = []
         for start in range(0, len(prompts), self.batch_size):
             ps, rs = prompts[start: start + self.batch_size], responses[start: start + self.batch_size]
-            ids, attn = pad_batch([list(p) + list(r) for p, r in zip(ps, rs)], pad_id)  # right-padded
+            ids, attn = onto(model, *pad_batch([list(p) + list(r) for p, r in zip(ps, rs)], pad_id))  # right-padded
             with self.policies.use(policy), full_parameters(model):
                 hidden = model(input_ids=ids, attention_mask=attn, output_hidden_states=True,
                                logits_to_keep=1).hidden_states[-1]
-                lp = token_logprobs_from_hidden(hidden, head, ids, 256)  # [B, T]; the head in chunks
+                lp = token_logprobs_from_hidden(hidden, head, ids, 256).cpu()  # [B, T]; the head in chunks
             out += [lp[j, len(p): len(p) + len(r)].tolist() for j, (p, r) in enumerate(zip(ps, rs))]
         return out
 
@@ -117,7 +118,7 @@ class HFEngine:
         tok = self.policies.tokenizer(policy)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         eos_ids = self.policies.eos_ids(policy)
-        ids, attn = pad_batch(prompts, pad_id, left=True)
+        ids, attn = onto(model, *pad_batch(prompts, pad_id, left=True))
         width = ids.shape[1]
         rec = _RawLogprobRecorder(params)
         gc = GenerationConfig(
@@ -132,8 +133,8 @@ class HFEngine:
             seqs = model.generate(input_ids=ids, attention_mask=attn, generation_config=gc,
                                   logits_processor=LogitsProcessorList([rec]), stopping_criteria=stops)
         rec.gather_last(seqs[:, -1])
-        resp = seqs[:, width:]
-        lps = torch.stack(rec.taken, dim=1) if rec.taken else torch.zeros(len(prompts), 0)
+        resp = seqs[:, width:].cpu()
+        lps = torch.stack(rec.taken, dim=1).cpu() if rec.taken else torch.zeros(len(prompts), 0)
         results = []
         for i in range(len(prompts)):
             toks = resp[i].tolist()
