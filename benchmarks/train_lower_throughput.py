@@ -83,6 +83,7 @@ def run_ours(args, engine: str, scorer: str = "auto") -> dict:
 
 
 def run_trl(args) -> dict:
+    import torch
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer, TrainerCallback
@@ -117,13 +118,13 @@ def run_trl(args) -> dict:
     conf = GRPOConfig(output_dir=str(Path(args.workdir) / "trl"), use_vllm=False, num_generations=args.group,
                       max_completion_length=args.max_new_tokens, per_device_train_batch_size=args.problems * args.group,
                       gradient_accumulation_steps=1, max_steps=args.iterations, logging_steps=1, report_to="none",
-                      use_cpu=True, bf16=trl_bf16(args), learning_rate=1e-4, beta=0.0, save_strategy="no", temperature=0.7)
+                      use_cpu=not torch.cuda.is_available(), bf16=trl_bf16(args), learning_rate=1e-4, beta=0.0, save_strategy="no", temperature=0.7)
     trainer = GRPOTrainer(model=path, reward_funcs=[correctness], args=conf, train_dataset=ds,
                           processing_class=AutoTokenizer.from_pretrained(path), callbacks=[Timer()],
                           peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
     trainer.train()
     t, n = times[1:] or times, toks[1:] or toks
-    return {"engine": "hf (use_vllm=False)", "bf16": trl_bf16(args), "generated_tokens": sum(n), "seconds": sum(t),
+    return {"engine": "hf (use_vllm=False)", "device": "cuda" if torch.cuda.is_available() else "cpu", "bf16": trl_bf16(args), "generated_tokens": sum(n), "seconds": sum(t),
             "tokens_per_s": sum(n) / sum(t)}
 
 

