@@ -83,3 +83,18 @@ def test_runs_report_keeps_each_runs_last_metrics_and_manifest(tmp_path):
     got = mod.runs(tmp_path)
     assert got == {"lower": {"rows": 2, "last": {"step": 2, "lower/iteration_seconds": 7.5},
                              "manifest": {"git_sha": "abc"}}}
+
+
+def test_steps_share_one_budget_and_a_spent_one_skips_them(tmp_path):
+    """A device call is killed at 600 s; steps past the budget are recorded as skipped, not started."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".git", ".venv", ".gpu*", "results", "__pycache__"))
+    env = {"PATH": "/usr/bin:/bin", "PY": sys.executable, "OUT": str(tmp_path / "out"),
+           "GPU_WORK": str(tmp_path / "work"), "GPU_CHECK_BUDGET_S": "0"}
+    res = subprocess.run(["bash", "benchmarks/gpu/check.sh", "run"], cwd=repo, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    steps = [json.loads(x) for x in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == ["env", "collect", "lower", "joint", "throughput"]
+    assert all(s["skipped"] == "budget spent" for s in steps)
+    assert not (tmp_path / "work" / "snapshots").exists()

@@ -44,8 +44,16 @@ export TOSCA_MLMT_CACHE=${TOSCA_MLMT_CACHE:-/tmp/mlmt-cache}
 export HF_HUB_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
 LOG=$OUT/gpu_check.log
 : > "$OUT/steps.jsonl"
+# A device call ends at 600 s: the steps share one budget, each cut to what is left of it, so the
+# last files still reach $OUT (everything there comes back, even from a call that ran out).
+DEADLINE=$(( $(date +%s) + ${GPU_CHECK_BUDGET_S:-540} ))
 step() {  # step NAME LIMIT_S CMD...: its output appended to the log, its outcome a line of steps.jsonl
   local name=$1 limit=$2; shift 2
+  local left=$(( DEADLINE - $(date +%s) ))
+  if [ "$left" -lt 30 ]; then
+    printf '{"step": "%s", "rc": null, "skipped": "budget spent"}\n' "$name" >> "$OUT/steps.jsonl"; return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   echo "=== $name: $*" >> "$LOG"
   local t0; t0=$(date +%s%N)
   timeout "$limit" "$@" >> "$LOG" 2>&1; local rc=$?
@@ -57,15 +65,15 @@ MLMT=("$PY" -m tosca_mlmt.cli.main)
 SMALL=${GPU_CHECK_SMALL:-0}  # 1: tiny sizes, for trying the script on a CPU
 if [ "$SMALL" = 1 ]; then n=4; it=1; probs=2; joint=(--set joint.lower_iterations=1 --set joint.upper_steps=2
   --set lower.problems_per_iteration=2); else n=64; it=2; probs=8; joint=(); fi
-step env 300 "$PY" benchmarks/gpu/env_report.py "$OUT/env.json"
-step collect 300 "${MLMT[@]}" collect --task arith --level 2 --limit "$n" --n-samples 4 --engine hf \
+step env 120 "$PY" benchmarks/gpu/env_report.py "$OUT/env.json"
+step collect 150 "${MLMT[@]}" collect --task arith --level 2 --limit "$n" --n-samples 4 --engine hf \
   --no-wandb --no-progress --out "$W/snapshots"
-step lower 300 "${MLMT[@]}" train-lower --task arith --engine hf --iterations "$it" --no-wandb --no-progress \
+step lower 150 "${MLMT[@]}" train-lower --task arith --engine hf --iterations "$it" --no-wandb --no-progress \
   --set lower.problems_per_iteration="$probs" --set task.level=2 --out "$W/lower"
-step joint 420 "${MLMT[@]}" train-joint -c configs/demo.yaml --engine hf --rounds 1 --no-wandb --no-progress \
+step joint 200 "${MLMT[@]}" train-joint -c configs/demo.yaml --engine hf --rounds 1 --no-wandb --no-progress \
   --set joint.collect_problems="$probs" "${joint[@]}" --out "$W/joint"
 if [ "$SMALL" != 1 ]; then
-  step throughput 420 "$PY" benchmarks/train_lower_throughput.py --engines hf --problems 4 --group 4 \
+  step throughput 240 "$PY" benchmarks/train_lower_throughput.py --engines hf --problems 4 --group 4 \
     --max-new-tokens 32 --iterations 3 --workdir "$W/tl" --out "$OUT/train_lower_throughput-gpu.json"
 fi
 "$PY" benchmarks/gpu/env_report.py --runs "$W" "$OUT/runs.json" >> "$LOG" 2>&1
