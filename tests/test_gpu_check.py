@@ -35,11 +35,11 @@ def _fake_checkout(tmp_path: Path, wheel: bytes, sha: str) -> Path:
     return repo
 
 
-def _check(repo: Path, mode: str, tmp_path: Path) -> subprocess.CompletedProcess:
+def _check(repo: Path, mode: str, tmp_path: Path, **env) -> subprocess.CompletedProcess:
     env = {"PATH": "/usr/bin:/bin", "PY": sys.executable, "OUT": str(tmp_path / "out"),
-           "GPU_WORK": str(tmp_path / "work")}
+           "GPU_WORK": str(tmp_path / "work"), **env}
     return subprocess.run(["bash", "benchmarks/gpu/check.sh", mode], cwd=repo, env=env, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=300)
 
 
 def test_run_reassembles_the_wheel_staged_by_the_first_call(tmp_path):
@@ -89,10 +89,7 @@ def test_steps_share_one_budget_and_a_spent_one_skips_them(tmp_path):
     """A device call is killed at 600 s; steps past the budget are recorded as skipped, not started."""
     repo = tmp_path / "repo"
     shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".git", ".venv", ".gpu*", "results", "__pycache__"))
-    env = {"PATH": "/usr/bin:/bin", "PY": sys.executable, "OUT": str(tmp_path / "out"),
-           "GPU_WORK": str(tmp_path / "work"), "GPU_CHECK_BUDGET_S": "0"}
-    res = subprocess.run(["bash", "benchmarks/gpu/check.sh", "run"], cwd=repo, env=env, capture_output=True,
-                         text=True, timeout=300)
+    res = _check(repo, "run", tmp_path, GPU_CHECK_BUDGET_S="0")
     assert res.returncode == 0, res.stderr
     steps = [json.loads(x) for x in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == ["env", "collect", "lower", "joint", "throughput"]

@@ -32,7 +32,8 @@ class Forward:
     logprobs: torch.Tensor  # [B, T]; position 0 is 0 (no context)
     values: torch.Tensor | None  # [B, T] when asked for
     entropy: torch.Tensor | None  # [B, T] when asked for
-    hidden: torch.Tensor  # [B, T, H] last hidden states (the utterance critic reads them)
+    hidden: torch.Tensor  # [B, T, H] last hidden states on the model's device (the utterance critic reads
+    # K turn positions of them: only those [B, K, H] cross to the host, never the whole [B, T, H])
 
 
 @dataclass
@@ -68,7 +69,7 @@ class SolverScorer:
     def forward(self, ids: torch.Tensor, attn: torch.Tensor, values: bool = False, reference: bool = False,
                 entropy: bool = False) -> Forward:
         """Under the solver, or with ``reference`` the same base with every adapter disabled. Takes
-        and returns host tensors; the forwards run on the model's device (tensors.onto)."""
+        and returns host tensors, except ``hidden``; the forwards run on the model's device (tensors.onto)."""
         ctx = self.model.disable_adapter() if reference else self.policies.use("solver")
         ids, attn = onto(self.model, ids, attn)
         with ctx, self._autocast():
@@ -83,7 +84,7 @@ class SolverScorer:
             # V for action token t is read from the state before it, i.e. hidden position t - 1
             v = self.value_head(*onto(self.value_head, hidden[:, :-1].float())).squeeze(-1).cpu()
             v = torch.cat([torch.zeros_like(v[:, :1]), v], dim=1)
-        return Forward(lp.cpu(), v, None if ent is None else ent.cpu(), hidden.cpu())
+        return Forward(lp.cpu(), v, None if ent is None else ent.cpu(), hidden)
 
     def _chunks(self, rows: list[int]) -> list[list[int]]:
         n = self.lo.score_batch or len(rows)
@@ -98,7 +99,8 @@ class SolverScorer:
             f = self.forward(tt.input_ids[c], tt.attention_mask[c], values=values, reference=reference,
                              entropy=entropy)
             # the hidden states are dropped chunk by chunk: only the K turn positions are kept
-            hs, ha = (archer.turn_features(f.hidden, [trajs[i].turn_spans for i in c], tt.n_turns)
+            hs, ha = (tuple(x.cpu() for x in archer.turn_features(f.hidden, [trajs[i].turn_spans for i in c],
+                                                                    tt.n_turns))
                       if features else (None, None))
             chunks.append((f.logprobs, f.values, f.entropy, hs, ha))
         part = tuple(_cat(chunks, i) for i in range(5)) if chunks else None

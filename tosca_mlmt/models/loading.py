@@ -130,5 +130,5 @@ def weights_fingerprint(state_dict) -> str:
         h.update(k.encode())
         h.update(str(tuple(t.shape)).encode())
         h.update(str(t.dtype).encode())
-        h.update(t.view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
+        h.update(t.view(-1).view(dtype=__import__("torch").uint8).numpy())  # the buffer itself: no copy
     return h.hexdigest()[:16]

@@ -271,8 +271,10 @@ class PolicyPair:
         return full_parameters(*{id(m): m for m in self._models.values()}.values())
 
     def has_trained_adapter(self, role: str) -> bool:
-        """False while every LoRA B matrix is zero, i.e. the policy still equals its base."""
-        return any(v.abs().sum() > 0 for k, v in self.adapter_state(role).items() if "lora_B" in k)
+        """False while every LoRA B matrix (linear or embedding) is zero, i.e. the LoRA layers
+        still leave the base as it is; read in place, no copies."""
+        with full_parameters(self._models[role]):
+            return any(bool(t().any()) for name, t in self._sync_plan(role).lora_tensors if LORA_B & set(name.split(".")))
 
     # ------------------------------------------------------------------ vLLM sync
     def adapted_modules(self, role: str) -> set[str] | None:
@@ -286,23 +288,16 @@ class PolicyPair:
         """A cheap identity of ``role``'s live adapter, hence of the merged weights it serves (the
         base is frozen): "base" while every LoRA B matrix is zero (solver and writer then share
         one weight set, whatever their random A matrices), else a sha256 of the LoRA tensors read
-        in place (no state-dict walk, no copies: a vLLM engine asks before every call). An
-        adapter that also trains whole modules or tokens is hashed from peft's state dict, which
-        holds those too, and is never "base"."""
-        import hashlib
-
+        in place (no state-dict walk: a vLLM engine asks before every call). An adapter that also
+        trains whole modules or tokens is hashed from peft's state dict, which holds those too, and
+        is never "base"."""
         plan = self._sync_plan(role)
         if plan.aux:
             return f"{role}:{weights_fingerprint(self.adapter_state(role))}"
+        if not self.has_trained_adapter(role):
+            return "base"
         with full_parameters(self._models[role]):
-            if not any(bool(t().any()) for name, t in plan.lora_tensors if LORA_B & set(name.split("."))):
-                return "base"
-            h = hashlib.sha256()
-            for name, t in plan.lora_tensors:
-                v = t().detach().contiguous().cpu()
-                h.update(f"{name}{tuple(v.shape)}{v.dtype}".encode())
-                h.update(v.view(-1).view(torch.uint8).numpy())
-        return f"{role}:{h.hexdigest()[:16]}"
+            return f"{role}:{weights_fingerprint({name: t() for name, t in plan.lora_tensors})}"
 
     def _sync_plan(self, role: str) -> "SyncPlan":
         """Where a sync reads ``role``'s tensors, found once: adapters are only added in
