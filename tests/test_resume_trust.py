@@ -37,6 +37,35 @@ def _three_checkpoints(tmp_path) -> CheckpointManager:
     return ckm
 
 
+class _FakeCuda:
+    """Per-device CUDA generator states on a machine without CUDA (what a GPU checkpoint must keep)."""
+
+    def __init__(self, devices: int):
+        self.states = {d: torch.tensor([d], dtype=torch.uint8) for d in range(devices)}
+
+    def install(self, monkeypatch, local_rank: int) -> None:
+        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: self.states[device.index].clone())
+        monkeypatch.setattr(torch.cuda, "set_rng_state", lambda t, device: self.states.__setitem__(device.index, t))
+
+
+def test_a_gpu_checkpoint_keeps_and_restores_this_process_cuda_generator(tmp_path, monkeypatch):
+    """LoRA dropout on a GPU draws from the process's CUDA generator: a resume must put it back,
+    on this rank's device and no other; a CPU machine resuming the same checkpoint skips it."""
+    cuda = _FakeCuda(devices=2)
+    cuda.install(monkeypatch, local_rank=1)
+    ckm = CheckpointManager(tmp_path, keep=2)
+    ckm.save(1, lambda d: None, {"iteration": 1})
+    cuda.states[1] = torch.tensor([99], dtype=torch.uint8)  # draws after the save move the generator
+    ckm.load_state(ckm.latest())
+    assert cuda.states[1].tolist() == [1] and cuda.states[0].tolist() == [0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda *a: pytest.fail("no CUDA generator to restore"))
+    ckm.load_state(ckm.latest())
+
+
 def test_intact_checkpoints_resume_from_the_newest_without_a_warning(tmp_path, recwarn):
     ckm = _three_checkpoints(tmp_path)
     assert CheckpointManager(tmp_path).latest() == ckm.dir / "step-000003"

@@ -2,11 +2,11 @@
 
 Layout: ``<run>/checkpoints/step-000120/`` holding ``state.json`` (counters, data
 position, stage, the metrics file's length at that point), ``rng.pt`` (python/numpy/torch
-generator states), whatever the trainer writes (adapters, heads, optimizer, scheduler)
-and, written last, ``complete.json``: the size and sha256 of every other file. A
-checkpoint folder is built under a temp name (``.step-000120.partial``) and renamed, then
-``<run>/checkpoints/latest`` is replaced atomically, so a crash at any point leaves the
-previous checkpoint intact.
+generator states; on a GPU also the process's CUDA generator), whatever the trainer writes
+(adapters, heads, optimizer, scheduler) and, written last, ``complete.json``: the size and
+sha256 of every other file. A checkpoint folder is built under a temp name
+(``.step-000120.partial``) and renamed, then ``<run>/checkpoints/latest`` is replaced
+atomically, so a crash at any point leaves the previous checkpoint intact.
 
 Resuming does not trust the ``latest`` pointer: it takes the newest checkpoint whose files
 all match ``complete.json``, and warns about each newer one it skips (a file missing,
@@ -40,13 +40,22 @@ class CheckpointWarning(UserWarning):
 
 
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    # on a GPU run LoRA dropout (and any other on-device draw) takes from the process's CUDA
+    # generator, not the CPU one: without it a resumed run would drop other units
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state(dist.compute_device())
+    return state
 
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    # a GPU checkpoint resumed on a CPU has no CUDA generator to restore; a CPU one resumed on
+    # a GPU leaves it as runtime.setup seeded it
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"], dist.compute_device())
 
 
 def _rng_file(rank: int) -> str:
