@@ -294,9 +294,10 @@ class PolicyPair:
         plan = self._sync_plan(role)
         if plan.aux:
             return f"{role}:{weights_fingerprint(self.adapter_state(role))}"
-        if not self.has_trained_adapter(role):
-            return "base"
+        # one gather under ZeRO-3 for both reads (has_trained_adapter's own block is then a no-op)
         with full_parameters(self._models[role]):
+            if not self.has_trained_adapter(role):
+                return "base"
             return f"{role}:{weights_fingerprint({name: t() for name, t in plan.lora_tensors})}"
 
     def _sync_plan(self, role: str) -> "SyncPlan":
