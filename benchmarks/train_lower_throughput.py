@@ -17,6 +17,10 @@ context bonus is scored by the rollout engine (its sampling log-probs and one pr
 so, the batch being one optimizer step, no trainer forward runs before the update. The default,
 ``auto`` (the config's default), picks the engine on vLLM and the trainer on HF; each result
 records which scored (``bonus_engine_scored``).
+``--syncs direct delta file`` runs ours on vLLM once per weight-sync setting: ``direct`` (the default,
+``engine.vllm.direct_sync``: kernels packed from merged layers, each policy's kept), ``delta`` (in-memory
+deltas through vLLM's reload, the default before) and ``file`` (full file round trips); each result
+logs the seconds of every engine sync of the timed iterations (``time_breakdown.engine_sync_total``).
 Precision: our model weights are fp32 and our update autocasts to bf16 where the CPU has it
 natively (``lower.autocast=auto``); TRL's ``bf16`` flag follows the same decision by default
 (``--trl-bf16``), so both train in the same precision (until 2026-11-26 TRL ran fp32 throughout).
@@ -24,6 +28,7 @@ natively (``lower.autocast=auto``); TRL's ``bf16`` flag follows the same decisio
     python benchmarks/train_lower_throughput.py --engines vllm hf --problems 4 --group 4 --max-new-tokens 32 --iterations 3
     python benchmarks/train_lower_throughput.py --engines vllm --single-turn
     python benchmarks/train_lower_throughput.py --engines vllm --bonus-scorers trainer engine
+    python benchmarks/train_lower_throughput.py --engines vllm --syncs direct delta file --out results/train_lower_throughput-sync.json
 """
 
 from __future__ import annotations
@@ -44,7 +49,12 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 RESULTS = Path(__file__).parent / "results"
 
 
-def run_ours(args, engine: str, scorer: str = "auto") -> dict:
+# engine settings of each --syncs value
+SYNCS = {"direct": {}, "delta": {"engine.vllm.direct_sync": False},
+         "file": {"engine.vllm.direct_sync": False, "engine.vllm.weight_sync": "file", "engine.vllm.delta_sync": False}}
+
+
+def run_ours(args, engine: str, scorer: str = "auto", sync: str = "direct") -> dict:
     from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.train_lower import train_lower
 
@@ -55,6 +65,7 @@ def run_ours(args, engine: str, scorer: str = "auto") -> dict:
         "lower.iterations": args.iterations, "lower.problems_per_iteration": args.problems,
         "lower.advantage": "grpo", "lower.minibatch_size": args.problems * args.group, "lower.save_every": 10**6,
         "lower.keep_snapshots": False, "lower.bonus.scorer": scorer, **({"episode.rounds": 0} if args.single_turn else {}),
+        **SYNCS[sync],
     })
     out = Path(args.workdir) / f"ours-{engine}-{scorer}-{int(time.time())}"
     t0 = time.perf_counter()
@@ -72,7 +83,8 @@ def run_ours(args, engine: str, scorer: str = "auto") -> dict:
     from tosca_mlmt.precision import use_bf16_autocast
 
     scored = [r["lower/bonus/engine_scored"] for r in timed if "lower/bonus/engine_scored" in r]
-    return {"engine": engine, "bonus_scorer": scorer, "bonus_engine_scored": max(scored) if scored else None,
+    return {"engine": engine, "bonus_scorer": scorer, "sync": sync, "timed_iterations": len(timed),
+            "bonus_engine_scored": max(scored) if scored else None,
             "autocast_bf16": use_bf16_autocast(cfg.lower.autocast),
             "generated_tokens": gen, "engine_generated_tokens": round(engine_gen, 1),
             "seconds": secs, "tokens_per_s": gen / secs,
@@ -140,8 +152,8 @@ def child(args) -> None:
     """One run in this process; its result (with this process's peak RSS) goes to ``args.child_out``."""
     from tosca_mlmt.runtime import git_sha, peak_rss_mb
 
-    kind, engine, scorer = (args.child.split(":") + ["", ""])[:3]
-    res = run_ours(args, engine, scorer) if kind == "ours" else run_trl(args)
+    kind, engine, scorer, sync = (args.child.split(":") + ["", "", ""])[:4]
+    res = run_ours(args, engine, scorer, sync or "direct") if kind == "ours" else run_trl(args)
     res["peak_rss_mb"] = peak_rss_mb()  # this run alone: model load(s), engine and iterations
     res["code"] = git_sha()  # each child's own: a run spans minutes, the tree may change between children
     Path(args.child_out).write_text(json.dumps(res))
@@ -177,6 +189,8 @@ def main() -> None:
     ap.add_argument("--bonus-scorers", nargs="+", choices=("auto", "trainer", "engine"), default=["auto"],
                     help="lower.bonus.scorer of our runs, each engine with each (engine: no pi_old pass; "
                          "auto: the engine on vLLM, the trainer on HF)")
+    ap.add_argument("--syncs", nargs="+", choices=tuple(SYNCS), default=["direct"],
+                    help="vLLM weight-sync settings to run ours with (hf: the first only)")
     ap.add_argument("--workdir", default="/tmp/tosca-bench-lower")
     ap.add_argument("--trl-bf16", choices=("auto", "on", "off"), default="auto",
                     help="TRL's bf16 autocast; auto = what our lower.autocast=auto picks here")
@@ -208,13 +222,16 @@ def main() -> None:
     # JSON is rewritten after every run. A variant is keyed by its engine, plus "+engine-bonus" when
     # the engine is asked to score the bonus and "+auto-bonus" under auto (keys of files before auto
     # existed: a bare engine name was the trainer scorer).
-    variants = [(e, sc) for e in engines for sc in args.bonus_scorers]
+    # A sync setting other than direct (the default) adds "+<sync>-sync".
+    variants = [(e, sc, sy) for e in engines for sc in args.bonus_scorers
+                for sy in (args.syncs if e == "vllm" else args.syncs[:1])]
     order = [("ours", variants[0]), ("trl", None)] + [("ours", v) for v in variants[1:]]
     for kind, variant in order:
         if kind == "ours":
-            engine, scorer = variant
-            key = engine + {"trainer": "", "engine": "+engine-bonus", "auto": "+auto-bonus"}[scorer]
-            res["ours"][key] = spawn(args, f"ours:{engine}:{scorer}")
+            engine, scorer, sync = variant
+            key = engine + {"trainer": "", "engine": "+engine-bonus", "auto": "+auto-bonus"}[scorer] + (
+                "" if sync == "direct" else f"+{sync}-sync")
+            res["ours"][key] = spawn(args, f"ours:{engine}:{scorer}:{sync}")
         else:
             res["trl_grpo"] = spawn(args, "trl")
         if res["trl_grpo"]:

@@ -13,6 +13,12 @@ shared and its load drifts):
   the default), merged and pushed by the in-process runner onto the base vLLM holds;
 * ``memory_rpc``: merged state dict -> in-memory safetensors bytes -> ``collective_rpc`` to the
   worker extension: the memory route a multiprocess (GPU) engine takes, timed here in-process;
+* ``direct``: the adapted layers merged straight into fused buffers and packed into new vLLM
+  kernels, no reload (``engine.vllm.direct_sync``, the default on in-process CPU engines); its
+  merge is PolicyPair.merge_into, its push the packing, installing the kernels and the
+  prefix-cache reset;
+* ``swap`` (after the others): serving a policy whose kept direct kernels are still current, as
+  when turns alternate between solver and writer; today's routes pay a full sync for that;
 * ``adapter`` (``--adapters``, after the others, on a second engine started with
   ``engine.vllm.serve_adapters``): the adapter tensors alone into vLLM's LoRA cache, no merge and
   no reload. Serving LoRA costs decode speed, so the same run also times greedy decoding of
@@ -41,8 +47,8 @@ from pathlib import Path
 from collect_throughput import loadavg, machine_info
 
 RESULTS = Path(__file__).resolve().parent / "results" / "weight_sync.json"
-ROUTES = ("file", "memory", "delta", "memory_rpc")
-TARGET = 5.0  # issue #15: the in-memory sync (delta, the default) >= 5x faster than the file path
+ROUTES = ("file", "memory", "delta", "memory_rpc", "direct")
+TARGET = 5.0  # issue #15: the default in-memory sync (direct) >= 5x faster than the file path
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -126,6 +132,53 @@ def adapter_route(cfg, policies, args) -> tuple[list[dict], dict]:
     return rows, decode
 
 
+# engine settings of each iteration_syncs configuration: (direct kernels kept?, weight_sync, deltas?)
+ITERATION_CONFIGS = {"file": (False, "file", False), "delta": (False, "memory", True), "direct": (True, "memory", True)}
+
+
+def iteration_syncs(engine, policies, kernels, args, gen) -> dict:
+    """Seconds of the syncs of one train-lower iteration, through ``engine.sync_weights``: the solver
+    after its update, then the writer's turn and the solver's refine (two policy swaps), with a
+    trained writer. ``file``: every sync a full file round trip (the path before the memory sync);
+    ``delta``: in-memory deltas (the default before direct_sync); ``direct``: direct_sync, which builds
+    the solver's kernels and swaps kept ones. Each configuration gets one untimed iteration first
+    (its first sync finds vLLM's state unknown and pushes in full); configurations alternate."""
+    import torch
+
+    packed = engine.packed
+
+    def perturb(role: str, scale: float) -> None:
+        with torch.no_grad():
+            for n, p in policies.model(role).named_parameters():
+                if f"lora_B.{role}." in n:
+                    p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+    def iteration() -> float:
+        perturb("solver", 1e-3)  # what an optimizer step does: a new solver key
+        t0 = time.perf_counter()
+        for role in ("solver", "writer", "solver"):
+            engine.sync_weights(role)
+        return time.perf_counter() - t0
+
+    perturb("writer", 0.01)
+    rows = {c: [] for c in ITERATION_CONFIGS}
+    for i in range(args.repeats):
+        for conf in (list(ITERATION_CONFIGS) if i % 2 == 0 else list(ITERATION_CONFIGS)[::-1]):
+            direct, engine.weight_sync, deltas = ITERATION_CONFIGS[conf]
+            engine.kernels, engine.packed = kernels if direct else None, packed if deltas else None
+            engine.loaded_key, engine.stale = None, None  # another configuration ran last
+            if direct:
+                kernels.held.clear()
+            iteration()
+            rows[conf].append(round(iteration(), 4))
+            print(f"repeat {i}: iteration {conf:<7} {rows[conf][-1]} s", flush=True)
+    engine.kernels, engine.weight_sync, engine.packed = kernels, "memory", packed
+    engine.sync_weights("solver", force=True)  # a known state for the decode timing
+    med = {c: statistics.median(v) for c, v in rows.items()}
+    return {"median_seconds": med, "runs": rows, "ratio_file_direct": round(med["file"] / med["direct"], 2),
+            "ratio_delta_direct": round(med["delta"] / med["direct"], 2)}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     # Thread env must be in place before torch / vllm are imported (see docs: one thread, no binding).
@@ -159,17 +212,41 @@ def main(argv=None) -> int:
     modules = engine.delta_plan(engine.policies.adapted_modules("solver"))
     if modules is None:
         raise SystemExit("delta sync is unavailable for this model (vllm_sync.packed_modules)")
+    kernels = engine.kernels
+    if kernels is None:
+        raise SystemExit("the direct route is unavailable on this engine (vllm_kernels.fused_layers)")
     push = {"file": lambda sd: vllm_sync.push(engine.llm, sd, "file"),
             "memory": lambda sd: vllm_sync.push(engine.llm, sd, "memory"),
             "delta": lambda sd: vllm_sync.push(engine.llm, sd, "memory", partial=True),
             "memory_rpc": lambda sd: (vllm_sync.push_rpc(engine.llm, sd), engine.llm.reset_prefix_cache())}
+    adapted = policies.adapted_modules("solver")
+
+    def direct() -> tuple[float, float, float, dict]:
+        """(start, merge end, end, kernels) of one direct sync: merge, pack, install, reset."""
+        marks = []
+
+        def merge(outs):
+            marks.append(time.perf_counter())
+            policies.merge_into("solver", outs)
+            marks.append(time.perf_counter())
+
+        t0 = time.perf_counter()
+        built = kernels.build(merge, adapted)
+        kernels.install(built)
+        engine.llm.reset_prefix_cache()
+        t2 = time.perf_counter()
+        # buffer set-up counts as merge, packing as push
+        return t0, marks[1], t2, built
 
     def one(route: str) -> dict:
-        t0 = time.perf_counter()
-        sd = policies.merged_state_dict("solver", modules if route == "delta" else None)
-        t1 = time.perf_counter()
-        push[route](sd)
-        t2 = time.perf_counter()
+        if route == "direct":
+            t0, t1, t2, _ = direct()
+        else:
+            t0 = time.perf_counter()
+            sd = policies.merged_state_dict("solver", modules if route == "delta" else None)
+            t1 = time.perf_counter()
+            push[route](sd)
+            t2 = time.perf_counter()
         engine.weights_key("solver")  # what every sync_weights call pays first, whatever the route
         t3 = time.perf_counter()
         return {"merge_s": round(t1 - t0, 4), "push_s": round(t2 - t1, 4), "total_s": round(t2 - t0, 4),
@@ -186,12 +263,13 @@ def main(argv=None) -> int:
         for route in (ROUTES if i % 2 == 0 else ROUTES[::-1]):
             rows[route].append(one(route) | {"load": loadavg()[0]})
             print(f"repeat {i}: {route:<11} {rows[route][-1]}", flush=True)
+    iterations = iteration_syncs(engine, policies, kernels, args, gen)
     decode = {"merged": decode_tok_s(engine, policies, args)}
     engine.close()
     routes = ROUTES
     if args.adapters:
         rows["adapter"], decode["adapter"] = adapter_route(cfg, policies, args)
-        routes = ROUTES + ("adapter",)
+        routes = routes + ("adapter",)
     med = {r: summary(rows[r]) for r in routes}
     best = {r: summary(rows[r], min) for r in routes}
     ratio = ratios(med)
@@ -204,9 +282,9 @@ def main(argv=None) -> int:
         "model": cfg.model.solver, "dtype": str(policies.dtype).replace("torch.", ""),
         "state_dict_mb": payload_mb, "delta_mb": delta_mb, "adapter_mb": mb(policies.adapter_state("solver")), "packages": runtime.package_versions(),
         "median_seconds": med, "min_seconds": best, "ratios": ratio, "ratios_of_min": ratios(best),
-        "target": {"file/delta (total)": TARGET},
-        "target_met": ratio["file/delta (total)"] >= TARGET,
-        "decode_tok_s": decode, "runs": rows, "peak_rss_mb": runtime.peak_rss_mb(),
+        "target": {"file/direct (total)": TARGET},
+        "target_met": ratio["file/direct (total)"] >= TARGET,
+        "iteration_syncs": iterations, "decode_tok_s": decode, "runs": rows, "peak_rss_mb": runtime.peak_rss_mb(),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -217,6 +295,8 @@ def main(argv=None) -> int:
         print(f"{r:<12}{med[r]['merge_s']:>9.3f}{med[r]['push_s']:>9.3f}{med[r]['total_s']:>9.3f}")
     for k, v in ratio.items():
         print(f"  {k}: {v:.2f}x")
+    print(f"syncs of one train-lower iteration (medians): {iterations['median_seconds']}, "
+          f"file/direct {iterations['ratio_file_direct']}x")
     print(f"decode tok/s (medians): {decode}")
     print(f"load average before {load_before} after {load_after}; wrote {out}")
     return 0

@@ -191,3 +191,38 @@ def test_collect_time_q_reads_the_training_trunks_features(policies):
     assert q_collect.dtype == torch.float32 and q_collect.shape == (3, 6)
     torch.testing.assert_close(q_collect, q_train, atol=1e-6, rtol=0)
     torch.testing.assert_close(q_collect, head(alone), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_into_writes_the_bits_of_the_merged_state_dict(debug_cfg, dtype):
+    """The direct vLLM sync merges into row blocks of fused buffers (vllm_kernels.py): each block gets
+    exactly the tensor merged_state_dict gives (a bf16 base goes through the float32 accumulator),
+    an unadapted module its base weight, and a block that does not fit is refused by name."""
+    from tosca_mlmt.models.policies import PolicyPair
+
+    pair = PolicyPair(debug_cfg.model, seed=0, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in pair.model("solver").named_parameters():
+            if "lora_B.solver" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.01)
+    full, base = pair.merged_state_dict("solver"), pair.merged_state_dict("solver", lora=False)
+    attn = "model.layers.0.self_attn"
+    qkv = [f"{attn}.{m}_proj" for m in "qkv"]
+    shapes = pair.weight_shapes("solver")
+    assert all(shapes[m] == tuple(full[f"{m}.weight"].shape) for m in qkv)
+    fused = torch.full((sum(shapes[m][0] for m in qkv), shapes[qkv[0]][1]), float("nan"), dtype=dtype)
+    outs, row = {}, 0
+    for m in qkv:
+        outs[m] = fused[row: row + shapes[m][0]]
+        row += shapes[m][0]
+    norm = torch.empty_like(full["model.norm.weight"])
+    pair.merge_into("solver", outs | {"model.norm": norm})
+    for m in qkv:
+        assert torch.equal(outs[m], full[f"{m}.weight"]), m
+        assert not torch.equal(outs[m], base[f"{m}.weight"]), f"{m}: the adapter changed nothing (vacuous)"
+    assert torch.equal(norm, base["model.norm.weight"]) and fused.dtype == dtype
+    with pytest.raises(ValueError, match=f"{attn}.o_proj"):
+        pair.merge_into("solver", {f"{attn}.o_proj": torch.empty(1, 1, dtype=dtype)})
+    with pytest.raises(KeyError, match="no weight"):
+        pair.merge_into("solver", {"model.layers.0.nope": norm})

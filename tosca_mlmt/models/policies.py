@@ -82,18 +82,28 @@ class QHead(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
-def _merged_weight(w: torch.Tensor, mod, role: str) -> torch.Tensor:
-    """``w + scaling * B @ A`` as a new tensor. For plain linear LoRA one fused addmm in the
+def _merged_weight(w: torch.Tensor, mod, role: str, out: torch.Tensor | None = None,
+                   scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """``w + scaling * B @ A``, as a new tensor or written into ``out`` (same shape and dtype as
+    ``w``; ``scratch``: flat float memory of at least ``w.numel()`` elements in the adapter's dtype,
+    needed when it differs from ``w``'s). For plain linear LoRA one fused addmm in the
     adapter's precision, rounded to ``w``'s dtype once at the end: peft's get_delta_weight
     makes ~4 passes over the full-size delta (product, scale, cast, add; ~2x slower on the 135M
-    model, bf16 base with fp32 adapters) and rounds the delta to bf16 before adding it.
-    Embeddings and fan_in_fan_out layers, whose delta is no plain product, use peft's."""
+    model, bf16 base with fp32 adapters) and rounds the delta to bf16 before adding it. Both forms
+    give the same bits (tests/test_policies.py). Embeddings and fan_in_fan_out layers, whose
+    delta is no plain product, use peft's."""
     from peft.tuners.lora import Linear
 
-    if isinstance(mod, Linear) and not mod.fan_in_fan_out:
-        a, b = mod.lora_A[role].weight, mod.lora_B[role].weight
+    if not (isinstance(mod, Linear) and not mod.fan_in_fan_out):
+        merged = w + mod.get_delta_weight(role).to(w.dtype)
+        return merged if out is None else out.copy_(merged)
+    a, b = mod.lora_A[role].weight, mod.lora_B[role].weight
+    if out is None:
         return torch.addmm(w.to(a.dtype), b, a, alpha=mod.scaling[role]).to(w.dtype)
-    return w + mod.get_delta_weight(role).to(w.dtype)
+    # in place, on preallocated memory: fresh full-size tensors cost page faults on every sync
+    acc = out if a.dtype == out.dtype else scratch[: w.numel()].view(w.shape)
+    acc.copy_(w).addmm_(b, a, alpha=mod.scaling[role])
+    return out if acc is out else out.copy_(acc)
 
 
 LORA_B = {"lora_B", "lora_embedding_B"}  # the factors that start at zero
@@ -310,27 +320,61 @@ class PolicyPair:
         return self._plans[role]
 
     @torch.no_grad()
-    def merged_state_dict(self, role: str, modules: set[str] | None = None) -> dict[str, torch.Tensor]:
+    def merged_state_dict(self, role: str, modules: set[str] | None = None, lora: bool = True) -> dict[str, torch.Tensor]:
         """Base + ``role``'s LoRA deltas as an HF-named state dict (what vLLM loads): every
         tensor, or with ``modules`` only the tensors of those modules (HF module names; one
         that ``role`` does not adapt comes out as its base weight). Each tensor is the same
-        whichever way it was asked for.
+        whichever way it was asked for. ``lora=False``: the base alone.
 
         Computed into new tensors, never by peft's merge/unmerge: ``w -= delta`` is not exact
         in floating point, so every sync would nudge the frozen base (the reference policy)."""
         with full_parameters(self._models[role]):
-            return self._merged(role, modules)
+            return self._merged(role, modules, lora)
 
-    def _merged(self, role: str, modules: set[str] | None) -> dict[str, torch.Tensor]:
+    def weight_shapes(self, role: str) -> dict[str, tuple[int, ...]]:
+        """HF module name -> the full shape of its ``weight`` (ZeRO-3 partitions included)."""
+        return {module: tuple(getattr(t, "ds_shape", t.shape)) for hf, module, read, _ in self._sync_plan(role).base
+                if hf.endswith(".weight") and (t := read()) is not None}
+
+    @torch.no_grad()
+    def merge_into(self, role: str, outs: dict[str, torch.Tensor]) -> None:
+        """Write base + ``role``'s LoRA delta of each HF module in ``outs`` (its ``weight``) into
+        the tensor given for it, e.g. a row block of a fused vLLM layer: the same bits that
+        :meth:`merged_state_dict` returns for it, without a new tensor per module (the direct
+        vLLM sync, rollout/engines/vllm_kernels.py)."""
+        rows = {module: (read, mod) for hf, module, read, mod in self._sync_plan(role).base
+                if module in outs and hf.endswith(".weight")}
+        if missing := sorted(set(outs) - set(rows)):
+            raise KeyError(f"no weight for modules {missing[:3]}")
+        size, scratch = max(o.numel() for o in outs.values()), {}  # one accumulator per adapter dtype
+        with full_parameters(self._models[role]):
+            for module, out in outs.items():
+                read, mod = rows[module]
+                self._check_mergeable(module, mod, role)
+                w = read().detach()
+                if w.shape != out.shape:
+                    raise ValueError(f"{module}: weight {tuple(w.shape)} does not fit {tuple(out.shape)}")
+                if mod is None:
+                    out.copy_(w)
+                else:
+                    dtype = mod.lora_A[role].weight.dtype
+                    acc = scratch.setdefault(dtype, torch.empty(size, dtype=dtype)) if dtype != out.dtype else None
+                    _merged_weight(w, mod, role, out, acc)
+
+    @staticmethod
+    def _check_mergeable(module: str, mod, role: str) -> None:
+        if mod is not None and (mod.merged or role in getattr(mod, "lora_variant", {})
+                                or mod.lora_bias.get(role, False)):
+            raise NotImplementedError(f"{module}: merged adapters, DoRA and LoRA bias are not supported for sync")
+
+    def _merged(self, role: str, modules: set[str] | None, lora: bool) -> dict[str, torch.Tensor]:
         sd = {}
         for hf, module, read, mod in self._sync_plan(role).base:
             if modules is not None and module not in modules:
                 continue
-            if mod is not None and (mod.merged or role in getattr(mod, "lora_variant", {})
-                                    or mod.lora_bias.get(role, False)):
-                raise NotImplementedError(f"{module}: merged adapters, DoRA and LoRA bias are not supported for sync")
+            self._check_mergeable(module, mod, role)
             v = read().detach()
-            sd[hf] = v.clone() if mod is None else _merged_weight(v, mod, role)
+            sd[hf] = v.clone() if mod is None or not lora else _merged_weight(v, mod, role)
         return sd
 
     # ------------------------------------------------------------------ saving

@@ -124,6 +124,8 @@ class VLLMEngine:
         self.stale: set[str] | None = set()
         # serve_adapters: weights_key() of the adapter each policy's LoRA id holds in vLLM
         self.served: dict[str, str] = {}
+        # direct_sync: the packed kernels of the base and of each policy (None: the weight_sync route)
+        self.kernels = self._kernel_sets() if cfg.direct_sync and not self.serve_adapters else None
         self.sync_weights("solver")
 
     def close(self) -> None:
@@ -155,17 +157,56 @@ class VLLMEngine:
             self.loaded_key = key
             self.check_seconds += time.perf_counter() - t0
             return 0.0
+        if self.kernels is not None:
+            self._sync_kernels(policy, key, force)
+        else:
+            self._sync_reload(policy, force)
+        self.loaded_key = key
+        self.syncs += 1
+        dt = time.perf_counter() - t0
+        self.sync_seconds += dt
+        return dt
+
+    def _sync_reload(self, policy: str, force: bool) -> None:
+        """Push ``policy``'s merged weights by vLLM's reload (``weight_sync``): a delta or in full."""
         adapted = self.policies.adapted_modules(policy)
         modules = self.delta_plan(adapted, force)
         self.load_state_dict(self.policies.merged_state_dict(policy, modules), partial=modules is not None)
         if modules is None:  # after a full push, only the adapted modules differ from the base
             modules = None if adapted is None or self.packed is None else vllm_sync.delta_modules(adapted, self.packed)
         self.stale = modules
-        self.loaded_key = key
-        self.syncs += 1
-        dt = time.perf_counter() - t0
-        self.sync_seconds += dt
-        return dt
+
+    def _kernel_sets(self):
+        """direct_sync's KernelSets, or None where the direct route does not apply (vllm_kernels.py)."""
+        from tosca_mlmt.rollout.engines import vllm_kernels
+
+        adapted = [self.policies.adapted_modules(role) for role in LORA_IDS]
+        if any(a is None for a in adapted):  # modules_to_save: embeddings or norms change too
+            return None
+        layers = vllm_kernels.fused_layers(self.llm, vllm_sync.inprocess_runner(self.llm), vllm_sync.packed_modules(self.llm),
+                                           self.policies.weight_shapes("solver"), set().union(*adapted))
+        return None if not layers else vllm_kernels.KernelSets(layers)
+
+    def _sync_kernels(self, policy: str, key: str, force: bool) -> None:
+        """direct_sync: serve ``policy`` from its kept kernels, built first if its adapter changed."""
+        ks = self.kernels
+        if force:  # the base changed in place: vLLM reloads it whole and every kept kernel goes
+            vllm_sync.push(self.llm, self.policies.merged_state_dict(policy, lora=False), "memory")
+            ks.reset()
+            self.stale = set()
+        held = ks.held.get(policy)
+        if key == "base":
+            kernels, self.sync_kind = {}, "cached"
+        elif held is not None and held[0] == key:
+            kernels, self.sync_kind = held[1], "cached"
+        else:
+            ks.held.pop(policy, None)  # its old kernels go before the new ones are built
+            kernels = ks.build(lambda outs: self.policies.merge_into(policy, outs), self.policies.adapted_modules(policy))
+            ks.held[policy] = (key, kernels)
+            self.sync_kind = "direct"
+        ks.install(kernels)
+        self.sync_route = "kernels"
+        self.llm.reset_prefix_cache()  # cached prefixes hold KV computed with the old weights
 
     def _sync_adapter(self, policy: str, force: bool) -> float:
         """serve_adapters: give vLLM ``policy``'s adapter unless its LoRA slot holds it already. A
