@@ -366,6 +366,26 @@ def test_direct_sync_serves_a_full_reloads_weights_and_swaps_kept_kernels(env, m
     assert len(merges) == n
 
 
+def test_direct_route_takes_only_layers_it_can_rebuild(env):
+    """vllm_kernels.fused_layers: every adapted module lands in a whole fused layer (q/k/v in one
+    block, in vLLM's order); an embedding (not a packed GEMM), a block whose shape differs from
+    the trainer's module, or a model without a fused-layer map turn the route off (None)."""
+    from tosca_mlmt.rollout.engines import vllm_kernels, vllm_sync
+
+    _, policies, engine, _, _ = env
+    args = (engine.llm, vllm_sync.inprocess_runner(engine.llm), vllm_sync.packed_modules(engine.llm))
+    shapes, adapted = policies.weight_shapes("solver"), policies.adapted_modules("solver")
+    layers = vllm_kernels.fused_layers(*args, shapes, adapted)
+    assert {hf for fl in layers.values() for hf, _ in fl.parts} == adapted
+    qkv = layers["model.layers.0.self_attn.qkv_proj"]
+    assert [hf for hf, _ in qkv.parts] == [f"model.layers.0.self_attn.{m}_proj" for m in "qkv"]
+    assert [rows for _, rows in qkv.parts] == [shapes[hf][0] for hf, _ in qkv.parts]
+    assert vllm_kernels.fused_layers(*args, shapes, adapted | {"model.embed_tokens"}) is None
+    q0 = "model.layers.0.self_attn.q_proj"
+    assert vllm_kernels.fused_layers(*args, shapes | {q0: (1, shapes[q0][1])}, adapted) is None
+    assert vllm_kernels.fused_layers(*args[:2], None, shapes, adapted) is None
+
+
 def test_delta_sync_leaves_the_same_weights_as_a_full_push(env):
     """engine.vllm.delta_sync: pushing only the adapted modules (whole fused layers) onto the base
     vLLM holds gives exactly the log-probs of a full reload, for a whole adapter and for a

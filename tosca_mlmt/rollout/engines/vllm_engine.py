@@ -3,9 +3,12 @@
 vLLM serves merged weights (base + one adapter), so the solver and the writer are two
 weight sets. When they are identical (both adapters still zero, the usual state at
 the start of training) one engine serves both with no swap; otherwise the engine
-reloads the weights of whichever policy the next turn needs: only the modules the adapters
-change (``engine.vllm.delta_sync``), each fused vLLM layer whole (vllm_sync.py says why),
-or the full state dict where a delta cannot be trusted. With ``engine.vllm.serve_adapters`` vLLM
+serves whichever policy the next turn needs. On an in-process CPU engine
+(``engine.vllm.direct_sync``, vllm_kernels.py) each policy's layers are packed into kernels
+once per adapter change and kept, so a swap sets the layers' kernels and merges nothing.
+Elsewhere vLLM reloads the policy's weights: only the modules the adapters change
+(``engine.vllm.delta_sync``), each fused vLLM layer whole (vllm_sync.py says why), or the
+full state dict where a delta cannot be trusted. With ``engine.vllm.serve_adapters`` vLLM
 serves the adapters themselves instead: each policy is a LoRA request on the base it loaded, a
 sync moves only that policy's adapter tensors, and the two policies never displace each other.
 
@@ -105,7 +108,7 @@ class VLLMEngine:
         self.loaded_key: str | None = None  # weights_key() of the weights vLLM holds now
         self.sync_seconds = 0.0  # time in syncs that pushed weights (key check + merge + reload)
         self.check_seconds = 0.0  # time in sync checks that found nothing to load (~0.02 s each on the 135M model)
-        self.syncs = 0  # reloads pushed into vLLM (delta or full)
+        self.syncs = 0  # syncs that changed what vLLM serves (kernels installed, or a reload)
         # prompt tokens handed to vLLM and those its prefix cache served (turn 3 extends turn 1's
         # ids, so a warm cache skips most of a refine's prefill): the prefix hit rate
         self.prompt_tokens = 0
@@ -115,8 +118,9 @@ class VLLMEngine:
         self.decoded_tokens = 0
         self.kept_tokens = 0
         self.weight_sync = cfg.weight_sync  # "memory" | "file"; benchmarks switch it on a live engine
-        self.sync_route: str | None = None  # how the last reload travelled: runner, rpc or file
-        self.sync_kind: str | None = None  # what the last reload carried: "delta" or "full"
+        self.sync_route: str | None = None  # how the last sync travelled: kernels, runner, rpc or file
+        # what it carried: "direct" (kernels built), "cached" (kept kernels), "delta", "full" or "adapter"
+        self.sync_kind: str | None = None
         # vLLM's fused layers, or None where deltas are off or unsafe (vllm_sync.packed_modules)
         self.packed = vllm_sync.packed_modules(self.llm) if cfg.delta_sync else None
         # HF modules whose weights in vLLM may differ from the base (None: unknown, push in full);
@@ -143,7 +147,8 @@ class VLLMEngine:
 
         Returns the seconds spent (0.0 when nothing had to move; the ~0.02 s check then counts
         in ``check_seconds``). The base weights are assumed frozen; after changing them in
-        place, call with ``force=True``, which reloads the full state dict.
+        place, call with ``force=True``, which reloads the full state dict (direct_sync: the
+        base, whose kernels are then rebuilt with every policy's).
         """
         if self.serve_adapters:
             return self._sync_adapter(policy, force)

@@ -15,6 +15,10 @@ to the worker:
   (``collective_rpc("reload_weights", weights_path=...)``); kept as the fallback for vLLM
   versions where both memory routes moved.
 
+On an in-process CPU engine ``engine.vllm.direct_sync`` (the default) bypasses the reload: the
+engine packs merged layers into kernels itself (vllm_kernels.py), and this module only serves its
+``force=True`` full reloads.
+
 With ``engine.vllm.serve_adapters`` vLLM serves the LoRA adapters itself and none of this runs: a
 sync hands the adapter tensors to the worker's LoRA cache (:func:`push_lora`), the base stays as
 loaded, and nothing is merged or re-packed.
