@@ -185,7 +185,7 @@ class VLLMEngine:
         """direct_sync's KernelSets, or None where the direct route does not apply (vllm_kernels.py)."""
         from tosca_mlmt.rollout.engines import vllm_kernels
 
-        adapted = [self.policies.adapted_modules(role) for role in LORA_IDS]
+        adapted = [self.policies.adapted_modules(role) for role in ("solver", "writer")]
         if any(a is None for a in adapted):  # modules_to_save: embeddings or norms change too
             return None
         layers = vllm_kernels.fused_layers(self.llm, vllm_sync.inprocess_runner(self.llm), vllm_sync.packed_modules(self.llm),
