@@ -184,6 +184,9 @@ def identity(preset: Path, extra: dict | None, common: dict, train: dict) -> tup
     # afterwards: the same kept tokens, less decoding. It defines speed, not the method, so units from
     # before the knob existed (post-hoc cut) count for the same configuration.
     cfg["engine"]["vllm"].pop("stop_in_engine")
+    # engine.vllm.direct_sync serves, bit for bit, the weights vLLM's reload serves (tests/test_vllm_engine.py):
+    # it too defines speed, so units from before it count either way
+    cfg["engine"]["vllm"].pop("direct_sync")
     # lower.bonus.scorer=trainer is how every unit before the knob was scored; engine scoring is
     # another numerics path (bf16: ~0.03 nats per token), so it defines units of its own
     if cfg["lower"]["bonus"]["scorer"] == "trainer":

@@ -76,11 +76,13 @@ def test_the_measured_units_still_count_for_their_method(bench, env, method):
 
 def test_ending_turns_inside_vllm_does_not_define_a_unit(bench):
     """engine.vllm.stop_in_engine changes how much vLLM decodes, not the kept turns, so units run with the
-    post-hoc cut count for the same method; a knob that does change the method still changes the hash."""
+    post-hoc cut count for the same method, and engine.vllm.direct_sync changes how weights reach vLLM,
+    not which; a knob that does change the method still changes the hash."""
     common, train = bench.run_overrides(sizes("none"))
     preset, extra = bench.METHODS["mlmt"]
     h = bench.identity(preset, extra, common, train)[0]
     assert bench.identity(preset, extra, {**common, "engine.vllm.stop_in_engine": False}, train)[0] == h
+    assert bench.identity(preset, extra, {**common, "engine.vllm.direct_sync": False}, train)[0] == h
     assert bench.identity(preset, extra, {**common, "engine.vllm.block_size": 64}, train)[0] != h
 
 
