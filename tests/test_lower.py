@@ -548,10 +548,17 @@ def test_train_lower_batches_pick_strategies_with_the_lower_temperature_and_epsi
     monkeypatch.setattr(tl, "EpisodeRunner", Spy)
     saved = policies.q_head, policies.q_decisions
     policies.q_head, policies.q_decisions = head, 10**6
+    # the run trains the session's shared debug solver: later tests expect its adapter untouched
+    model = policies.model("solver")
+    init = {n: p.detach().clone() for n, p in model.named_parameters() if ".solver." in n}
     try:
         tl.train_lower(cfg, tmp_path / "run", policies=policies)
     finally:
         policies.q_head, policies.q_decisions = saved
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in init:
+                    p.copy_(init[n])
     T = 1.0 if temperature == -1 else temperature
     e = 0.3 if epsilon == -1 else epsilon
     soft = np.exp(q / T) / np.exp(q / T).sum()
