@@ -75,11 +75,16 @@ def test_train_upper_records_the_full_id_of_a_prefix_and_resumes_with_it(debug_p
     cfg = load_config(overrides={**over, "upper.snapshots": [sid[:9]], "upper.snapshot_root": str(tmp_path),
                                  "upper.steps": 1, "upper.batch_size": 2, "upper.warmup_steps": 1})
     out = tmp_path / "upper"
-    train_upper(cfg, out, policies=debug_policies)
-    assert yaml.safe_load((out / "config.yaml").read_text())["upper"]["snapshots"] == [sid]
-    assert [s["id"] for s in json.loads((out / "provenance.json").read_text())["snapshots"]] == [sid]
-    # resuming with the full id (or the prefix again) is the same config: no drift
-    full = load_config(overrides={**over, "upper.snapshots": [sid], "upper.snapshot_root": str(tmp_path),
-                                  "upper.steps": 1, "upper.batch_size": 2, "upper.warmup_steps": 1})
-    for again in (full, cfg):
-        assert train_upper(again, out, resume=True, policies=debug_policies).step == 1
+    # train_upper hands its Q head to the session's shared debug pair: put the pair back afterwards
+    saved = debug_policies.q_head, debug_policies.q_decisions, debug_policies.strategies
+    try:
+        train_upper(cfg, out, policies=debug_policies)
+        assert yaml.safe_load((out / "config.yaml").read_text())["upper"]["snapshots"] == [sid]
+        assert [s["id"] for s in json.loads((out / "provenance.json").read_text())["snapshots"]] == [sid]
+        # resuming with the full id (or the prefix again) is the same config: no drift
+        full = load_config(overrides={**over, "upper.snapshots": [sid], "upper.snapshot_root": str(tmp_path),
+                                      "upper.steps": 1, "upper.batch_size": 2, "upper.warmup_steps": 1})
+        for again in (full, cfg):
+            assert train_upper(again, out, resume=True, policies=debug_policies).step == 1
+    finally:
+        debug_policies.q_head, debug_policies.q_decisions, debug_policies.strategies = saved
