@@ -17,8 +17,11 @@ shared and its load drifts):
   kernels, no reload (``engine.vllm.direct_sync``, the default on in-process CPU engines); its
   merge is PolicyPair.merge_into, its push the packing, installing the kernels and the
   prefix-cache reset;
-* ``swap`` (after the others): serving a policy whose kept direct kernels are still current, as
-  when turns alternate between solver and writer; today's routes pay a full sync for that;
+
+After these, the syncs of one train-lower iteration through ``sync_weights`` (solver, writer,
+solver) per setting (:func:`iteration_syncs`: file, delta, direct, whose swaps reuse kept kernels).
+Then:
+
 * ``adapter`` (``--adapters``, after the others, on a second engine started with
   ``engine.vllm.serve_adapters``): the adapter tensors alone into vLLM's LoRA cache, no merge and
   no reload. Serving LoRA costs decode speed, so the same run also times greedy decoding of
@@ -132,6 +135,16 @@ def adapter_route(cfg, policies, args) -> tuple[list[dict], dict]:
     return rows, decode
 
 
+def perturb(policies, role: str, scale: float, gen) -> None:
+    """``role``'s LoRA B matrices moved by ``scale`` N(0, 1): a trained-looking adapter, or one more step."""
+    import torch
+
+    with torch.no_grad():
+        for n, p in policies.model(role).named_parameters():
+            if f"lora_B.{role}." in n:
+                p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+
 # engine settings of each iteration_syncs configuration: (direct kernels kept?, weight_sync, deltas?)
 ITERATION_CONFIGS = {"file": (False, "file", False), "delta": (False, "memory", True), "direct": (True, "memory", True)}
 
@@ -143,24 +156,16 @@ def iteration_syncs(engine, policies, kernels, args, gen) -> dict:
     ``delta``: in-memory deltas (the default before direct_sync); ``direct``: direct_sync, which builds
     the solver's kernels and swaps kept ones. Each configuration gets one untimed iteration first
     (its first sync finds vLLM's state unknown and pushes in full); configurations alternate."""
-    import torch
-
     packed = engine.packed
 
-    def perturb(role: str, scale: float) -> None:
-        with torch.no_grad():
-            for n, p in policies.model(role).named_parameters():
-                if f"lora_B.{role}." in n:
-                    p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-
     def iteration() -> float:
-        perturb("solver", 1e-3)  # what an optimizer step does: a new solver key
+        perturb(policies, "solver", 1e-3, gen)  # what an optimizer step does: a new solver key
         t0 = time.perf_counter()
         for role in ("solver", "writer", "solver"):
             engine.sync_weights(role)
         return time.perf_counter() - t0
 
-    perturb("writer", 0.01)
+    perturb(policies, "writer", 0.01, gen)
     rows = {c: [] for c in ITERATION_CONFIGS}
     for i in range(args.repeats):
         for conf in (list(ITERATION_CONFIGS) if i % 2 == 0 else list(ITERATION_CONFIGS)[::-1]):
@@ -203,10 +208,7 @@ def main(argv=None) -> int:
     if vllm_sync.inprocess_runner(engine.llm) is None:
         raise SystemExit("the engine is not in-process: the memory route would be the rpc one")
     gen = torch.Generator().manual_seed(args.seed)
-    with torch.no_grad():  # a trained-looking adapter: the merge computes real deltas
-        for n, p in policies.model("solver").named_parameters():
-            if "lora_B.solver." in n:
-                p.add_(0.01 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    perturb(policies, "solver", 0.01, gen)  # a trained-looking adapter: the merge computes real deltas
     # every route leaves vLLM holding the solver's merged weights, so each delta lands on what a
     # delta sync finds in training: the base outside the adapted modules
     modules = engine.delta_plan(engine.policies.adapted_modules("solver"))
@@ -221,26 +223,23 @@ def main(argv=None) -> int:
             "memory_rpc": lambda sd: (vllm_sync.push_rpc(engine.llm, sd), engine.llm.reset_prefix_cache())}
     adapted = policies.adapted_modules("solver")
 
-    def direct() -> tuple[float, float, float, dict]:
-        """(start, merge end, end, kernels) of one direct sync: merge, pack, install, reset."""
-        marks = []
+    def direct() -> tuple[float, float, float]:
+        """(start, merge end, end) of one direct sync: merge (buffer set-up included), then packing,
+        installing the kernels and the prefix-cache reset (push)."""
+        merged = []
 
         def merge(outs):
-            marks.append(time.perf_counter())
             policies.merge_into("solver", outs)
-            marks.append(time.perf_counter())
+            merged.append(time.perf_counter())
 
         t0 = time.perf_counter()
-        built = kernels.build(merge, adapted)
-        kernels.install(built)
+        kernels.install(kernels.build(merge, adapted))
         engine.llm.reset_prefix_cache()
-        t2 = time.perf_counter()
-        # buffer set-up counts as merge, packing as push
-        return t0, marks[1], t2, built
+        return t0, merged[0], time.perf_counter()
 
     def one(route: str) -> dict:
         if route == "direct":
-            t0, t1, t2, _ = direct()
+            t0, t1, t2 = direct()
         else:
             t0 = time.perf_counter()
             sd = policies.merged_state_dict("solver", modules if route == "delta" else None)

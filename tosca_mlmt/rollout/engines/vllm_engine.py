@@ -122,14 +122,15 @@ class VLLMEngine:
         # what it carried: "direct" (kernels built), "cached" (kept kernels), "delta", "full" or "adapter"
         self.sync_kind: str | None = None
         # vLLM's fused layers, or None where deltas are off or unsafe (vllm_sync.packed_modules)
-        self.packed = vllm_sync.packed_modules(self.llm) if cfg.delta_sync else None
+        packed = vllm_sync.packed_modules(self.llm)
+        self.packed = packed if cfg.delta_sync else None
         # HF modules whose weights in vLLM may differ from the base (None: unknown, push in full);
         # empty at start-up, when vLLM holds the base it read from disk.
         self.stale: set[str] | None = set()
         # serve_adapters: weights_key() of the adapter each policy's LoRA id holds in vLLM
         self.served: dict[str, str] = {}
         # direct_sync: the packed kernels of the base and of each policy (None: the weight_sync route)
-        self.kernels = self._kernel_sets() if cfg.direct_sync and not self.serve_adapters else None
+        self.kernels = self._kernel_sets(packed) if cfg.direct_sync and not self.serve_adapters else None
         self.sync_weights("solver")
 
     def close(self) -> None:
@@ -181,14 +182,14 @@ class VLLMEngine:
             modules = None if adapted is None or self.packed is None else vllm_sync.delta_modules(adapted, self.packed)
         self.stale = modules
 
-    def _kernel_sets(self):
+    def _kernel_sets(self, packed: dict[str, list[str]] | None):
         """direct_sync's KernelSets, or None where the direct route does not apply (vllm_kernels.py)."""
         from tosca_mlmt.rollout.engines import vllm_kernels
 
         adapted = [self.policies.adapted_modules(role) for role in ("solver", "writer")]
         if any(a is None for a in adapted):  # modules_to_save: embeddings or norms change too
             return None
-        layers = vllm_kernels.fused_layers(self.llm, vllm_sync.inprocess_runner(self.llm), vllm_sync.packed_modules(self.llm),
+        layers = vllm_kernels.fused_layers(self.llm, vllm_sync.inprocess_runner(self.llm), packed,
                                            self.policies.weight_shapes("solver"), set().union(*adapted))
         return None if not layers else vllm_kernels.KernelSets(layers)
 
