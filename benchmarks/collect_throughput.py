@@ -12,6 +12,10 @@ In ONE process (one model load, one vLLM start-up) it measures:
   tokens its turns keep, which differ only by the forced eos after an answer line);
 * ``stop_ab`` (``--stop-ab N``): the replay N times each with ``engine.vllm.stop_in_engine`` on and
   off, alternating, in the same process: what ending turns at their answer line inside vLLM saves;
+* ``salt_ab`` (``--salt-ab N``, with ``--trained-adapters``): the collect run's calls N times each
+  through the engine (syncs included) with the prefix cache kept across policy swaps, each policy's
+  KV salted by its weights (VLLMEngine.requests, the default), and emptied at every swap that moves
+  weights (what every sync did before): what a warm turn-1 prefix is worth to the refine;
 * ``raw_vllm``: one flat ``LLM.generate`` call over the same turn-1 prompts with n samples,
   the same model, sampling and max_new_tokens. n is chosen from the collect run so the
   generated-token count roughly matches (the comparison is in tokens/s, so it need not be
@@ -22,6 +26,9 @@ It prints a table with collect/raw ratios and writes ``benchmarks/results/collec
 (date, machine, load, config, token counts, seconds, a per-turn breakdown, peak RSS).
 
     .venv/bin/python benchmarks/collect_throughput.py --limit 16 --n-samples 2
+
+``--trained-adapters S`` moves both LoRA adapters by S N(0, 1) (different draws) first, so solver
+and writer serve different weights, as in every collect after the first training step.
 """
 
 from __future__ import annotations
@@ -71,6 +78,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--stop-ab", type=int, default=0,
                     help="after the vLLM collect, replay its calls this many times with engine.vllm.stop_in_engine on "
                          "and off, alternating (on/off, off/on, ...): the stop's effect on seconds and decoded tokens")
+    ap.add_argument("--trained-adapters", type=float, default=0.0,
+                    help="move both adapters' LoRA B by this scale N(0, 1) first, so solver and writer differ "
+                         "(0 = zero adapters: one weight set serves both, no swap)")
+    ap.add_argument("--salt-ab", type=int, default=0,
+                    help="rounds of the collect's calls with the prefix cache kept across swaps (salted) and "
+                         "emptied at each swap, alternating; needs --trained-adapters")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS))
     return ap.parse_args(argv)
@@ -146,6 +159,8 @@ def hit_rate(engine, prompt0: int, cached0: int) -> float | None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.salt_ab and not args.trained_adapters:
+        sys.exit("--salt-ab needs --trained-adapters: with zero adapters no sync moves weights, so nothing is reset")
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in ("hf", "vllm")]
     if bad:
@@ -186,6 +201,12 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     policies = PolicyPair(base_cfg.model, seed=base_cfg.seed)
     load_models_s = time.perf_counter() - t0
+    if args.trained_adapters:
+        from weight_sync import perturb
+
+        for i, role in enumerate(("solver", "writer")):
+            perturb(policies, role, args.trained_adapters, torch.Generator().manual_seed(args.seed + 100 + i))
+        assert policies.adapter_key("solver") != policies.adapter_key("writer")
     print(f"models loaded in {load_models_s:.1f} s (dtype {policies.dtype})", flush=True)
 
     task = make_task(base_cfg.task)
@@ -241,8 +262,6 @@ def main(argv=None) -> int:
     raw_runs: list[dict] = []
     engine = None
     if "vllm" in engines or args.raw_runs > 0:  # raw vLLM is the baseline of every ratio
-        from vllm.inputs import TokensPrompt
-
         from tosca_mlmt.rollout.engines.base import SamplingParams
         from tosca_mlmt.rollout.engines.vllm_engine import VLLMEngine
 
@@ -258,9 +277,10 @@ def main(argv=None) -> int:
             sp = engine.sampling_params(SamplingParams(
                 max_new_tokens=args.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                 n=n_raw, seed=args.seed + len(raw_runs)), "solver")
+            engine.sync_weights("solver")  # a trained writer may be loaded after a collect run
             engine.llm.reset_prefix_cache()  # no head start from earlier runs' cached prompts
             t = time.perf_counter()
-            outs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in p1], sp, use_tqdm=False)
+            outs = engine.llm.generate(engine.requests(p1), sp, use_tqdm=False)
             secs = time.perf_counter() - t
             tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
             cached = sum(o.num_cached_tokens or 0 for o in outs) / max(sum(len(o.prompt_token_ids) for o in outs), 1)
@@ -270,20 +290,21 @@ def main(argv=None) -> int:
             print(f"raw vLLM (n={n_raw}): {tokens} tokens in {secs:.1f} s ({tokens / secs:.1f} tok/s)", flush=True)
 
         def replay(rec: RecordingEngine) -> dict:
-            # the collect run's calls as bare LLM.generate calls; the weights are the ones it served
-            # (nothing trains in between), so no sync; greedy n > 1 decodes once, as the engine does
+            # the collect run's calls as bare LLM.generate calls, each under the weights it ran with (a
+            # swap between trained policies is synced untimed); greedy n > 1 decodes once, as the engine does
             engine.llm.reset_prefix_cache()  # the same cold start as the collect run
-            turns, t_all = [], time.perf_counter()
+            turns = []
             for prompts, params, policy in rec.replay:
+                engine.sync_weights(policy)
                 sp = engine.sampling_params(replace(params, n=1) if params.greedy and params.n > 1 else params, policy)
                 t = time.perf_counter()
-                outs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False,
+                outs = engine.llm.generate(engine.requests(prompts), sp, use_tqdm=False,
                                            lora_request=engine.lora_request(policy))
                 secs = time.perf_counter() - t
                 toks = sum(len(c.token_ids) for o in outs for c in o.outputs)
                 turns.append({"policy": policy, "gen_tokens": toks, "seconds": round(secs, 3),
                               "tokens_per_s": round(toks / secs, 1)})
-            secs = time.perf_counter() - t_all
+            secs = sum(t["seconds"] for t in turns)
             tokens = sum(t["gen_tokens"] for t in turns)
             print(f"replay vLLM: {tokens} tokens in {secs:.1f} s ({tokens / secs:.1f} tok/s)", flush=True)
             return {"gen_tokens": tokens, "seconds": round(secs, 3), "tokens_per_s": round(tokens / secs, 2),
@@ -304,6 +325,38 @@ def main(argv=None) -> int:
                   f"(off / on {out['off_over_on']}); decoded tokens {out['decoded_tokens']}", flush=True)
             return out
 
+        def salt_ab(rec: RecordingEngine, rounds: int) -> dict:
+            def run(keep: bool) -> dict:
+                engine.llm.reset_prefix_cache()
+                p0, c0, t0 = engine.prompt_tokens, engine.cached_prompt_tokens, time.perf_counter()
+                turns = []
+                for prompts, params, policy in rec.replay:
+                    if not keep and engine.weights_key(policy) != engine.loaded_key:
+                        engine.llm.reset_prefix_cache()  # what each sync that moved weights did before salting
+                    t = time.perf_counter()
+                    out = engine.generate(prompts, params, policy)
+                    secs = time.perf_counter() - t
+                    toks = sum(len(g.token_ids) for gs in out for g in gs)
+                    turns.append({"policy": policy, "gen_tokens": toks, "seconds": round(secs, 3),
+                                  "tokens_per_s": round(toks / secs, 1)})
+                secs = time.perf_counter() - t0
+                tokens = sum(t["gen_tokens"] for t in turns)
+                return {"gen_tokens": tokens, "seconds": round(secs, 3), "tokens_per_s": round(tokens / secs, 2),
+                        "prefix_hit_rate": hit_rate(engine, p0, c0), "turns": turns, "load_after": loadavg()}
+
+            runs: dict[str, list] = {"salted": [], "reset": []}
+            for i in range(rounds):
+                for keep in ((True, False) if i % 2 == 0 else (False, True)):
+                    runs["salted" if keep else "reset"].append(run(keep))
+            med = {k: float(np.median([r["seconds"] for r in v])) for k, v in runs.items()}
+            hits = {k: v[0]["prefix_hit_rate"] for k, v in runs.items()}
+            out = {"rounds": rounds, "median_seconds": med, "reset_over_salted": round(med["reset"] / med["salted"], 3),
+                   "prefix_hit_rate": hits, "runs": runs}
+            print(f"prefix cache across swaps, {rounds} rounds: median {med['salted']:.1f} s salted (hit rate "
+                  f"{hits['salted']}), {med['reset']:.1f} s reset at swaps (hit rate {hits['reset']}); "
+                  f"reset / salted {out['reset_over_salted']}", flush=True)
+            return out
+
         def size_raw(ref: dict) -> int:
             # Match the collect run's token count: n = its tokens / (prompts x mean turn-1 length).
             solve_mean = max(ref["turns"][0]["gen_tokens_mean"], 1.0)
@@ -318,6 +371,8 @@ def main(argv=None) -> int:
             results["replay_vllm"] = replay(recorded["vllm"])
             if args.stop_ab:
                 results["stop_ab"] = stop_ab(recorded["vllm"], args.stop_ab)
+            if args.salt_ab:
+                results["salt_ab"] = salt_ab(recorded["vllm"], args.salt_ab)
         for _ in range(args.raw_runs - len(raw_runs)):
             run_raw(n_raw if n_raw is not None else 3 * args.n_samples)
         vllm_info.update({"weight_syncs": engine.syncs, "weight_sync_seconds": round(engine.sync_seconds, 3),
@@ -346,7 +401,7 @@ def main(argv=None) -> int:
     print()
     print(f"{'run':<14}{'tokens':>9}{'seconds':>10}{'tok/s':>9}{'tok/s (gen only)':>18}")
     for name, r in results.items():
-        if "gen_tokens" not in r:  # stop_ab: printed when it ran
+        if "gen_tokens" not in r:  # stop_ab, salt_ab: printed when they ran
             continue
         secs = r.get("episodes_seconds", r.get("seconds"))
         print(f"{name:<14}{r['gen_tokens']:>9}{secs:>10.1f}{r['tokens_per_s']:>9.1f}"

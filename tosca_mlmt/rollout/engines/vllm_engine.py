@@ -177,7 +177,7 @@ class VLLMEngine:
         """Push ``policy``'s merged weights by vLLM's reload (``weight_sync``): a delta or in full."""
         adapted = self.policies.adapted_modules(policy)
         modules = self.delta_plan(adapted, force)
-        self.load_state_dict(self.policies.merged_state_dict(policy, modules), partial=modules is not None)
+        self.load_state_dict(self.policies.merged_state_dict(policy, modules), partial=modules is not None, reset=force)
         if modules is None:  # after a full push, only the adapted modules differ from the base
             modules = None if adapted is None or self.packed is None else vllm_sync.delta_modules(adapted, self.packed)
         self.stale = modules
@@ -197,7 +197,7 @@ class VLLMEngine:
         """direct_sync: serve ``policy`` from its kept kernels, built first if its adapter changed."""
         ks = self.kernels
         if force:  # the base changed in place: vLLM reloads it whole and every kept kernel goes
-            vllm_sync.push(self.llm, self.policies.merged_state_dict(policy, lora=False), "memory")
+            vllm_sync.push(self.llm, self.policies.merged_state_dict(policy, lora=False), "memory", reset=True)
             ks.reset()
             self.stale = set()
         held = ks.held.get(policy)
@@ -212,7 +212,6 @@ class VLLMEngine:
             self.sync_kind = "direct"
         ks.install(kernels)
         self.sync_route = "kernels"
-        self.llm.reset_prefix_cache()  # cached prefixes hold KV computed with the old weights
 
     def _sync_adapter(self, policy: str, force: bool) -> float:
         """serve_adapters: give vLLM ``policy``'s adapter unless its LoRA slot holds it already. A
@@ -253,10 +252,11 @@ class VLLMEngine:
             return None
         return vllm_sync.delta_modules(adapted | self.stale, self.packed)
 
-    def load_state_dict(self, sd: dict[str, torch.Tensor], partial: bool = False) -> None:
+    def load_state_dict(self, sd: dict[str, torch.Tensor], partial: bool = False, reset: bool = True) -> None:
         """Push an HF-named state dict into the running engine (``self.weight_sync``): complete,
-        or with ``partial`` a delta of whole fused layers (vllm_sync.delta_modules)."""
-        self.sync_route = vllm_sync.push(self.llm, sd, self.weight_sync, partial)
+        or with ``partial`` a delta of whole fused layers (vllm_sync.delta_modules). ``reset``: drop
+        the prefix cache (vllm_sync.push); a sync keeps it, as its KV is salted (``cache_salt``)."""
+        self.sync_route = vllm_sync.push(self.llm, sd, self.weight_sync, partial, reset)
         self.sync_kind = "delta" if partial else "full"
 
     # ------------------------------------------------------------------ generation
@@ -282,7 +282,6 @@ class VLLMEngine:
         is thrown away. vLLM computes them as log_softmax of the raw logits (no temperature, no
         logits processor), as it does the sampling log-probs of ``generate``."""
         from vllm import SamplingParams as VSP
-        from vllm.inputs import TokensPrompt
 
         self.sync_weights(policy)
         seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
@@ -296,7 +295,7 @@ class VLLMEngine:
                                       "adapter's delta; score with lower.bonus.scorer=trainer")
         outs = []
         for i in range(0, len(seqs), per_call):
-            outs += self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs[i: i + per_call]], sp,
+            outs += self.llm.generate(self.requests(seqs[i: i + per_call]), sp,
                                       use_tqdm=False, lora_request=self.lora_request(policy))
         self.prompt_tokens += sum(len(s) for s in seqs)  # counted, never cached: prompt log-probs skip the cache
         self.cached_prompt_tokens += sum(o.num_cached_tokens or 0 for o in outs)
@@ -304,16 +303,29 @@ class VLLMEngine:
         return [[o.prompt_logprobs[i][s[i]].logprob for i in range(len(p), len(s))]
                 for o, s, p in zip(outs, seqs, prompts)]
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, policy: str) -> list[list[Generation]]:
+    def requests(self, prompts: list[list[int]]) -> list[dict]:
+        """vLLM prompts for ``prompts`` under the weights vLLM serves now (call after sync_weights).
+
+        Merged weights are salted by their weights_key: vLLM hashes the salt into every prefix-cache
+        block, so KV computed under one policy's weights is never served to another and a sync need
+        not empty the cache. The solver's turn-1 KV then outlives the writer's turn, and the refine
+        (whose ids extend turn 1's) is prefilled from it. The base vLLM read from disk goes unsalted,
+        like any bare LLM.generate call; with serve_adapters the LoRA name already keys the cache."""
         from vllm.inputs import TokensPrompt
 
+        salt = None if self.serve_adapters or self.loaded_key in (None, "base") else self.loaded_key
+        if salt is None:
+            return [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        return [TokensPrompt(prompt_token_ids=list(p), cache_salt=salt) for p in prompts]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, policy: str) -> list[list[Generation]]:
         self.sync_weights(policy)
         # vLLM refuses n > 1 at temperature 0 ("n must be 1 when using greedy sampling"); greedy
         # samples of one prompt are all the same, so decode once and hand out n copies, as many
         # as the HF engine returns for the same config.
         copies = params.n if params.greedy else 1
         sp = self.sampling_params(replace(params, n=1) if copies > 1 else params, policy)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False,
+        outs = self.llm.generate(self.requests(prompts), sp, use_tqdm=False,
                                  lora_request=self.lora_request(policy))
         eos = set(self.policies.eos_ids(policy))
         tok = self.policies.tokenizer(policy)

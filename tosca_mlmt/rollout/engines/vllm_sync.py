@@ -214,12 +214,14 @@ def push_file(llm, sd: dict[str, torch.Tensor], partial: bool = False) -> str:
     return "file"
 
 
-def push(llm, sd: dict[str, torch.Tensor], mode: str, partial: bool = False) -> str:
-    """Reload ``sd`` into ``llm`` by ``mode`` and drop the prefix cache. ``partial``: ``sd`` is
-    a delta (whole vLLM layers only, see :func:`delta_modules`); the rest stays as loaded."""
+def push(llm, sd: dict[str, torch.Tensor], mode: str, partial: bool = False, reset: bool = True) -> str:
+    """Reload ``sd`` into ``llm`` by ``mode``. ``partial``: ``sd`` is a delta (whole vLLM layers
+    only, see :func:`delta_modules`); the rest stays as loaded. ``reset``: drop the prefix cache,
+    whose KV was computed with the old weights; only a caller whose requests name their weights
+    by a ``cache_salt`` (VLLMEngine) may keep it."""
     if mode not in MODES:
         raise ValueError(f"weight sync mode {mode!r}; allowed: {', '.join(MODES)}")
     route = push_memory(llm, sd, partial) if mode == "memory" else push_file(llm, sd, partial)
-    # Cached prefixes hold KV computed with the old weights.
-    llm.reset_prefix_cache()
+    if reset:
+        llm.reset_prefix_cache()
     return route
