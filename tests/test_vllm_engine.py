@@ -16,6 +16,8 @@ checks that
 * n > 1 sampling returns n generations with per-token logprobs and finish reasons, and a
   "stop" generation ends with its eos id (the Generation contract, same as HF); greedy n > 1
   returns n copies on both engines;
+* the prefix cache survives policy swaps without ever crossing them: each policy's requests are
+  salted by its weights, so it hits its own cached prompts and none of the other policy's;
 * a tiny three-turn episode runs on vLLM with token-exact prompt chaining.
 
 Skipped when vllm cannot be imported or the embedded model is unavailable. Takes about
