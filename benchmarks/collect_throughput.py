@@ -149,14 +149,6 @@ class RecordingEngine:
         return [{"kind": kinds[i % len(kinds)], **c} for i, c in enumerate(self.calls)]
 
 
-def hit_rate(engine, prompt0: int, cached0: int) -> float | None:
-    """Share of the prompt tokens since (prompt0, cached0) that vLLM's prefix cache served; None
-    for an engine without a prefix cache (hf)."""
-    if not hasattr(engine, "cached_prompt_tokens"):
-        return None
-    return round((engine.cached_prompt_tokens - cached0) / max(engine.prompt_tokens - prompt0, 1), 3)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.salt_ab and not args.trained_adapters:
@@ -180,6 +172,7 @@ def main(argv=None) -> int:
     from tosca_mlmt.config import load_config
     from tosca_mlmt.models.policies import PolicyPair
     from tosca_mlmt.pipelines.collect import collect
+    from tosca_mlmt.rollout.engines.base import hit_rate, prefix_counts
     from tosca_mlmt.prompts import ChatFormat
     from tosca_mlmt.tasks import make_task
 
@@ -222,7 +215,7 @@ def main(argv=None) -> int:
         rec = recorded[name] = RecordingEngine(engine)
         if hasattr(engine, "llm"):
             engine.llm.reset_prefix_cache()  # no head start from the raw run's identical turn-1 prompts
-        tokens0 = (getattr(engine, "prompt_tokens", 0), getattr(engine, "cached_prompt_tokens", 0))
+        tokens0 = prefix_counts(engine)
         decoded0 = (engine.decoded_tokens, engine.kept_tokens) if hasattr(engine, "llm") else None
         t = time.perf_counter()
         res = collect(cfgs[name], policies=policies, engine=rec, log_dir=str(tmp / f"logs-{name}"))
@@ -238,7 +231,7 @@ def main(argv=None) -> int:
             "weight_syncs": getattr(engine, "syncs", None), "weight_sync_seconds": s.get("weight_sync_seconds"),
             "sync_check_seconds": round(getattr(engine, "check_seconds", 0.0), 3),
             "score_seconds": s.get("score_seconds"), "turns": rec.per_turn(args.rounds),
-            "prefix_hit_rate": hit_rate(engine, *tokens0),
+            "prefix_hit_rate": hit_rate(tokens0, prefix_counts(engine)),
             # vLLM only: tokens it decoded vs those the turns kept (the rest came after an answer line)
             "engine_decoded_tokens": engine.decoded_tokens - decoded0[0] if decoded0 else None,
             "engine_kept_tokens": engine.kept_tokens - decoded0[1] if decoded0 else None,
@@ -328,7 +321,7 @@ def main(argv=None) -> int:
         def salt_ab(rec: RecordingEngine, rounds: int) -> dict:
             def run(keep: bool) -> dict:
                 engine.llm.reset_prefix_cache()
-                p0, c0, t0 = engine.prompt_tokens, engine.cached_prompt_tokens, time.perf_counter()
+                tokens0, t0 = prefix_counts(engine), time.perf_counter()
                 turns = []
                 for prompts, params, policy in rec.replay:
                     if not keep and engine.weights_key(policy) != engine.loaded_key:
@@ -342,7 +335,7 @@ def main(argv=None) -> int:
                 secs = time.perf_counter() - t0
                 tokens = sum(t["gen_tokens"] for t in turns)
                 return {"gen_tokens": tokens, "seconds": round(secs, 3), "tokens_per_s": round(tokens / secs, 2),
-                        "prefix_hit_rate": hit_rate(engine, p0, c0), "turns": turns, "load_after": loadavg()}
+                        "prefix_hit_rate": hit_rate(tokens0, prefix_counts(engine)), "turns": turns, "load_after": loadavg()}
 
             runs: dict[str, list] = {"salted": [], "reset": []}
             for i in range(rounds):

@@ -22,6 +22,7 @@ from tosca_mlmt.pipelines.provenance import snapshot_manifest
 from tosca_mlmt.pipelines.rundir import RunDir
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.rollout.engines import make_engine
+from tosca_mlmt.rollout.engines.base import prefix_counts
 from tosca_mlmt.rollout.runner import EpisodeRunner
 from tosca_mlmt.samples import sample_rows
 from tosca_mlmt.snapshot import write_snapshot
@@ -82,13 +83,17 @@ def collect(cfg: Config, out: str | Path | None = None, *, console=None, policie
                                    solve_temperature=cfg.collect.solve_temperature,
                                    refine_temperature=cfg.collect.refine_temperature,
                                    writer_temperature=cfg.collect.writer_temperature)
+            cache0 = prefix_counts(engine)
             with timer("episodes"), policies.full_weights():  # ZeRO-3: whole weights, no per-forward collectives
                 # Under several processes each rank plays a contiguous share of the batches, so the
                 # snapshot holds the same episodes, in the same order, as a one-process run.
                 local = [runner.run(batches[b], batch_index=b) for b in mine]
                 episodes = [e for batch in dist.gather_sharded(local, len(batches)) for e in batch]
         summary = summarize(episodes)
+        cache = prefix_counts(engine)
         counts = dist.all_sum({"gen_tokens": runner.gen_tokens, "gen_seconds": runner.gen_seconds,
+                               **({"prompt_tokens": cache[0] - cache0[0], "cached_prompt_tokens": cache[1] - cache0[1]}
+                                  if cache else {}),
                                "truncated_prompts": runner.truncated_prompts,
                                "score_seconds": timer.seconds["episodes"] - runner.gen_seconds,
                                "reward_calls": getattr(task, "calls", 0), "reward_errors": getattr(task, "errors", 0)})
@@ -108,6 +113,8 @@ def collect(cfg: Config, out: str | Path | None = None, *, console=None, policie
                               stacklevel=2)
         if hasattr(engine, "sync_seconds"):
             summary["weight_sync_seconds"] = round(engine.sync_seconds, 3)
+        if cache:  # prompt tokens vLLM's prefix cache served (a refine extends its turn 1), all ranks
+            summary["prefix_hit_rate"] = round(counts["cached_prompt_tokens"] / max(counts["prompt_tokens"], 1), 4)
         manifest = snapshot_manifest("collect", cfg, task=task, problems=problems, skipped_rows=skipped,
                                      models={r: policies.fingerprint(r) for r in ("solver", "writer")},
                                      strategies=runner.strategies, summary=summary, timings=timer.as_metrics(""),

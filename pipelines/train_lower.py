@@ -26,6 +26,7 @@ from tosca_mlmt.lower.trajectory import episode_to_trajectory
 from tosca_mlmt.metrics import StageTimer, summarize
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.rollout.engines import make_engine
+from tosca_mlmt.rollout.engines.base import hit_rate, prefix_counts
 from tosca_mlmt.rollout.runner import EpisodeRunner
 from tosca_mlmt.samples import sample_rows
 from tosca_mlmt.seeds import stream
@@ -155,16 +156,18 @@ def _train_lower(cfg: Config, out, *, console, resume, allow_drift, verify, snap
         for it in range(start, lo.iterations):
             it_timer = StageTimer()
             t0 = time.perf_counter()
+            rollout_hits = None
             if offline is None:
                 idx = iteration_indices(len(pool), lo.problems_per_iteration, it, cfg.seed)
                 gen0, score0 = runner.gen_seconds, runner.gen_tokens
-                sync0 = getattr(engine, "sync_seconds", 0.0)
+                sync0, cache0 = getattr(engine, "sync_seconds", 0.0), prefix_counts(engine)
                 with it_timer("episodes"):
                     # each rank plays its share of the problems; every rank gets all episodes
                     mine = [pool[idx[i]] for i in dist.shard(len(idx))]
                     with policies.full_weights():  # ZeRO-3: ranks generate different amounts
                         local = runner.run(mine, batch_index=it) if mine else []
                     episodes = dist.gather_sharded(local, len(idx) * cfg.episode.n_samples)
+                rollout_hits = hit_rate(cache0, prefix_counts(engine))  # this rank's rollout, before the bonus scores
                 it_timer.seconds["generate"] = runner.gen_seconds - gen0
                 it_timer.seconds["score"] = it_timer.seconds.pop("episodes") - it_timer.seconds["generate"]
                 gen_tokens, sid, manifest = int(dist.all_sum({"t": runner.gen_tokens - score0})["t"]), None, None
@@ -203,6 +206,8 @@ def _train_lower(cfg: Config, out, *, console, resume, allow_drift, verify, snap
                 [sum(t.turn_rewards) for t in trajs], [t.problem_id for t in trajs]).items()})
             for k in range(max(len(t.turn_rewards) for t in trajs)):
                 metrics[f"lower/reward_turn{k}"] = float(np.mean([t.turn_rewards[k] for t in trajs if k < len(t.turn_rewards)]))
+            if rollout_hits is not None:  # vLLM: prompt tokens of the rollout its prefix cache served
+                metrics["lower/prefix_hit_rate"] = rollout_hits
             if cfg.task.reward:  # failed reward calls scored 0 (never fatal): how many, this batch
                 metrics["lower/reward_errors"] = sum("reward_error" in t.info for e in episodes for t in e.turns)
             wall = time.perf_counter() - t0

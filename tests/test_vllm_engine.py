@@ -535,6 +535,24 @@ def test_prefix_cache_outlives_policy_swaps_and_never_crosses_them(env, route):
     assert max_diff(warm_w.logprobs, teacher_forced(policies, "writer", prompt, warm_w.token_ids)) < LOGPROB_TOL
 
 
+def test_collect_logs_the_prefix_hit_rate(env, tmp_path):
+    """mlmt collect's summary (and so eval's and the snapshot manifest's) carries the share of its
+    prompt tokens vLLM's cache served: the engine's own counters over the collect, and above 0
+    because every refine extends its turn 1."""
+    from tosca_mlmt.pipelines.collect import collect
+
+    _, policies, engine, _, _ = env
+    cfg = load_config(overrides=_overrides(**{"task.name": "arith", "task.limit": 2, "episode.n_samples": 2,
+                                              "solver_sampling.max_new_tokens": 32, "episode.max_feedback_tokens": 16,
+                                              "collect.out": str(tmp_path / "snapshots")}))
+    engine.llm.reset_prefix_cache()
+    p0, c0 = engine.prompt_tokens, engine.cached_prompt_tokens
+    res = collect(cfg, policies=policies, engine=engine, log_dir=str(tmp_path / "logs"))
+    prompt, cached = engine.prompt_tokens - p0, engine.cached_prompt_tokens - c0
+    assert 0 < cached < prompt
+    assert res.summary["prefix_hit_rate"] == round(cached / prompt, 4)
+
+
 def test_episode_runner_on_vllm(env):
     from tosca_mlmt.rollout.runner import EpisodeRunner
     from tosca_mlmt.tasks import make_task

@@ -54,3 +54,18 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def prefix_counts(engine) -> tuple[int, int] | None:
+    """(prompt tokens handed to ``engine`` so far, those its prefix cache served), or None for an
+    engine without a prefix cache (hf). Differences of two readings give a stage's hit rate."""
+    if not hasattr(engine, "cached_prompt_tokens"):
+        return None
+    return engine.prompt_tokens, engine.cached_prompt_tokens
+
+
+def hit_rate(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Share of the prompt tokens between two prefix_counts readings that the cache served."""
+    if before is None or after is None:
+        return None
+    return round((after[1] - before[1]) / max(after[0] - before[0], 1), 4)
