@@ -11,7 +11,9 @@ After the loop returns, with no further call to ``sync_weights``, the module che
   (nats, not thousandths), so a loop that skips the sync fails the test;
 * ``metrics.jsonl`` logs ``lower/time/weight_sync`` for every iteration, and each value
   covers a reload the engine itself measured (> 0), not just the ~0.1 s "nothing changed"
-  check that a no-op sync would also cost.
+  check that a no-op sync would also cost;
+* every iteration logs ``lower/prefix_hit_rate``, which holds up once the trained solver and the
+  base writer swap at every turn (salted KV outlives the swaps; resets would drop it).
 
 vLLM is queried through ``engine.llm`` directly on purpose: ``VLLMEngine.generate`` syncs
 before generating, which would hide a loop that forgot to sync.
