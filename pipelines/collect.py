@@ -22,7 +22,7 @@ from tosca_mlmt.pipelines.provenance import snapshot_manifest
 from tosca_mlmt.pipelines.rundir import RunDir
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.rollout.engines import make_engine
-from tosca_mlmt.rollout.engines.base import prefix_counts
+from tosca_mlmt.rollout.engines.base import hit_rate, prefix_counts
 from tosca_mlmt.rollout.runner import EpisodeRunner
 from tosca_mlmt.samples import sample_rows
 from tosca_mlmt.snapshot import write_snapshot
@@ -114,7 +114,7 @@ def collect(cfg: Config, out: str | Path | None = None, *, console=None, policie
         if hasattr(engine, "sync_seconds"):
             summary["weight_sync_seconds"] = round(engine.sync_seconds, 3)
         if cache:  # prompt tokens vLLM's prefix cache served (a refine extends its turn 1), all ranks
-            summary["prefix_hit_rate"] = round(counts["cached_prompt_tokens"] / max(counts["prompt_tokens"], 1), 4)
+            summary["prefix_hit_rate"] = hit_rate((0, 0), (counts["prompt_tokens"], counts["cached_prompt_tokens"]))
         manifest = snapshot_manifest("collect", cfg, task=task, problems=problems, skipped_rows=skipped,
                                      models={r: policies.fingerprint(r) for r in ("solver", "writer")},
                                      strategies=runner.strategies, summary=summary, timings=timer.as_metrics(""),

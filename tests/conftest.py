@@ -137,20 +137,31 @@ def max_diff(a, b) -> float:
 
 
 @contextlib.contextmanager
+def restored(params: dict):
+    """``params`` (name -> parameter) put back to their values on entry when the block ends, however
+    it ends; yields those saved values. Tests that change a session-shared model in place use it, so
+    no later test (on the same xdist worker) finds the change."""
+    import torch
+
+    saved = {n: p.detach().clone() for n, p in params.items()}
+    try:
+        yield saved
+    finally:
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(saved[n])
+
+
+@contextlib.contextmanager
 def perturbed_lora_b(policies, role: str, seed: int, scale: float = 0.02):
     """``role``'s LoRA B matrices moved by ``scale`` N(0, 1) for the block (a trained-looking
     adapter), yielded as (parameters by name, their saved values); restored afterwards."""
     import torch
 
     lora_b = {n: p for n, p in policies.model(role).named_parameters() if f"lora_B.{role}." in n}
-    saved = {n: p.detach().clone() for n, p in lora_b.items()}
     gen = torch.Generator().manual_seed(seed)
-    try:
+    with restored(lora_b) as saved:
         with torch.no_grad():
             for p in lora_b.values():
                 p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
         yield lora_b, saved
-    finally:
-        with torch.no_grad():
-            for n, p in lora_b.items():
-                p.copy_(saved[n])

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from conftest import restored
 from test_snapshot import make_episodes
 from tosca_mlmt.lower.trajectory import episode_to_trajectory, no_feedback_sequences, shaped_turn_rewards, to_tensors
 from tosca_mlmt.records import FeedbackSpan
@@ -549,16 +550,12 @@ def test_train_lower_batches_pick_strategies_with_the_lower_temperature_and_epsi
     saved = policies.q_head, policies.q_decisions
     policies.q_head, policies.q_decisions = head, 10**6
     # the run trains the session's shared debug solver: later tests expect its adapter untouched
-    model = policies.model("solver")
-    init = {n: p.detach().clone() for n, p in model.named_parameters() if ".solver." in n}
+    solver = {n: p for n, p in policies.model("solver").named_parameters() if ".solver." in n}
     try:
-        tl.train_lower(cfg, tmp_path / "run", policies=policies)
+        with restored(solver):
+            tl.train_lower(cfg, tmp_path / "run", policies=policies)
     finally:
         policies.q_head, policies.q_decisions = saved
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if n in init:
-                    p.copy_(init[n])
     T = 1.0 if temperature == -1 else temperature
     e = 0.3 if epsilon == -1 else epsilon
     soft = np.exp(q / T) / np.exp(q / T).sum()

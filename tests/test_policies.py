@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import restored
 from tosca_mlmt.errors import ModelError
 
 
@@ -54,9 +55,8 @@ def test_delta_of_modules_is_the_full_merge_restricted_to_them(debug_policies):
     from tosca_mlmt.rollout.engines.vllm_sync import delta_modules
 
     lora_b = {n: p for n, p in debug_policies.model("solver").named_parameters() if "lora_B.solver" in n}
-    saved = {n: p.detach().clone() for n, p in lora_b.items()}
     g = torch.Generator().manual_seed(0)
-    try:
+    with restored(lora_b):
         for p in lora_b.values():
             p.data.copy_(torch.randn(p.shape, generator=g) * 0.01)
         adapted = debug_policies.adapted_modules("solver")
@@ -75,9 +75,6 @@ def test_delta_of_modules_is_the_full_merge_restricted_to_them(debug_policies):
         assert torch.equal(part["model.norm.weight"], base["model.norm.weight"])
         assert not torch.equal(part["model.layers.0.self_attn.q_proj.weight"],
                                base["model.layers.0.self_attn.q_proj.base_layer.weight"])
-    finally:
-        for n, p in lora_b.items():
-            p.data.copy_(saved[n])
 
 
 def test_adapter_key_follows_every_lora_tensor_and_nothing_else(debug_policies):
@@ -85,8 +82,7 @@ def test_adapter_key_follows_every_lora_tensor_and_nothing_else(debug_policies):
     whenever any A or B entry moves, back to the same value when the tensor is restored, and
     blind to the other role's adapter (each role's merged weights depend on its own only)."""
     lora = {n: p for n, p in debug_policies.model("solver").named_parameters() if "lora_" in n}
-    saved = {n: p.detach().clone() for n, p in lora.items()}
-    try:
+    with restored(lora):
         assert debug_policies.adapter_key("solver") == "base"
         first_a = next(p for n, p in lora.items() if "lora_A.solver" in n)
         with torch.no_grad():
@@ -107,10 +103,6 @@ def test_adapter_key_follows_every_lora_tensor_and_nothing_else(debug_policies):
             next(p for n, p in lora.items() if "lora_B.writer" in n)[0, 0] = 0.5
         assert debug_policies.adapter_key("solver") == trained
         assert debug_policies.adapter_key("writer") not in ("base", trained)
-    finally:
-        with torch.no_grad():
-            for n, p in lora.items():
-                p.copy_(saved[n])
 
 
 @pytest.mark.slow

@@ -37,7 +37,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from conftest import FP32, VLLM_MARKS, max_diff, perturbed_lora_b, teacher_forced, vllm_session  # noqa: E402
+from conftest import FP32, VLLM_MARKS, max_diff, perturbed_lora_b, restored, teacher_forced, vllm_session  # noqa: E402
 from tosca_mlmt.config import load_config  # noqa: E402
 from tosca_mlmt.prompts import ChatFormat  # noqa: E402
 from tosca_mlmt.rollout.engines.base import SamplingParams  # noqa: E402
@@ -209,9 +209,8 @@ def test_weight_sync_changes_and_restores_logprobs(env):
 
     lora_b = _lora_b(policies, "solver")
     assert lora_b, "expected LoRA B matrices for the solver adapter"
-    saved = {n: p.detach().clone() for n, p in lora_b.items()}
     gen = torch.Generator().manual_seed(0)
-    try:
+    with restored(lora_b):
         with torch.no_grad():
             for p in lora_b.values():
                 p.add_(0.02 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
@@ -228,10 +227,6 @@ def test_weight_sync_changes_and_restores_logprobs(env):
         assert max_diff(lp1, ref) < LOGPROB_TOL
         # The writer still has its zero adapter, so serving it needs a different weight set.
         assert engine.weights_key("writer") == "base" != engine.weights_key("solver")
-    finally:
-        with torch.no_grad():
-            for n, p in lora_b.items():
-                p.copy_(saved[n])
     dt = engine.sync_weights("solver")
     assert dt > 0.0 and engine.syncs == syncs0 + 2
     ids2, lp2 = greedy()
