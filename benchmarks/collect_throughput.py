@@ -16,6 +16,10 @@ In ONE process (one model load, one vLLM start-up) it measures:
   through the engine (syncs included) with the prefix cache kept across policy swaps, each policy's
   KV salted by its weights (VLLMEngine.requests, the default), and emptied at every swap that moves
   weights (what every sync did before): what a warm turn-1 prefix is worth to the refine;
+* ``prefill_probe`` (``--prefill-probe``): each of the collect run's calls prefilled alone
+  (max_tokens=1: the prompt's forward and the first token's sampling, no decode step), timed, with
+  the prefix cache as the loop had it before that call (each call's prompts + outputs are fed
+  untimed afterwards, so the next call finds the blocks the loop left); what prefill costs per turn;
 * ``raw_vllm``: one flat ``LLM.generate`` call over the same turn-1 prompts with n samples,
   the same model, sampling and max_new_tokens. n is chosen from the collect run so the
   generated-token count roughly matches (the comparison is in tokens/s, so it need not be
@@ -84,6 +88,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--salt-ab", type=int, default=0,
                     help="rounds of the collect's calls with the prefix cache kept across swaps (salted) and "
                          "emptied at each swap, alternating; needs --trained-adapters")
+    ap.add_argument("--prefill-probe", action="store_true",
+                    help="after the vLLM collect, time each turn's prompts prefilled alone (max_tokens=1) with the "
+                         "cache as the loop left it before that turn: what prefill costs per turn, and the loop's "
+                         "ratio to raw if the feedback and refine prefills were free")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS))
     return ap.parse_args(argv)
@@ -122,16 +130,22 @@ class RecordingEngine:
         self._engine = engine
         self.calls: list[dict] = []
         self.replay: list[tuple[list[list[int]], object, str]] = []  # (prompts, params, policy) per call
+        self.outputs: list[list[list[list[int]]]] = []  # per call, per prompt: each sample's ids
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
     def generate(self, prompts, params, policy):
+        from tosca_mlmt.rollout.engines.base import prefix_counts
+
         sync0 = getattr(self._engine, "sync_seconds", 0.0)
+        hits0 = prefix_counts(self._engine)
         t0 = time.perf_counter()
         out = self._engine.generate(prompts, params, policy)
         secs = time.perf_counter() - t0
+        hits1 = prefix_counts(self._engine)
         self.replay.append(([list(p) for p in prompts], params, policy))
+        self.outputs.append([[list(g.token_ids) for g in gs] for gs in out])
         lens = [len(g.token_ids) for gs in out for g in gs]
         self.calls.append({
             "policy": policy, "prompts": len(prompts), "n": params.n, "sequences": len(lens),
@@ -140,6 +154,8 @@ class RecordingEngine:
             "gen_tokens_max": max(lens, default=0), "stopped": sum(g.finish_reason == "stop" for gs in out for g in gs),
             "seconds": round(secs, 3), "tokens_per_s": round(sum(lens) / max(secs, 1e-9), 1),
             "sync_seconds": round(getattr(self._engine, "sync_seconds", 0.0) - sync0, 3),
+            # prompt tokens vLLM's prefix cache served this turn (hf: None)
+            "cached_prompt_tokens": hits1[1] - hits0[1] if hits0 else None,
         })
         return out
 
@@ -350,6 +366,32 @@ def main(argv=None) -> int:
                   f"reset / salted {out['reset_over_salted']}", flush=True)
             return out
 
+        def prefill_probe(rec: RecordingEngine) -> dict:
+            from vllm import SamplingParams as VSP
+
+            engine.llm.reset_prefix_cache()  # the collect run's cold start
+            turns = []
+            for (prompts, params, policy), outs, kind in zip(rec.replay, rec.outputs, rec.per_turn(args.rounds)):
+                engine.sync_weights(policy)
+                lora = engine.lora_request(policy)
+                one = VSP(n=params.n, max_tokens=1, temperature=1.0, detokenize=False)  # n > 1 must sample
+                warm = VSP(max_tokens=1, temperature=0.0, detokenize=False)
+                t = time.perf_counter()
+                res = engine.llm.generate(engine.requests(prompts), one, use_tqdm=False, lora_request=lora)
+                secs = time.perf_counter() - t
+                # untimed: the turn's prompts + outputs, so the cache holds the full blocks the loop's did
+                done = [p + o for p, os_ in zip(prompts, outs) for o in os_]
+                engine.llm.generate(engine.requests(done), warm, use_tqdm=False,
+                                    lora_request=lora)
+                tokens = sum(len(p) for p in prompts) * params.n
+                cached = sum(o.num_cached_tokens or 0 for o in res)
+                turns.append({"kind": kind["kind"], "policy": policy, "sequences": len(prompts) * params.n,
+                              "prompt_tokens": tokens, "uncached_tokens": tokens - cached,
+                              "seconds": round(secs, 3), "uncached_tokens_per_s": round((tokens - cached) / secs, 1)})
+                print(f"prefill {kind['kind']:<9} {tokens - cached:>6} uncached of {tokens:>6} prompt tokens "
+                      f"in {secs:5.1f} s ({(tokens - cached) / secs:.0f} tok/s)", flush=True)
+            return {"turns": turns, "load_after": loadavg()}
+
         def size_raw(ref: dict) -> int:
             # Match the collect run's token count: n = its tokens / (prompts x mean turn-1 length).
             solve_mean = max(ref["turns"][0]["gen_tokens_mean"], 1.0)
@@ -366,6 +408,8 @@ def main(argv=None) -> int:
                 results["stop_ab"] = stop_ab(recorded["vllm"], args.stop_ab)
             if args.salt_ab:
                 results["salt_ab"] = salt_ab(recorded["vllm"], args.salt_ab)
+            if args.prefill_probe:
+                results["prefill_probe"] = prefill_probe(recorded["vllm"])
         for _ in range(args.raw_runs - len(raw_runs)):
             run_raw(n_raw if n_raw is not None else 3 * args.n_samples)
         vllm_info.update({"weight_syncs": engine.syncs, "weight_sync_seconds": round(engine.sync_seconds, 3),
@@ -388,13 +432,19 @@ def main(argv=None) -> int:
         rep = results["replay_vllm"]["tokens_per_s"]
         ratios["collect_vllm/replay_vllm"] = round(results["collect_vllm"]["tokens_per_s"] / rep, 3)
         ratios["collect_vllm/replay_vllm (generate only)"] = round(results["collect_vllm"]["tokens_per_s_gen_only"] / rep, 3)
+    if "prefill_probe" in results and "raw_vllm" in results:
+        # the loop with its later turns' prefill taken out: what is left to win outside prefill
+        later = sum(t["seconds"] for t in results["prefill_probe"]["turns"] if t["kind"] != "solve")
+        col = results["collect_vllm"]
+        ratios["collect_vllm/raw_vllm without later turns' prefill"] = round(
+            col["gen_tokens"] / (col["episodes_seconds"] - later) / results["raw_vllm"]["tokens_per_s"], 3)
     load_after = loadavg()
 
     # ---------------------------------------------------------------- report
     print()
     print(f"{'run':<14}{'tokens':>9}{'seconds':>10}{'tok/s':>9}{'tok/s (gen only)':>18}")
     for name, r in results.items():
-        if "gen_tokens" not in r:  # stop_ab, salt_ab: printed when they ran
+        if "gen_tokens" not in r:  # stop_ab, salt_ab, prefill_probe: printed when they ran
             continue
         secs = r.get("episodes_seconds", r.get("seconds"))
         print(f"{name:<14}{r['gen_tokens']:>9}{secs:>10.1f}{r['tokens_per_s']:>9.1f}"
@@ -405,7 +455,8 @@ def main(argv=None) -> int:
         if name in results:
             print(f"  {name} per turn (prefix hit rate {results[name]['prefix_hit_rate']}):")
             for t in results[name]["turns"]:
-                print(f"    {t['kind']:<9}{t['policy']:<7} seqs {t['sequences']:>4}  prompt {t['prompt_tokens_mean']:>6.0f}"
+                hit = "" if t["cached_prompt_tokens"] is None else f" ({t['cached_prompt_tokens']} cached)"
+                print(f"    {t['kind']:<9}{t['policy']:<7} seqs {t['sequences']:>4}  prompt {t['prompt_tokens_mean']:>6.0f}{hit}"
                       f"  gen {t['gen_tokens']:>6} (mean {t['gen_tokens_mean']:.0f}, max {t['gen_tokens_max']})"
                       f"  {t['seconds']:>7.1f} s  {t['tokens_per_s']:>6.1f} tok/s  sync {t['sync_seconds']:.2f} s")
     print(f"load average before {load_before} after {load_after}; peak RSS {runtime.peak_rss_mb()} MiB")

@@ -15,8 +15,7 @@ shared and its load drifts):
   worker extension: the memory route a multiprocess (GPU) engine takes, timed here in-process;
 * ``direct``: the adapted layers merged straight into fused buffers and packed into new vLLM
   kernels, no reload (``engine.vllm.direct_sync``, the default on in-process CPU engines); its
-  merge is PolicyPair.merge_into, its push the packing, installing the kernels and the
-  prefix-cache reset;
+  merge is PolicyPair.merge_into, its push the packing and installing the kernels;
 
 After these, the syncs of one train-lower iteration through ``sync_weights`` (solver, writer,
 solver) per setting (:func:`iteration_syncs`: file, delta, direct, whose swaps reuse kept kernels).
@@ -29,7 +28,8 @@ Then:
   weights against its LoRA request).
 
 Each sync is split into merge (base + LoRA deltas; the same for every full route) and push
-(transfer + vLLM's reload + prefix-cache reset); the weights-key check that every ``sync_weights``
+(transfer + vLLM's reload). No route empties the prefix cache: the engine salts each request's KV
+by its weights (VLLMEngine.requests), so its syncs keep the cache; the weights-key check that every ``sync_weights``
 call starts with (is vLLM holding this adapter already?) is timed apart as ``key_check_s``. The adapter is LoRA on every linear layer (the
 default ``model.lora.target_modules``), so the delta leaves out only the embeddings and norms. It writes ``benchmarks/results/weight_sync.json`` with the
 date, machine, load average, repeats, per-repeat, median and minimum seconds, ratios and peak RSS.
@@ -217,15 +217,16 @@ def main(argv=None) -> int:
     kernels = engine.kernels
     if kernels is None:
         raise SystemExit("the direct route is unavailable on this engine (vllm_kernels.fused_layers)")
-    push = {"file": lambda sd: vllm_sync.push(engine.llm, sd, "file"),
-            "memory": lambda sd: vllm_sync.push(engine.llm, sd, "memory"),
-            "delta": lambda sd: vllm_sync.push(engine.llm, sd, "memory", partial=True),
-            "memory_rpc": lambda sd: (vllm_sync.push_rpc(engine.llm, sd), engine.llm.reset_prefix_cache())}
+    # reset=False: as the engine pushes (its requests are salted by their weights)
+    push = {"file": lambda sd: vllm_sync.push(engine.llm, sd, "file", reset=False),
+            "memory": lambda sd: vllm_sync.push(engine.llm, sd, "memory", reset=False),
+            "delta": lambda sd: vllm_sync.push(engine.llm, sd, "memory", partial=True, reset=False),
+            "memory_rpc": lambda sd: vllm_sync.push_rpc(engine.llm, sd)}
     adapted = policies.adapted_modules("solver")
 
     def direct() -> tuple[float, float, float]:
-        """(start, merge end, end) of one direct sync: merge (buffer set-up included), then packing,
-        installing the kernels and the prefix-cache reset (push)."""
+        """(start, merge end, end) of one direct sync: merge (buffer set-up included), then packing
+        and installing the kernels (push)."""
         merged = []
 
         def merge(outs):
@@ -234,7 +235,6 @@ def main(argv=None) -> int:
 
         t0 = time.perf_counter()
         kernels.install(kernels.build(merge, adapted))
-        engine.llm.reset_prefix_cache()
         return t0, merged[0], time.perf_counter()
 
     def one(route: str) -> dict:
