@@ -30,6 +30,11 @@ def mp_env():
     later modules on this worker start in-process engines again."""
     from tosca_mlmt.prompts import ChatFormat
 
+    envs = pytest.importorskip("vllm.envs")
+    # vLLM's EngineCore freezes vLLM's env reads when it starts (envs.enable_envs_cache), and an
+    # in-process one may have started on this worker already: thaw them, so the setting below is
+    # seen now and the put-back one by later modules (vllm 0.32 reads this variable unfrozen anyway)
+    envs.disable_envs_cache()
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     # the worker's compiled prompt-logprobs gather trips over some boxes' broken z3 module; the
@@ -46,6 +51,7 @@ def mp_env():
                 engine.llm.llm_engine.engine_core.shutdown()  # the EngineCore process ends now, not at GC
     finally:
         mp.undo()
+        envs.disable_envs_cache()
 
 
 def test_engine_runs_out_of_process(mp_env):
