@@ -374,7 +374,8 @@ def main(argv=None) -> int:
             for (prompts, params, policy), outs, kind in zip(rec.replay, rec.outputs, rec.per_turn(args.rounds)):
                 engine.sync_weights(policy)
                 lora = engine.lora_request(policy)
-                one = VSP(n=params.n, max_tokens=1, temperature=1.0, detokenize=False)  # n > 1 must sample
+                n = 1 if params.greedy else params.n  # greedy n > 1 decodes once, as the engine does
+                one = VSP(n=n, max_tokens=1, temperature=1.0, detokenize=False)  # n > 1 must sample
                 warm = VSP(max_tokens=1, temperature=0.0, detokenize=False)
                 t = time.perf_counter()
                 res = engine.llm.generate(engine.requests(prompts), one, use_tqdm=False, lora_request=lora)
@@ -383,9 +384,9 @@ def main(argv=None) -> int:
                 done = [p + o for p, os_ in zip(prompts, outs) for o in os_]
                 engine.llm.generate(engine.requests(done), warm, use_tqdm=False,
                                     lora_request=lora)
-                tokens = sum(len(p) for p in prompts) * params.n
+                tokens = sum(len(p) for p in prompts) * n
                 cached = sum(o.num_cached_tokens or 0 for o in res)
-                turns.append({"kind": kind["kind"], "policy": policy, "sequences": len(prompts) * params.n,
+                turns.append({"kind": kind["kind"], "policy": policy, "sequences": len(prompts) * n,
                               "prompt_tokens": tokens, "uncached_tokens": tokens - cached,
                               "seconds": round(secs, 3), "uncached_tokens_per_s": round((tokens - cached) / secs, 1)})
                 print(f"prefill {kind['kind']:<9} {tokens - cached:>6} uncached of {tokens:>6} prompt tokens "
