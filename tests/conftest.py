@@ -136,6 +136,38 @@ def max_diff(a, b) -> float:
     return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
 
 
+def check_salted_swaps(policies, engine, fmt, perturbed, tol: float) -> tuple[tuple, tuple]:
+    """Solver -> writer -> solver -> writer greedy generations of one ~200-token prompt inside
+    ``perturbed`` (a context manager under which the solver's weights differ from the writer's).
+    Asserts what the salted prefix cache (VLLMEngine.requests) promises on whatever route the engine
+    syncs by: each policy hits its own cached prompt and none of the other's, tokens and log-probs
+    decoded from a warm cache are a cold one's, and both policies' equal the trainer's within ``tol``.
+    Returns the (weight syncs, sync route) of each call, for the caller's route checks."""
+    from tosca_mlmt.rollout.engines.base import SamplingParams
+
+    prompt = fmt.first_prompt(" ".join(["Add the numbers 12 and 30 and explain each step."] * 12))
+    block = engine.llm.llm_engine.vllm_config.cache_config.block_size
+    whole = (len(prompt) - 1) // block * block
+    assert whole > 0
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    calls = []
+    with perturbed:
+        engine.llm.reset_prefix_cache()
+        for policy in ("solver", "writer", "solver", "writer"):
+            c0, s0 = engine.cached_prompt_tokens, engine.syncs
+            g = engine.generate([prompt], params, policy)[0][0]
+            calls.append((engine.cached_prompt_tokens - c0, engine.syncs - s0, engine.sync_route, g))
+        ref_s = teacher_forced(policies, "solver", prompt, calls[2][3].token_ids)
+    hits, syncs, routes, (cold_s, cold_w, warm_s, warm_w) = zip(*calls)
+    assert hits == (0, 0, whole, whole), "each policy must hit its own cached prompt, never the other's"
+    assert max_diff(cold_s.logprobs, cold_w.logprobs) > 1e-2, "solver and writer serve the same weights: vacuous"
+    for cold, warm in ((cold_s, warm_s), (cold_w, warm_w)):
+        assert warm.token_ids == cold.token_ids and max_diff(warm.logprobs, cold.logprobs) < tol
+    assert max_diff(warm_s.logprobs, ref_s) < tol
+    assert max_diff(warm_w.logprobs, teacher_forced(policies, "writer", prompt, warm_w.token_ids)) < tol
+    return syncs, routes
+
+
 @contextlib.contextmanager
 def restored(params: dict):
     """``params`` (name -> parameter) put back to their values on entry when the block ends, however

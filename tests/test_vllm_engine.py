@@ -37,7 +37,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from conftest import FP32, VLLM_MARKS, max_diff, perturbed_lora_b, restored, teacher_forced, vllm_session  # noqa: E402
+from conftest import (FP32, VLLM_MARKS, check_salted_swaps, max_diff, perturbed_lora_b, restored,  # noqa: E402
+                      teacher_forced, vllm_session)
 from tosca_mlmt.config import load_config  # noqa: E402
 from tosca_mlmt.prompts import ChatFormat  # noqa: E402
 from tosca_mlmt.rollout.engines.base import SamplingParams  # noqa: E402
@@ -503,31 +504,12 @@ def test_prefix_cache_outlives_policy_swaps_and_never_crosses_them(env, route):
     policy, sent the same ids, gets none of it. Tokens and log-probs decoded from a warm cache are
     those of a cold one and the trainer's, on the direct-kernel and the reload route alike."""
     _, policies, engine, _, fmt = env
-    prompt = fmt.first_prompt(" ".join(["Add the numbers 12 and 30 and explain each step."] * 12))
-    block = engine.llm.llm_engine.vllm_config.cache_config.block_size
-    whole = (len(prompt) - 1) // block * block
-    assert whole > 0
-    params = SamplingParams(max_new_tokens=8, temperature=0.0)
-
-    def run(policy: str):
-        c0 = engine.cached_prompt_tokens
-        g = engine.generate([prompt], params, policy)[0][0]
-        return engine.cached_prompt_tokens - c0, g
-
-    with (_reload_route(engine) if route == "reload" else contextlib.nullcontext()), \
-            _perturbed_solver(policies, engine, seed=7):
-        engine.llm.reset_prefix_cache()
-        hits, gens = zip(*(run(p) for p in ("solver", "writer", "solver", "writer")))
-        assert (engine.sync_route == "kernels") == (route == "direct")
-    assert hits == (0, 0, whole, whole), "each policy must hit its own cached prompt, never the other's"
-    cold_s, cold_w, warm_s, warm_w = gens
-    assert max_diff(cold_s.logprobs, cold_w.logprobs) > 1e-2, "solver and writer serve the same weights: vacuous"
-    for cold, warm, role in ((cold_s, warm_s, "solver"), (cold_w, warm_w, "writer")):
-        assert warm.token_ids == cold.token_ids and max_diff(warm.logprobs, cold.logprobs) < LOGPROB_TOL
-    with perturbed_lora_b(policies, "solver", seed=7):  # the same draw: the solver's weights of the runs
-        ref_s = teacher_forced(policies, "solver", prompt, warm_s.token_ids)
-    assert max_diff(warm_s.logprobs, ref_s) < LOGPROB_TOL
-    assert max_diff(warm_w.logprobs, teacher_forced(policies, "writer", prompt, warm_w.token_ids)) < LOGPROB_TOL
+    perturbed = contextlib.ExitStack()
+    if route == "reload":
+        perturbed.enter_context(_reload_route(engine))
+    perturbed.enter_context(_perturbed_solver(policies, engine, seed=7))
+    _, routes = check_salted_swaps(policies, engine, fmt, perturbed, LOGPROB_TOL)
+    assert (routes[-1] == "kernels") == (route == "direct")
 
 
 def test_collect_logs_the_prefix_hit_rate(env, tmp_path):

@@ -16,8 +16,7 @@ import os
 
 import pytest
 
-from conftest import FP32, VLLM_MARKS, max_diff, perturbed_lora_b, teacher_forced, vllm_session
-from tosca_mlmt.rollout.engines.base import SamplingParams
+from conftest import FP32, VLLM_MARKS, check_salted_swaps, perturbed_lora_b, vllm_session
 
 pytestmark = VLLM_MARKS
 
@@ -65,28 +64,8 @@ def test_engine_runs_out_of_process(mp_env):
 
 def test_salted_prefix_cache_across_rpc_syncs(mp_env):
     policies, engine, fmt = mp_env
-    prompt = fmt.first_prompt(" ".join(["Add the numbers 12 and 30 and explain each step."] * 12))
-    block = engine.llm.llm_engine.vllm_config.cache_config.block_size
-    whole = (len(prompt) - 1) // block * block
-    assert whole > 0
-    params = SamplingParams(max_new_tokens=8, temperature=0.0)
-
-    def run(policy: str):
-        c0, s0 = engine.cached_prompt_tokens, engine.syncs
-        g = engine.generate([prompt], params, policy)[0][0]
-        return engine.cached_prompt_tokens - c0, engine.syncs - s0, engine.sync_route, g
-
     # the solver's adapter is put back afterwards; the engine's weights-key check then resyncs vLLM
     # before anything else runs on it, so no forced reload is needed
-    with perturbed_lora_b(policies, "solver", seed=7):
-        engine.llm.reset_prefix_cache()
-        hits, syncs, routes, gens = zip(*(run(p) for p in ("solver", "writer", "solver", "writer")))
-        ref_s = teacher_forced(policies, "solver", prompt, gens[2].token_ids)
+    syncs, routes = check_salted_swaps(policies, engine, fmt, perturbed_lora_b(policies, "solver", seed=7),
+                                       LOGPROB_TOL)
     assert syncs == (1, 1, 1, 1) and set(routes) == {"rpc"}, "every swap must move weights, over collective_rpc"
-    assert hits == (0, 0, whole, whole), "each policy must hit its own cached prompt, never the other's"
-    cold_s, cold_w, warm_s, warm_w = gens
-    assert max_diff(cold_s.logprobs, cold_w.logprobs) > 1e-2, "solver and writer serve the same weights: vacuous"
-    for cold, warm in ((cold_s, warm_s), (cold_w, warm_w)):
-        assert warm.token_ids == cold.token_ids and max_diff(warm.logprobs, cold.logprobs) < LOGPROB_TOL
-    assert max_diff(warm_s.logprobs, ref_s) < LOGPROB_TOL
-    assert max_diff(warm_w.logprobs, teacher_forced(policies, "writer", prompt, warm_w.token_ids)) < LOGPROB_TOL
