@@ -370,13 +370,13 @@ def main(argv=None) -> int:
             from vllm import SamplingParams as VSP
 
             engine.llm.reset_prefix_cache()  # the collect run's cold start
+            warm = VSP(max_tokens=1, temperature=0.0, detokenize=False)
             turns = []
             for (prompts, params, policy), outs, kind in zip(rec.replay, rec.outputs, rec.per_turn(args.rounds)):
                 engine.sync_weights(policy)
                 lora = engine.lora_request(policy)
                 n = 1 if params.greedy else params.n  # greedy n > 1 decodes once, as the engine does
                 one = VSP(n=n, max_tokens=1, temperature=1.0, detokenize=False)  # n > 1 must sample
-                warm = VSP(max_tokens=1, temperature=0.0, detokenize=False)
                 t = time.perf_counter()
                 res = engine.llm.generate(engine.requests(prompts), one, use_tqdm=False, lora_request=lora)
                 secs = time.perf_counter() - t
@@ -384,7 +384,9 @@ def main(argv=None) -> int:
                 done = [p + o for p, os_ in zip(prompts, outs) for o in os_]
                 engine.llm.generate(engine.requests(done), warm, use_tqdm=False,
                                     lora_request=lora)
-                tokens = sum(len(p) for p in prompts) * n
+                # per prompt, as VLLMEngine counts: vLLM reports one cached count for a prompt's n samples,
+                # which share its prefill
+                tokens = sum(len(p) for p in prompts)
                 cached = sum(o.num_cached_tokens or 0 for o in res)
                 turns.append({"kind": kind["kind"], "policy": policy, "sequences": len(prompts) * n,
                               "prompt_tokens": tokens, "uncached_tokens": tokens - cached,
