@@ -51,8 +51,10 @@ LOG=$OUT/gpu_check.log
 # A device call ends at 600 s: the steps share one budget, each cut to what is left of it, so the
 # last files still reach $OUT (everything there comes back, even from a call that ran out).
 DEADLINE=$(( $(date +%s) + ${GPU_CHECK_BUDGET_S:-540} ))
+ONLY=${GPU_CHECK_STEPS:-}  # e.g. "collect": rerun only the named steps (a second, shorter call)
 step() {  # step NAME LIMIT_S CMD...: its output appended to the log, its outcome a line of steps.jsonl
   local name=$1 limit=$2; shift 2
+  [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]] && return
   local left=$(( DEADLINE - $(date +%s) ))
   if [ "$left" -lt 30 ]; then
     printf '{"step": "%s", "rc": null, "skipped": "budget spent"}\n' "$name" >> "$OUT/steps.jsonl"; return
@@ -69,9 +71,13 @@ MLMT=("$PY" -m tosca_mlmt.cli.main)
 SMALL=${GPU_CHECK_SMALL:-0}  # 1: tiny sizes, for trying the script on a CPU
 if [ "$SMALL" = 1 ]; then n=4; it=1; probs=2; joint=(--set joint.lower_iterations=1 --set joint.upper_steps=2
   --set lower.problems_per_iteration=2); else n=64; it=2; probs=8; joint=(); fi
+# The HF engine's default of 32 prompts per generate call suits a CPU; on the GPU 64 x 4 samples
+# in batches of 32 is 24 calls of eager decoding (the first GPU run's collect ran past 150 s), so
+# the GPU collect decodes each turn in one call.
+hfb=$([ "$SMALL" = 1 ] && echo 32 || echo 256)
 step env 120 "$PY" benchmarks/gpu/env_report.py "$OUT/env.json"
-step collect 150 "${MLMT[@]}" collect --task arith --level 2 --limit "$n" --n-samples 4 --engine hf \
-  --no-wandb --no-progress --out "$W/snapshots"
+step collect 180 "${MLMT[@]}" collect --task arith --level 2 --limit "$n" --n-samples 4 --engine hf \
+  --set engine.hf.batch_size="$hfb" --no-wandb --no-progress --out "$W/snapshots"
 step lower 150 "${MLMT[@]}" train-lower --task arith --engine hf --iterations "$it" --no-wandb --no-progress \
   --set lower.problems_per_iteration="$probs" --set task.level=2 --out "$W/lower"
 step joint 200 "${MLMT[@]}" train-joint -c configs/demo.yaml --engine hf --rounds 1 --no-wandb --no-progress \
