@@ -77,7 +77,7 @@ if [ "$SMALL" = 1 ]; then n=4; it=1; probs=2; joint=(--set joint.lower_iteration
 hfb=$([ "$SMALL" = 1 ] && echo 32 || echo 256)
 step env 120 "$PY" benchmarks/gpu/env_report.py "$OUT/env.json"
 step collect 180 "${MLMT[@]}" collect --task arith --level 2 --limit "$n" --n-samples 4 --engine hf \
-  --set engine.hf.batch_size="$hfb" --no-wandb --no-progress --out "$W/snapshots"
+  --set engine.batch_size="$hfb" --no-wandb --no-progress --out "$W/snapshots"
 step lower 150 "${MLMT[@]}" train-lower --task arith --engine hf --iterations "$it" --no-wandb --no-progress \
   --set lower.problems_per_iteration="$probs" --set task.level=2 --out "$W/lower"
 step joint 200 "${MLMT[@]}" train-joint -c configs/demo.yaml --engine hf --rounds 1 --no-wandb --no-progress \
