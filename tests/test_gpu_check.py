@@ -92,6 +92,11 @@ def test_steps_share_one_budget_and_a_spent_one_skips_them(tmp_path):
     res = _check(repo, "run", tmp_path, GPU_CHECK_BUDGET_S="0")
     assert res.returncode == 0, res.stderr
     steps = [json.loads(x) for x in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == ["env", "collect", "lower", "joint", "throughput"]
+    assert [s["step"] for s in steps] == ["env", "collect", "lower", "joint", "throughput", "zero2"]
     assert all(s["skipped"] == "budget spent" for s in steps)
     assert not (tmp_path / "work" / "snapshots").exists()
+    # a second, shorter call reruns only the steps it names
+    res = _check(repo, "run", tmp_path, GPU_CHECK_BUDGET_S="0", GPU_CHECK_STEPS="collect zero2")
+    assert res.returncode == 0, res.stderr
+    steps = [json.loads(x) for x in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == ["collect", "zero2"]

@@ -60,3 +60,25 @@ def test_compute_device_is_the_local_rank_gpu_where_cuda_is_visible(monkeypatch)
     assert parallel.compute_device() == torch.device("cuda", 3)
     monkeypatch.delenv("LOCAL_RANK")
     assert parallel.compute_device() == torch.device("cuda", 0)
+
+
+def test_nccl_group_is_bound_to_the_local_rank_gpu(monkeypatch):
+    """Under NCCL the group names its device (no guess from the global rank, which the first GPU
+    run warned can hang); gloo gets no device."""
+    import torch.distributed as dist
+
+    from tosca_mlmt import parallel
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    parallel.init()
+    assert calls[0] == ("set_device", 5)
+    assert calls[1][0] == "nccl" and calls[1][1]["device_id"] == torch.device("cuda", 5)
+    calls.clear()
+    parallel.init("gloo")
+    assert calls[0][0] == "gloo" and "device_id" not in calls[0][1]

@@ -29,9 +29,14 @@ def init(backend: str = "auto", timeout_minutes: int = 30, force: bool = False) 
         return
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    kwargs = {}
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        # Bound to its GPU, NCCL need not guess the device from the global rank (the first GPU run
+        # warned that a guess can hang where ranks do not map to GPUs rank % count, e.g. uneven nodes).
+        kwargs["device_id"] = torch.device("cuda", local)
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
 
 
 def compute_device() -> torch.device:
