@@ -90,7 +90,7 @@ fi
 # with distributed.deepspeed set, the trainer joins a process group even for one process and
 # builds the ZeRO-2 engine, so the collective setup, ZeRO's gradient partitioning and the weight
 # push run on CUDA.
-step zero2 150 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m tosca_mlmt.cli.main \
+step zero2 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m tosca_mlmt.cli.main \
   train-lower --task arith --engine hf --iterations 1 --no-wandb --no-progress \
   --set lower.problems_per_iteration="$probs" --set task.level=2 \
   --set distributed.deepspeed=configs/deepspeed/zero2.json --out "$W/zero2"
