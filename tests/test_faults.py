@@ -13,6 +13,7 @@ so they land inside the work on slow and fast machines alike.
 import json
 import os
 import random
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -59,25 +60,34 @@ def mlmt(args: list, log: Path, ready=None) -> float:
     return time.monotonic() - (t0 or time.monotonic())
 
 
-def kill_at(args: list, log: Path, ready, wait: float) -> None:
-    """Start ``mlmt args``, wait until ``ready()``, then ``wait`` seconds more, then SIGKILL."""
-    with open(log, "w") as err:
-        proc = subprocess.Popen([*MLMT, *map(str, args)], stdout=subprocess.DEVNULL, stderr=err)
-        try:
-            deadline = time.monotonic() + TIMEOUT
-            while not ready():
-                assert proc.poll() is None, f"ended before the kill point:\n{log.read_text()[-3000:]}"
-                assert time.monotonic() < deadline, "kill point never reached"
-                time.sleep(0.05)
-            time.sleep(wait)
-            assert proc.poll() is None, (f"the run ended before the kill (seed {SEED}, delay {wait:.1f}s); "
-                                         f"the delay should be inside the work:\n{log.read_text()[-2000:]}")
-            proc.kill()
-            proc.wait(TIMEOUT)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    assert proc.returncode == -9
+def kill_at(args: list, out: Path, log: Path, ready, wait: float, tries: int = 4) -> None:
+    """Start ``mlmt args``, wait until ``ready()``, then ``wait`` seconds more, then SIGKILL. A run
+    that ends before its kill ran faster than the reference it was scaled by (e.g. the other test
+    worker went idle meanwhile): its ``out`` is removed and it starts again with half the delay,
+    so the kill still lands inside the work whatever the machine's load does."""
+    for attempt in range(tries):
+        with open(log, "w") as err:
+            proc = subprocess.Popen([*MLMT, *map(str, args)], stdout=subprocess.DEVNULL, stderr=err)
+            try:
+                deadline = time.monotonic() + TIMEOUT
+                while not ready():
+                    assert proc.poll() is None, f"ended before the kill point:\n{log.read_text()[-3000:]}"
+                    assert time.monotonic() < deadline, "kill point never reached"
+                    time.sleep(0.05)
+                time.sleep(wait)
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(TIMEOUT)
+                    assert proc.returncode == -9
+                    return
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+        assert proc.returncode == 0, f"mlmt failed:\n{log.read_text()[-3000:]}"
+        shutil.rmtree(out)
+        wait /= 2
+    raise AssertionError(f"the run ended before the kill {tries} times (seed {SEED}, last delay {wait * 2:.2f}s); "
+                         f"the delay should be inside the work:\n{log.read_text()[-2000:]}")
 
 
 def stderr_has(log: Path, text: str):
@@ -154,7 +164,7 @@ def collected(tmp_path_factory):
 def test_collect_killed_anywhere_leaves_nothing_partial_and_a_rerun_gives_the_same_snapshot(collected):
     d, sid, span = collected
     out, log = d / "cut", d / "cut.log"
-    kill_at([*COLLECT, "--out", out, *sets({})], log, stderr_has(log, "problems x"), delay("collect", span))
+    kill_at([*COLLECT, "--out", out, *sets({})], out, log, stderr_has(log, "problems x"), delay("collect", span))
     assert_nothing_partial_visible(out)
     assert snapshot_ids(out) in ([], [sid])
     mlmt([*COLLECT, "--out", out, *sets({})], d / "rerun.log")
@@ -174,7 +184,7 @@ def test_train_lower_killed_mid_iteration_resumes_to_the_same_weights_and_snapsh
     # from iteration 1's metrics line on: in a checkpoint write, iteration 2's generate/update/snapshot...
     logged = lambda out: lambda: (out / "metrics.jsonl").exists()  # noqa: E731
     span = mlmt(args(ref), tmp_path / "ref.log", logged(ref))
-    kill_at(args(run), tmp_path / "cut.log", logged(run), delay("lower", span))
+    kill_at(args(run), run, tmp_path / "cut.log", logged(run), delay("lower", span))
     assert_nothing_partial_visible(run / "snapshots")
     mlmt([*args(run), "--resume"], tmp_path / "resume.log")
     assert_trained(ref / "solver")
@@ -199,7 +209,7 @@ def test_train_upper_killed_mid_step_resumes_to_the_same_writer(collected, tmp_p
     ref, run = tmp_path / "ref", tmp_path / "cut"
     logged = lambda out: lambda: (out / "metrics.jsonl").exists()  # noqa: E731
     span = mlmt(upper_args(collected, ref), tmp_path / "ref.log", logged(ref))
-    kill_at(upper_args(collected, run), tmp_path / "cut.log", logged(run), delay("upper", span))
+    kill_at(upper_args(collected, run), run, tmp_path / "cut.log", logged(run), delay("upper", span))
     mlmt([*upper_args(collected, run), "--resume"], tmp_path / "resume.log")
     assert_trained(ref / "writer")
     assert_same_tensors(ref / "writer", run / "writer")
@@ -219,7 +229,7 @@ def test_train_joint_killed_mid_round_resumes_to_the_same_policies_and_snapshots
     # from round 0's snapshot on: anywhere in its upper/lower steps or in round 1
     collected = lambda out: lambda: bool(snapshot_ids(out))  # noqa: E731
     span = mlmt(args(ref), tmp_path / "ref.log", collected(ref))
-    kill_at(args(run), tmp_path / "cut.log", collected(run), delay("joint", span))
+    kill_at(args(run), run, tmp_path / "cut.log", collected(run), delay("joint", span))
     roots = lambda: [p for p in run.rglob("snapshots") if p.is_dir()]  # noqa: E731
     assert_nothing_partial_visible(*roots())
     mlmt([*args(run), "--resume"], tmp_path / "resume.log")
