@@ -93,10 +93,15 @@ def collect(
 @user_errors
 def setup(model: str = typer.Option("smollm2-135m", help="Embedded model name, local folder, or org/name hub id "
                                                          "already in the local HF cache.")):
-    """Convert the embedded model once into the cache ($TOSCA_MLMT_CACHE) and print its folder."""
+    """Convert the embedded model once into the cache ($TOSCA_MLMT_CACHE) and print its folder;
+    where DeepSpeed is installed on a CPU machine, also build its comm op (else built at the first
+    distributed start)."""
     from tosca_mlmt.pipelines.snapshots import prepare_model
+    from tosca_mlmt.train.distributed import prebuild_deepspeed_ops
 
     print(prepare_model(model))
+    if built := prebuild_deepspeed_ops():
+        print(f"DeepSpeed op built: {built}", file=sys.stderr)
 
 
 @app.command("config")

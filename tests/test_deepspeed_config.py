@@ -1,5 +1,6 @@
 """DeepSpeed JSON handling: "auto" fields come from the trainer's knobs, never silently disagree."""
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -52,3 +53,27 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_
     with pytest.warns(UserWarning, match="stale torch-extension build lock"):
         removed = clear_stale_build_locks(tmp_path)
     assert removed == [old] and not old.exists() and live.exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_the_op_mlmt_setup_builds_is_the_one_a_deepspeed_start_loads(monkeypatch):
+    """`mlmt setup` (make install) builds DeepSpeed's CPU comm op so that the first distributed run does
+    not: a fresh process starting DeepSpeed must load that build as it is, not rebuild it (ninja
+    relinks when the build's command lines differ, e.g. another extensions folder or flags)."""
+    import subprocess
+    import sys
+
+    from tosca_mlmt.train.distributed import prebuild_deepspeed_ops
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)  # the default, as a run sees it; restored after
+    folder = prebuild_deepspeed_ops()
+    if folder is None:
+        pytest.skip("DeepSpeed's CPU comm op does not apply to this machine")
+    (so,) = Path(folder).glob("*.so")
+    built = so.stat().st_mtime_ns
+    start = ("from tosca_mlmt.train.distributed import _deepspeed_build_dir; _deepspeed_build_dir(); "
+             "from deepspeed.comm.torch import build_shm_op; print(build_shm_op().__file__)")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    out = subprocess.run([sys.executable, "-c", start], capture_output=True, text=True, timeout=900, env=env,
+                         check=True).stdout.strip().splitlines()[-1]
+    assert Path(out) == so and so.stat().st_mtime_ns == built

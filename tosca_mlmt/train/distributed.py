@@ -102,6 +102,35 @@ def _deepspeed_build_dir() -> None:
     clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
 
 
+def prebuild_deepspeed_ops() -> str | None:
+    """Build DeepSpeed's CPU comm op now (``mlmt setup``) instead of inside the first distributed
+    run: torch's JIT cache key includes the environment's include paths, so every fresh virtual
+    environment rebuilds it (1-2 minutes on 2 busy cores, inside whichever run starts DeepSpeed
+    first). Returns the build folder, or None where DeepSpeed is not installed, the accelerator is
+    not the CPU, or the op does not apply to this machine; a failed build only warns (DeepSpeed
+    then tries again, and reports, when a run starts it)."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return None
+    _deepspeed_build_dir()
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return None
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return None
+    try:
+        builder.load(verbose=False)
+    except Exception as e:  # a missing compiler must not fail the install
+        warnings.warn(f"could not build DeepSpeed's {builder.NAME} op now ({e}); DeepSpeed will try again "
+                      f"when a run starts it", stacklevel=2)
+        return None
+    return str(Path(os.environ["TORCH_EXTENSIONS_DIR"]) / builder.NAME)
+
+
 class Closure(nn.Module):
     """Holds a trainer's modules; ``forward(fn, ...)`` runs ``fn`` inside the engine's forward,
     so DDP and DeepSpeed see every trainable parameter that ``fn`` touches (heads included)."""
