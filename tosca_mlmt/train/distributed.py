@@ -104,7 +104,7 @@ def _deepspeed_build_dir() -> None:
 
 def prebuild_deepspeed_ops() -> str | None:
     """Build DeepSpeed's CPU comm op now (``mlmt setup``) instead of inside the first distributed
-    run: torch's JIT cache key includes the environment's include paths, so every fresh virtual
+    run: the build's command lines name the environment's include paths, so every fresh virtual
     environment rebuilds it (1-2 minutes on 2 busy cores, inside whichever run starts DeepSpeed
     first). Returns the build folder, or None where DeepSpeed is not installed, the accelerator is
     not the CPU, or the op does not apply to this machine; a failed build only warns (DeepSpeed
@@ -114,19 +114,19 @@ def prebuild_deepspeed_ops() -> str | None:
     if importlib.util.find_spec("deepspeed") is None:
         return None
     _deepspeed_build_dir()
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
+    try:  # a broken DeepSpeed or a missing compiler must not fail the install
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
 
-    if get_accelerator().device_name() != "cpu":
-        return None
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-        return None
-    try:
+        if get_accelerator().device_name() != "cpu":
+            return None
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+            return None
         builder.load(verbose=False)
-    except Exception as e:  # a missing compiler must not fail the install
-        warnings.warn(f"could not build DeepSpeed's {builder.NAME} op now ({e}); DeepSpeed will try again "
-                      f"when a run starts it", stacklevel=2)
+    except Exception as e:
+        warnings.warn(f"could not build DeepSpeed's CPU comm op now ({e}); DeepSpeed will try again when a run "
+                      f"starts it", stacklevel=2)
         return None
     return str(Path(os.environ["TORCH_EXTENSIONS_DIR"]) / builder.NAME)
 
