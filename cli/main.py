@@ -96,12 +96,12 @@ def setup(model: str = typer.Option("smollm2-135m", help="Embedded model name, l
     """Convert the embedded model once into the cache ($TOSCA_MLMT_CACHE) and print its folder;
     where DeepSpeed is installed on a CPU machine, also build its comm op (else built at the first
     distributed start)."""
-    from tosca_mlmt.pipelines.snapshots import prepare_model
-    from tosca_mlmt.train.distributed import prebuild_deepspeed_ops
+    from tosca_mlmt.pipelines.snapshots import prepare_environment
 
-    print(prepare_model(model))
-    if built := prebuild_deepspeed_ops():
+    folder, built = prepare_environment(model)
+    if built:
         print(f"DeepSpeed op built: {built}", file=sys.stderr)
+    print(folder)
 
 
 @app.command("config")

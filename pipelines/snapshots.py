@@ -14,9 +14,12 @@ from tosca_mlmt.snapshot import read_manifest, verify_snapshot
 from tosca_mlmt.snapshot_index import environment_of, open_snapshot, resolve_snapshot, row_line, snapshot_rows
 
 
-def prepare_model(name: str) -> Path:
-    """The model's folder in the cache, converting the embedded model there on first use."""
-    return resolve_model(name)
+def prepare_environment(name: str) -> tuple[Path, str | None]:
+    """What ``mlmt setup`` prepares: the model's folder in the cache (the embedded model converted
+    there on first use), and DeepSpeed's CPU comm op built where it applies (its folder, else None)."""
+    from tosca_mlmt.train.distributed import prebuild_deepspeed_ops
+
+    return resolve_model(name), prebuild_deepspeed_ops()
 
 
 def summary_lines(root: Path) -> list[str]:
