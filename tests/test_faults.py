@@ -65,7 +65,7 @@ def kill_at(args: list, out: Path, log: Path, ready, wait: float, tries: int = 4
     that ends before its kill ran faster than the reference it was scaled by (e.g. the other test
     worker went idle meanwhile): its ``out`` is removed and it starts again with half the delay,
     so the kill still lands inside the work whatever the machine's load does."""
-    for attempt in range(tries):
+    for _ in range(tries):
         with open(log, "w") as err:
             proc = subprocess.Popen([*MLMT, *map(str, args)], stdout=subprocess.DEVNULL, stderr=err)
             try:
