@@ -115,20 +115,22 @@ def prebuild_deepspeed_ops() -> str | None:
         return None
     _deepspeed_build_dir()
     try:  # a broken DeepSpeed or a missing compiler must not fail the install
-        import deepspeed
-        from deepspeed.accelerator import get_accelerator
+        import contextlib
+        import sys
 
-        if get_accelerator().device_name() != "cpu":
-            return None
-        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-        if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-            return None
-        builder.load(verbose=False)
+        # DeepSpeed logs to stdout, where `mlmt setup` prints the model folder
+        with contextlib.redirect_stdout(sys.stderr):
+            from deepspeed.accelerator import get_accelerator
+            from deepspeed.comm.torch import build_shm_op
+
+            if get_accelerator().device_name() != "cpu":
+                return None
+            module = build_shm_op()  # the very call a run's comm backend makes: the build it loads
     except Exception as e:
         warnings.warn(f"could not build DeepSpeed's CPU comm op now ({e}); DeepSpeed will try again when a run "
                       f"starts it", stacklevel=2)
         return None
-    return str(Path(os.environ["TORCH_EXTENSIONS_DIR"]) / builder.NAME)
+    return None if module is None else str(Path(module.__file__).parent)
 
 
 class Closure(nn.Module):
