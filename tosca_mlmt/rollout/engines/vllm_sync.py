@@ -80,7 +80,7 @@ def add_lora(runner, lora_id: int, tensors: dict[str, torch.Tensor], config: dic
 
     vLLM's own ``_load_adapter`` does the same from a folder; this skips the folder. Its
     ``from_lora_tensors`` folds the scaling into lora_B *in place*, so ``tensors`` must be copies
-    the caller does not read again. Private API (vllm 0.32)."""
+    the caller does not read again. Private API (vllm 0.32; 0.26 too, by the mapper fallback)."""
     from vllm.lora.peft_helper import PEFTHelper
 
     wm = runner.lora_manager
@@ -88,9 +88,11 @@ def add_lora(runner, lora_id: int, tensors: dict[str, torch.Tensor], config: dic
     helper = PEFTHelper.from_dict(config)
     helper.validate_legal(wm.lora_config)
     mapper = getattr(am.model, "hf_to_vllm_mapper", None)
+    if mapper is not None:  # the renames only, as vLLM's own _load_adapter takes them (0.26 names it unstacked)
+        mapper = (mapper.get_rename_mapper if hasattr(mapper, "get_rename_mapper") else mapper.get_unstacked_mapper)()
     lora = wm._lora_model_cls.from_lora_tensors(
         lora_model_id=lora_id, tensors=tensors, peft_helper=helper, device="cpu", dtype=wm.lora_config.lora_dtype,
-        model_vocab_size=wm.vocab_size, weights_mapper=mapper.get_rename_mapper() if mapper is not None else None)
+        model_vocab_size=wm.vocab_size, weights_mapper=mapper)
     am.remove_adapter(lora_id)
     if len(am) + 1 > am.capacity:
         am.remove_oldest_adapter()
