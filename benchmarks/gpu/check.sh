@@ -15,9 +15,10 @@
 #  vllm (stage.sh vllm: vllm 0.26.0, the newest built for the image's torch 2.11):
 #   env        as above, vLLM's version included
 #   vcollect   mlmt collect 64 x 4 on engine.name=vllm (CUDA; multiprocess engine, weights over collective_rpc)
-#   vlower     mlmt train-lower, 2 PPO iterations x 8 problems on vLLM (a weight sync per step)
+#   vlower     mlmt train-lower, 2 PPO iterations x 8 problems on vLLM (lower/time/weight_sync: the
+#              in-memory sync's seconds per iteration; benchmarks/weight_sync.py times in-process CPU
+#              engines and is not run here)
 #   vbench     benchmarks/collect_throughput.py 64 x 4: the three-turn loop against raw vLLM at its batch
-#   vsync      benchmarks/weight_sync.py: in-memory sync against the file round trip
 #   vjoint     mlmt train-joint, one round of configs/demo.yaml on vLLM
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -94,7 +95,6 @@ if [ "$PROFILE" = vllm ]; then
     --set lower.problems_per_iteration="$probs" --set task.level=2 --out "$W/vlower"
   step vbench 180 "$PY" benchmarks/collect_throughput.py --limit "$n" --n-samples 4 --engines vllm --raw-n 4 \
     --raw-runs 1 --out "$OUT/collect_throughput-gpu.json"
-  step vsync 120 "$PY" benchmarks/weight_sync.py --repeats 3 --out "$OUT/weight_sync-gpu.json"
   step vjoint 200 "${MLMT[@]}" train-joint -c configs/demo.yaml --engine vllm --rounds 1 --no-wandb --no-progress \
     --set joint.collect_problems="$probs" "${joint[@]}" --out "$W/vjoint"
 else
