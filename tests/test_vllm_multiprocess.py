@@ -44,10 +44,7 @@ def mp_env():
                            "engine.vllm.max_model_len": 1024, "episode.max_prompt_tokens": 768,
                            "logging.wandb": False}) as (_, policies, engine):
             fmt = ChatFormat(policies.tokenizer("solver"), policies.eos_ids("solver"))
-            try:
-                yield policies, engine, fmt
-            finally:
-                engine.llm.llm_engine.engine_core.shutdown()  # the EngineCore process ends now, not at GC
+            yield policies, engine, fmt  # vllm_session closes the engine: its EngineCore process ends then
     finally:
         mp.undo()
         envs.disable_envs_cache()
@@ -69,3 +66,21 @@ def test_salted_prefix_cache_across_rpc_syncs(mp_env):
     syncs, routes = check_salted_swaps(policies, engine, fmt, perturbed_lora_b(policies, "solver", seed=7),
                                        LOGPROB_TOL)
     assert syncs == (1, 1, 1, 1) and set(routes) == {"rpc"}, "every swap must move weights, over collective_rpc"
+
+
+def test_close_ends_the_engine_core_process_and_a_second_close_does_nothing(mp_env):
+    """Last in this module (pytest keeps file order): it closes the module's engine. On a GPU the
+    core process holds gpu_memory_utilization of the card until it ends, so a later engine in the
+    same process could not start if close() left it to garbage collection."""
+    import psutil
+
+    _, engine, _ = mp_env
+    # the core process, not multiprocessing's resource tracker (which lives as long as this process)
+    cores = [c for c in psutil.Process().children(recursive=True)
+             if c.is_running() and "resource_tracker" not in " ".join(c.cmdline())]
+    assert cores, "a multiprocess engine runs its EngineCore in a child process"
+    engine.close()
+    _, alive = psutil.wait_procs(cores, timeout=120)
+    assert not alive, [c.cmdline() for c in alive]
+    assert engine.llm is None
+    engine.close()

@@ -20,6 +20,7 @@ GPU the default multiprocess engine is used. How weights reach the worker
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from dataclasses import replace
@@ -134,7 +135,20 @@ class VLLMEngine:
         self.sync_weights("solver")
 
     def close(self) -> None:
-        del self.llm
+        """Stop vLLM now: a multiprocess engine's core process ends and, on a GPU, its memory
+        (gpu_memory_utilization of the card) is free for the next engine in this process, where
+        dropping the LLM would leave both to garbage collection. A second call does nothing."""
+        llm, self.llm = getattr(self, "llm", None), None
+        self.kernels = None  # packed kernels of an in-process CPU engine hold its layers' memory
+        if llm is None:
+            return
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        del llm, core
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ weights
     def weights_key(self, policy: str) -> str:
