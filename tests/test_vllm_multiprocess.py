@@ -75,9 +75,10 @@ def test_close_ends_the_engine_core_process_and_a_second_close_does_nothing(mp_e
     import psutil
 
     _, engine, _ = mp_env
-    # the core process, not multiprocessing's resource tracker (which lives as long as this process)
+    # vLLM titles its core process (setproctitle); this worker has other children (wandb's service,
+    # multiprocessing's resource tracker) that live as long as it does
     cores = [c for c in psutil.Process().children(recursive=True)
-             if c.is_running() and "resource_tracker" not in " ".join(c.cmdline())]
+             if c.is_running() and "EngineCore" in " ".join([c.name(), *c.cmdline()])]
     assert cores, "a multiprocess engine runs its EngineCore in a child process"
     engine.close()
     _, alive = psutil.wait_procs(cores, timeout=120)
