@@ -71,7 +71,7 @@ def test_salted_prefix_cache_across_rpc_syncs(mp_env):
 def test_close_ends_the_engine_core_process_and_a_second_close_does_nothing(mp_env):
     """Last in this module (pytest keeps file order): it closes the module's engine. On a GPU the
     core process holds gpu_memory_utilization of the card until it ends, so a later engine in the
-    same process could not start if close() left it to garbage collection."""
+    same process needs it gone when close() returns, whoever else still holds the LLM."""
     import psutil
 
     _, engine, _ = mp_env

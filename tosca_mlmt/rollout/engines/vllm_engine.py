@@ -136,8 +136,9 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Stop vLLM now: a multiprocess engine's core process ends and, on a GPU, its memory
-        (gpu_memory_utilization of the card) is free for the next engine in this process, where
-        dropping the LLM would leave both to garbage collection. A second call does nothing."""
+        (gpu_memory_utilization of the card) is free for the next engine in this process, even
+        where something still holds the LLM, which dropping our reference alone would not ensure.
+        A second call does nothing."""
         llm, self.llm = getattr(self, "llm", None), None
         self.kernels = None  # packed kernels of an in-process CPU engine hold its layers' memory
         if llm is None:
