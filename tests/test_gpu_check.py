@@ -87,20 +87,15 @@ def test_unpack_names_the_parts_never_staged_and_ignores_another_packs_leftovers
 
 
 def _fake_checkout(tmp_path: Path) -> tuple[Path, list[Path]]:
-    """A checkout holding check.sh and pack.py, and the payload packed into .gpu/partK as stage.sh leaves it."""
+    """A checkout holding check.sh, pack.py and what pack.py imports (tosca_mlmt.fsutil), and the
+    payload packed into .gpu/partK as stage.sh leaves it."""
     repo = tmp_path / "repo"
     (repo / "benchmarks" / "gpu").mkdir(parents=True)
-    for f in ("check.sh", "pack.py"):
-        shutil.copy(GPU / f, repo / "benchmarks" / "gpu" / f)
+    (repo / "tosca_mlmt").mkdir()
+    for f in ("benchmarks/gpu/check.sh", "benchmarks/gpu/pack.py", "tosca_mlmt/__init__.py", "tosca_mlmt/fsutil.py"):
+        shutil.copy(ROOT / f, repo / f)
     files = _payload(tmp_path)
     return repo, _pack_module().pack(files, repo / ".gpu", part_bytes=4096)
-
-
-def _carry(repo: Path, parts: list[Path], k: int) -> None:
-    """What one device call leaves in the checkout: .gpu/partK only (uncarried ignored paths are removed)."""
-    for d in parts:
-        if d.name != f"part{k}":
-            shutil.rmtree(d, ignore_errors=True)
 
 
 def _check(repo: Path, mode: str, tmp_path: Path, **env) -> subprocess.CompletedProcess:
@@ -131,7 +126,8 @@ def test_run_joins_the_parts_staged_by_earlier_calls(tmp_path):
 
 def test_run_stops_before_installing_when_a_part_was_not_staged(tmp_path):
     repo, parts = _fake_checkout(tmp_path)
-    _carry(repo, parts, len(parts))  # a fresh machine: the stage calls never ran on it
+    for d in parts[:-1]:  # a fresh machine: the stage calls never ran on it, only the last part came
+        shutil.rmtree(d)
     res = _check(repo, "run", tmp_path)
     assert res.returncode == 3 and "were not staged" in res.stderr
     assert not (tmp_path / "out" / "steps.jsonl").exists()

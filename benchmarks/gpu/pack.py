@@ -24,15 +24,10 @@ import sys
 import tarfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tosca_mlmt.fsutil import sha256_file as sha256  # noqa: E402 -- stdlib only: runs before anything is installed
+
 MANIFEST = "manifest-part{}.json"
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def pack(files: list[Path], out: Path, part_bytes: int) -> list[Path]:

@@ -17,9 +17,12 @@ Rank, world size, collectives and ZeRO-3 gathering live in :mod:`tosca_mlmt.para
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -109,15 +112,10 @@ def prebuild_deepspeed_ops() -> str | None:
     first). Returns the build folder, or None where DeepSpeed is not installed, the accelerator is
     not the CPU, or the op does not apply to this machine; a failed build only warns (DeepSpeed
     then tries again, and reports, when a run starts it)."""
-    import importlib.util
-
     if importlib.util.find_spec("deepspeed") is None:
         return None
     _deepspeed_build_dir()
     try:  # a broken DeepSpeed or a missing compiler must not fail the install
-        import contextlib
-        import sys
-
         # DeepSpeed logs to stdout, where `mlmt setup` prints the model folder
         with contextlib.redirect_stdout(sys.stderr):
             from deepspeed.accelerator import get_accelerator
