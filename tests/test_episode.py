@@ -232,3 +232,50 @@ def test_a_collect_that_fails_closes_the_engine_it_started(tiny_cfg, policies, m
     with pytest.raises(RuntimeError, match="verifier crashed"):
         collect_mod.collect(cfg, tmp_path / "snaps", policies=policies, engine=mine)
     assert not mine.closed and len(started) == 1
+
+
+def test_an_episode_under_a_template_without_a_system_turn_and_a_later_listed_close(tiny_cfg, policies):
+    """A Gemma-shaped template (refuses the system role; turns close with an eos listed second):
+    the writer's system text opens its user message, each turn is closed once, and fixed feedback
+    ends with the template's close, not eos_ids[0]."""
+    import copy
+    from dataclasses import replace
+
+    from test_prompts import TEMPLATES
+
+    from tosca_mlmt.prompts import WRITER_SYSTEM
+
+    tok = copy.deepcopy(policies.tokenizer("solver"))
+    tok.chat_template = TEMPLATES["refuses_system"]
+
+    class OtherTemplate:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def tokenizer(self, role):
+            return tok
+
+        def eos_ids(self, role):
+            return [0, 2]  # <|endoftext|> listed first; the template closes turns with <|im_end|>
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    task = ArithTask(1)
+    problem = task.load("train", 1).problems[0]
+    replies = {"solver": tok.encode("The answer is 3.") + [2], "writer": tok.encode("Add again.") + [2]}
+    for feedback in ("generate", "static"):
+        cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=1, n_samples=1, feedback=feedback))
+        engine = ScriptedEngine(replies)
+        z, fb, ref = EpisodeRunner(cfg, task, engine, OtherTemplate(policies)).run([problem])[0].turns
+        text = lambda ids: tok.decode(ids)  # noqa: E731
+        if feedback == "generate":
+            assert text(fb.prompt_ids).startswith(f"<|im_start|>user\n{WRITER_SYSTEM}\n\nProblem:")
+        else:
+            assert fb.response_ids[-1] == 2 and 0 not in fb.response_ids
+        g = tok.decode(ref.prompt_ids[ref.feedback_span.start:ref.feedback_span.end])
+        turns = [{"role": "user", "content": text(z.prompt_ids).split("user\n", 1)[1].split("<|im_end|>")[0]},
+                 {"role": "assistant", "content": "The answer is 3."},
+                 {"role": "user", "content": text(ref.prompt_ids).rsplit("<|im_start|>user\n", 1)[1].split("<|im_end|>")[0]}]
+        assert g in turns[2]["content"]
+        assert text(ref.prompt_ids) == tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)

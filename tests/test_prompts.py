@@ -47,3 +47,79 @@ def test_user_prompt_with_ids_keeps_ids_verbatim_and_reports_cuts(tok):
     assert ids[start:cut[1]] == odd
     assert ids[: cut[0]] == fmt.user_prompt_with_ids("sys", ["Problem: x\n"])[0][: cut[0]]
     assert tok.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+# Templates written in the shape of other model families, on SmolLM2's vocabulary (ids 0/1/2 are
+# <|endoftext|>, <|im_start|>, <|im_end|>): each closes an assistant turn with <|im_end|>.
+_TURN = "{{ '<|im_start|>' + role + '\\n' + m['content'] | trim + '<|im_end|>\\n' }}"
+_ROLE = "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+_GEN = "{% if add_generation_prompt %}{{ '<|im_start|>model\\n' }}{% endif %}"
+TEMPLATES = {
+    # Gemma 2: a system message raises
+    "refuses_system": ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                       "{% endif %}{% for m in messages %}" + _ROLE + _TURN + "{% endfor %}" + _GEN),
+    # a template that renders only user and assistant turns, silently
+    "drops_system": "{% for m in messages if m['role'] != 'system' %}" + _ROLE + _TURN + "{% endfor %}" + _GEN,
+    # Llama 3.2: the date in the system block comes from the clock unless date_string is given
+    "dated": ("{% if not date_string is defined %}{% set date_string = strftime_now('%d %b %Y') %}{% endif %}"
+              "{{ '<|im_start|>system\\nToday Date: ' + date_string + '<|im_end|>\\n' }}"
+              "{% for m in messages %}" + _ROLE + _TURN + "{% endfor %}" + _GEN),
+}
+
+
+def _with_template(tok, name):
+    import copy
+
+    t = copy.deepcopy(tok)
+    t.chat_template = TEMPLATES[name]
+    return t
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_a_turn_closed_by_a_later_listed_eos_is_closed_once(tok, name):
+    # Llama 3 lists <|end_of_text|> before <|eot_id|>, Gemma <eos> before <end_of_turn>: the template's
+    # close is not eos_ids[0], and a reply that stopped on it must not get a second one
+    t = _with_template(tok, name)
+    fmt = ChatFormat(t, [0, 2])
+    assert fmt.close_id == 2
+    p1 = fmt.first_prompt("What is 2 + 3?")
+    ctx = p1 + fmt.encode("It is 6.") + [2]
+    cont, cut = fmt.continue_with_user(ctx, ["Feedback: ", fmt.encode("recheck"), " please"])
+    rendered = t.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "It is 6."},
+         {"role": "user", "content": "Feedback: recheck please"}], add_generation_prompt=True, tokenize=False,
+        date_string="26 Jul 2024")
+    assert t.decode(ctx + cont) == rendered
+    assert (ctx + cont).count(2) == rendered.count("<|im_end|>")  # one close per turn
+    # a reply that stopped on the other eos keeps it, and the template's close follows
+    other = p1 + fmt.encode("It is 6.") + [0]
+    cont, _ = fmt.continue_with_user(other, ["next"])
+    assert cont[0] == 2
+
+
+@pytest.mark.parametrize("name", ["refuses_system", "drops_system"])
+def test_system_text_opens_the_user_message_where_the_template_has_no_system_turn(tok, name):
+    t = _with_template(tok, name)
+    fmt = ChatFormat(t, [2])
+    assert not fmt.system_role
+    folded = t.apply_chat_template([{"role": "user", "content": "Be brief.\n\nWhat is 2 + 3?"}],
+                                   add_generation_prompt=True, tokenize=False)
+    assert t.decode(fmt.first_prompt("What is 2 + 3?", system="Be brief.")) == folded
+    ids, cut = fmt.user_prompt_with_ids("Be brief.", ["What is ", [17, 18], " + 3?"])
+    assert ids[cut[0]:cut[1]] == [17, 18]
+    assert t.decode(ids) == t.apply_chat_template(
+        [{"role": "user", "content": "Be brief.\n\nWhat is " + t.decode([17, 18]) + " + 3?"}],
+        add_generation_prompt=True, tokenize=False)
+
+
+def test_the_system_turn_is_kept_where_the_template_has_one(tok):
+    fmt = ChatFormat(tok, [tok.eos_token_id])
+    assert fmt.system_role
+    assert "<|im_start|>system\nBe brief.<|im_end|>" in tok.decode(fmt.first_prompt("Q", system="Be brief."))
+
+
+def test_a_dated_template_renders_the_same_prompt_on_any_day(tok):
+    fmt = ChatFormat(_with_template(tok, "dated"), [2])
+    text = fmt.tok.decode(fmt.first_prompt("Q"))
+    assert "Today Date: 26 Jul 2024" in text
+    assert fmt.user_prompt_with_ids(None, ["Q"])[0] == fmt.first_prompt("Q")

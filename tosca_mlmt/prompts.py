@@ -4,7 +4,10 @@ Every prompt after turn 1 is built by *appending ids* to ids that already exist
 (the turn-1 prompt, the sampled response, the sampled feedback), never by decoding
 and re-encoding a transcript. Only the fixed template text around them is encoded.
 The template pieces come from rendering the model's own chat template with
-placeholders, so any ChatML-like template works, not just SmolLM2's.
+placeholders, so any template that renders a user/assistant/user conversation works, not
+just SmolLM2's: one without a system turn (Gemma) gets the system text at the start of the
+user message, and a turn is closed by the template's own close token, whichever place the
+model's eos list gives it (Llama 3, Gemma, Phi-3 list another eos first).
 """
 
 from __future__ import annotations
@@ -12,6 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _A, _B = "\u2063ATTEMPT\u2063", "\u2063USER\u2063"
+_S = "\u2063SYSTEM\u2063"
+# Passed to every rendering. Llama 3.2's template stamps today's date (strftime_now) into its system
+# block unless date_string is given, so a prompt, and with it a collect snapshot, would change with
+# the calendar; this is Llama 3.1's own fixed default. Templates that do not read it ignore it.
+TEMPLATE_VARS = {"date_string": "26 Jul 2024"}
 
 WRITER_SYSTEM = (
     "You are a concise tutor. You read a student's attempt at a problem and write short, "
@@ -40,19 +48,38 @@ class ChatFormat:
     def __post_init__(self):
         msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _A},
                 {"role": "user", "content": _B}]
-        full = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        full = self._render(msgs)
         a_end = full.index(_A) + len(_A)
         b_start = full.index(_B)
         self.between = full[a_end:b_start]  # closes the assistant turn, opens a user turn
         self.after_user = full[b_start + len(_B):]  # closes the user turn, opens the assistant turn
-        self.eos_text = self.tok.decode([self.eos_ids[0]])
+        self.eos_texts = {i: self.tok.decode([i]) for i in self.eos_ids}
+        # The id the template closes an assistant turn with. Not always eos_ids[0]: Llama 3 lists
+        # <|end_of_text|> before the <|eot_id|> its turns end with, Gemma <eos> before <end_of_turn>.
+        self.close_id = next((i for i in self.eos_ids if self.eos_texts[i] and self.between.startswith(self.eos_texts[i])),
+                             self.eos_ids[0])
+        # Gemma's template refuses a system message and others drop it: the system text then opens
+        # the user message, as Gemma 3's template does itself.
+        try:
+            self.system_role = _S in self._render([{"role": "system", "content": _S}, {"role": "user", "content": _B}])
+        except Exception as e:  # jinja2's TemplateError from the template's raise_exception
+            if type(e).__name__ != "TemplateError":
+                raise
+            self.system_role = False
+
+    def _render(self, msgs: list[dict], tokenize: bool = False):
+        return self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=tokenize, **TEMPLATE_VARS)
+
+    def _messages(self, system: str | None, user: str) -> list[dict]:
+        if system and not self.system_role:
+            return [{"role": "user", "content": f"{system}\n\n{user}"}]
+        return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
 
     def first_prompt(self, user: str, system: str | None = None) -> list[int]:
-        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-        ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = self._render(self._messages(system, user), tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
@@ -68,8 +95,11 @@ class ChatFormat:
 
         Returns (ids, cut) where ``cut[i]`` is the length of ids after piece i."""
         between = self.between
-        if response_ids and response_ids[-1] in self.eos_ids and between.startswith(self.eos_text):
-            between = between[len(self.eos_text):]
+        # a response that ended on the template's own turn close has closed it (any other eos
+        # it stopped on stays, and the template's close follows)
+        end = self.eos_texts.get(response_ids[-1]) if response_ids else None
+        if end and between.startswith(end):
+            between = between[len(end):]
         out = self.encode(between)
         cut = []
         for p in pieces:
@@ -82,9 +112,7 @@ class ChatFormat:
 
         Returns (ids, cut) where ``cut[i]`` is the length of ids after piece i, so callers can
         slice states (e.g. the writer's state ends before the strategy text)."""
-        head = self.tok.apply_chat_template(
-            ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": _B}],
-            add_generation_prompt=True, tokenize=False)
+        head = self._render(self._messages(system, _B))
         before, after = head.split(_B)
         ids = self.encode(before)
         cut = []

@@ -209,7 +209,7 @@ class EpisodeRunner:
         # Fixed feedback needs no writer model (SCoRe's static instruction, the verdict control, a
         # prefix_only strategy): finish_reason "fixed", no log-probs, nothing for the text loss to clone.
         fixed = [self._feedback_text(ep, a) for ep, a in zip(episodes, actions)]
-        fb_gens = [None if t is None else [Generation(tuple(wfmt.encode(t) + [wfmt.eos_ids[0]]), (), "fixed")]
+        fb_gens = [None if t is None else [Generation(tuple(wfmt.encode(t) + [wfmt.close_id]), (), "fixed")]
                    for t in fixed]
         fb_seen = list(writer_prompts)  # a fixed turn made no engine call: nothing was cut
         write = [i for i, t in enumerate(fixed) if t is None]
