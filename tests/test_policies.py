@@ -35,7 +35,10 @@ def test_merged_state_dict_is_base_plus_delta_and_leaves_the_model_untouched(pol
     from transformers import AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_pretrained(policies.base_paths["solver"], dtype=torch.float32)
-    plain.load_state_dict(sd)
+    res = plain.load_state_dict(sd, strict=False)
+    # the tied head travels once, as the embeddings (a checkpoint's layout), and stays tied
+    assert not res.unexpected_keys and res.missing_keys == ["lm_head.weight"]
+    assert plain.lm_head.weight is plain.model.embed_tokens.weight
     ids = torch.tensor([[1, 504, 3458, 314, 216, 33, 1232, 216, 34, 47]])
     with torch.no_grad(), policies.use("solver"):
         want = model(input_ids=ids).logits

@@ -132,3 +132,14 @@ def weights_fingerprint(state_dict) -> str:
         h.update(str(t.dtype).encode())
         h.update(t.view(-1).view(dtype=__import__("torch").uint8).numpy())  # the buffer itself: no copy
     return h.hexdigest()[:16]
+
+
+def attention_implementation(path: Path) -> str | None:
+    """``"eager"`` for a model whose attention soft-caps its scores (Gemma 2's
+    ``attn_logit_softcapping``), else None (transformers' default). transformers picks SDPA,
+    which leaves the cap out without a word: on a tiny Gemma 2 the trainer's log-probs moved by
+    0.04 from eager's, and vLLM, which caps, would then disagree with the trainer on every
+    PPO ratio. Eager attention caps as the model was trained."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    text = config.get("text_config") or {}  # a multimodal wrapper keeps the language model's fields there
+    return "eager" if config.get("attn_logit_softcapping") or text.get("attn_logit_softcapping") else None

@@ -22,7 +22,7 @@ from torch import nn
 from tosca_mlmt.config import ModelConfig
 from tosca_mlmt.models.features import writer_state_features
 from tosca_mlmt.models.artefacts import check_base
-from tosca_mlmt.models.loading import resolve_model, weights_fingerprint
+from tosca_mlmt.models.loading import attention_implementation, resolve_model, weights_fingerprint
 from tosca_mlmt.parallel import compute_device, full_parameters, is_main
 from tosca_mlmt.precision import model_dtype
 from tosca_mlmt.seeds import seeded
@@ -141,14 +141,19 @@ class SyncPlan:
             if isinstance(mod, LoraLayer) and role in mod.lora_A:
                 lora[f"{name}.base_layer.weight"] = (name, mod)
         modules = frozenset(name for name, _ in lora.values())
-        rows, tensors = [], []
-        for k in base.state_dict(keep_vars=True):
+        rows, tensors, seen = [], [], set()
+        for k, t in base.state_dict(keep_vars=True).items():
             if "lora_" in k:
                 if k.split(".")[-2] == role or k.split(".")[-1] == role:  # lora_A.<role>.weight, lora_embedding_A.<role>
                     tensors.append((k, _reader(base, k)))
                 continue
-            hf = k.replace(".base_layer.", ".")
             name_mod = lora.pop(k, None)
+            # A tied weight (lm_head = embed_tokens) goes once, under its first name, as a checkpoint
+            # holds it: vLLM ties it itself, and some of its loaders (Gemma 2) reject the second name.
+            if id(t) in seen and name_mod is None:
+                continue
+            seen.add(id(t))
+            hf = k.replace(".base_layer.", ".")
             rows.append((hf, hf.rpartition(".")[0], _reader(base, k), None if name_mod is None else name_mod[1]))
         if lora:
             raise RuntimeError(f"LoRA layers without a base weight: {sorted(lora)[:3]}")
@@ -184,7 +189,8 @@ class PolicyPair:
                         pm.add_adapter(role, lora)
                     self._models[role] = pm
                     continue
-                base = AutoModelForCausalLM.from_pretrained(self.base_paths[role], dtype=self.dtype)
+                base = AutoModelForCausalLM.from_pretrained(self.base_paths[role], dtype=self.dtype,
+                                                            attn_implementation=attention_implementation(self.base_paths[role]))
                 base.generation_config.pad_token_id = self._tok[role].pad_token_id
                 if adapters[role]:
                     pm = PeftModel.from_pretrained(base, adapters[role], adapter_name=role, is_trainable=True)
