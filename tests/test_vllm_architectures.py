@@ -1,9 +1,10 @@
 """vLLM serves architectures besides the embedded Llama, and every sync route loads the trainer's weights.
 
 Tiny random models are built locally on the embedded tokenizer: a Qwen2 (biased q/k/v, the most
-common RL base) and a Gemma 2 (its head tied to the embeddings, which vLLM's Gemma 2 loader
-refuses under the name ``lm_head``; soft-capped attention scores, which the trainer must cap as vLLM
-does: models/loading.attention_implementation). Their weights are drawn wide enough
+common RL base), a Gemma 2 (its head tied to the embeddings, which vLLM's Gemma 2 loader refuses
+under the name ``lm_head``; soft-capped attention scores, which the trainer must cap as vLLM does:
+models/loading.attention_implementation) and a Phi-3 (q/k/v and gate/up fused in the checkpoint
+itself; an untied head). Their weights are drawn wide enough
 (``initializer_range``) for peaked logits, so a changed adapter visibly moves log-probs. For each,
 one in-process vLLM engine serves a trained-looking solver adapter through the direct kernels (the
 CPU default), a delta reload, a full reload and the file route, and each gives the trainer's
@@ -23,7 +24,8 @@ from conftest import FP32, VLLM_MARKS, max_diff, perturbed_lora_b, teacher_force
 
 pytestmark = VLLM_MARKS
 
-ARCHS = {"qwen2": "Qwen2Config", "gemma2": "Gemma2Config"}
+# config class, and whether the head is tied to the embeddings
+ARCHS = {"qwen2": ("Qwen2Config", True), "gemma2": ("Gemma2Config", True), "phi3": ("Phi3Config", False)}
 # fp32 on both sides (measured: 1.5e-5 Qwen2, 3.8e-6 Gemma 2). Gemma 2 read 9.8e-3 before the trainer
 # loaded it with eager attention: SDPA, transformers' default, leaves its attention soft-cap out.
 TOL = 1e-4
@@ -37,9 +39,10 @@ def _build(arch: str, folder) -> str:
     from tosca_mlmt.models.loading import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
-    config = getattr(transformers, ARCHS[arch])(
+    name, tied = ARCHS[arch]
+    config = getattr(transformers, name)(
         vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=tied,
         initializer_range=0.2, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
@@ -71,11 +74,11 @@ def test_a_full_sync_carries_a_checkpoints_tensors(arch_env):
     """The tied head goes once, under the name the saved checkpoint gives it; nothing else is dropped."""
     from safetensors import safe_open
 
-    _, policies, _ = arch_env
+    arch, policies, _ = arch_env
     with safe_open(os.path.join(policies.base_paths["solver"], "model.safetensors"), "pt") as f:
         saved = set(f.keys())
     assert set(policies.merged_state_dict("solver")) == saved
-    assert "lm_head.weight" not in saved and "model.embed_tokens.weight" in saved
+    assert ("lm_head.weight" in saved) == (not ARCHS[arch][1]) and "model.embed_tokens.weight" in saved
 
 
 def test_every_route_serves_the_trainers_weights(arch_env):

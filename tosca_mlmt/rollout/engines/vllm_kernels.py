@@ -66,6 +66,8 @@ def fused_layers(llm, runner, packed: dict[str, list[str]] | None,
         except AttributeError:
             return None
         sizes = list(getattr(layer, "output_partition_sizes", ()))
+        if len(group) == 1 and len(sizes) > 1:  # fused in the checkpoint already (Phi-3's qkv_proj, gate_up_proj)
+            sizes = [sum(sizes)]
         if (not isinstance(getattr(layer, "quant_method", None), UnquantizedLinearMethod)
                 or not hasattr(layer, "cpu_linear") or layer.weight.numel() != 0 or len(sizes) != len(group)
                 or getattr(layer, "_cpu_skip_gemm_dispatch", False)):
