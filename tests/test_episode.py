@@ -234,40 +234,48 @@ def test_a_collect_that_fails_closes_the_engine_it_started(tiny_cfg, policies, m
     assert not mine.closed and len(started) == 1
 
 
+class OtherTemplate:
+    """``policies`` with the solver's tokenizer under another chat template (tests/test_prompts.py's
+    TEMPLATES) for both roles, and <|endoftext|> listed before the <|im_end|> its turns close with."""
+
+    def __init__(self, inner, template: str):
+        import copy
+
+        from test_prompts import TEMPLATES
+
+        self.inner, self.tok = inner, copy.deepcopy(inner.tokenizer("solver"))
+        self.tok.chat_template = TEMPLATES[template]
+
+    def tokenizer(self, role):
+        return self.tok
+
+    def eos_ids(self, role):
+        return [0, 2]
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _scripted_episode(cfg, policies):
+    task = ArithTask(1)
+    tok = policies.tokenizer("solver")
+    replies = {"solver": tok.encode("The answer is 3.") + [2], "writer": tok.encode("Add again.") + [2]}
+    return EpisodeRunner(cfg, task, ScriptedEngine(replies), policies).run(task.load("train", 1).problems)[0].turns
+
+
 def test_an_episode_under_a_template_without_a_system_turn_and_a_later_listed_close(tiny_cfg, policies):
     """A Gemma-shaped template (refuses the system role; turns close with an eos listed second):
     the writer's system text opens its user message, each turn is closed once, and fixed feedback
     ends with the template's close, not eos_ids[0]."""
-    import copy
     from dataclasses import replace
-
-    from test_prompts import TEMPLATES
 
     from tosca_mlmt.prompts import WRITER_SYSTEM
 
-    tok = copy.deepcopy(policies.tokenizer("solver"))
-    tok.chat_template = TEMPLATES["refuses_system"]
-
-    class OtherTemplate:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def tokenizer(self, role):
-            return tok
-
-        def eos_ids(self, role):
-            return [0, 2]  # <|endoftext|> listed first; the template closes turns with <|im_end|>
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-    task = ArithTask(1)
-    problem = task.load("train", 1).problems[0]
-    replies = {"solver": tok.encode("The answer is 3.") + [2], "writer": tok.encode("Add again.") + [2]}
+    other = OtherTemplate(policies, "refuses_system")
+    tok = other.tok
     for feedback in ("generate", "static"):
         cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=1, n_samples=1, feedback=feedback))
-        engine = ScriptedEngine(replies)
-        z, fb, ref = EpisodeRunner(cfg, task, engine, OtherTemplate(policies)).run([problem])[0].turns
+        z, fb, ref = _scripted_episode(cfg, other)
         text = lambda ids: tok.decode(ids)  # noqa: E731
         if feedback == "generate":
             assert text(fb.prompt_ids).startswith(f"<|im_start|>user\n{WRITER_SYSTEM}\n\nProblem:")
@@ -279,3 +287,17 @@ def test_an_episode_under_a_template_without_a_system_turn_and_a_later_listed_cl
                  {"role": "user", "content": text(ref.prompt_ids).rsplit("<|im_start|>user\n", 1)[1].split("<|im_end|>")[0]}]
         assert g in turns[2]["content"]
         assert text(ref.prompt_ids) == tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+
+
+def test_chat_template_kwargs_open_every_turn(tiny_cfg, policies):
+    """model.chat_template_kwargs reaches the runner's renderings: with a Qwen3-shaped template and
+    enable_thinking=false, the solve, feedback and refine prompts all open the reply with an empty block."""
+    from dataclasses import replace
+
+    other = OtherTemplate(policies, "thinks")
+    empty = "<|im_start|>model\n<think>\n\n</think>\n\n"
+    for kwargs in ({}, {"enable_thinking": False}):
+        cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=1, n_samples=1),
+                      model=replace(tiny_cfg.model, chat_template_kwargs=kwargs))
+        for t in _scripted_episode(cfg, other):
+            assert other.tok.decode(t.prompt_ids).endswith(empty) == bool(kwargs), (t.kind, kwargs)

@@ -64,6 +64,10 @@ TEMPLATES = {
     "dated": ("{% if not date_string is defined %}{% set date_string = strftime_now('%d %b %Y') %}{% endif %}"
               "{{ '<|im_start|>system\\nToday Date: ' + date_string + '<|im_end|>\\n' }}"
               "{% for m in messages %}" + _ROLE + _TURN + "{% endfor %}" + _GEN),
+    # Qwen3: enable_thinking=false opens the reply with an empty thinking block
+    "thinks": ("{% for m in messages %}" + _ROLE + _TURN + "{% endfor %}{% if add_generation_prompt %}"
+               "{{ '<|im_start|>model\\n' }}{% if enable_thinking is defined and not enable_thinking %}"
+               "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}"),
 }
 
 
@@ -123,3 +127,17 @@ def test_a_dated_template_renders_the_same_prompt_on_any_day(tok):
     text = fmt.tok.decode(fmt.first_prompt("Q"))
     assert "Today Date: 26 Jul 2024" in text
     assert fmt.user_prompt_with_ids(None, ["Q"])[0] == fmt.first_prompt("Q")
+
+
+def test_template_variables_reach_every_rendering(tok):
+    """model.chat_template_kwargs: turn 1, the writer's prompt and every later turn open the same way."""
+    t = _with_template(tok, "thinks")
+    plain, off = ChatFormat(t, [2]), ChatFormat(t, [2], {"enable_thinking": False})
+    empty = "<|im_start|>model\n<think>\n\n</think>\n\n"
+    assert not t.decode(plain.first_prompt("Q")).endswith(empty)
+    p1 = off.first_prompt("Q")
+    cont, _ = off.continue_with_user(p1 + off.encode("A") + [2], ["next"])
+    # (the refine's context keeps turn 1's empty block where it was: ids are appended, never re-rendered,
+    # although this template, like Qwen3's, would leave it out of a past turn)
+    for ids in (p1, p1 + cont, off.user_prompt_with_ids("sys", ["Q"])[0]):
+        assert t.decode(ids).endswith(empty)

@@ -12,7 +12,7 @@ model's eos list gives it (Llama 3, Gemma, Phi-3 list another eos first).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _A, _B = "\u2063ATTEMPT\u2063", "\u2063USER\u2063"
 _S = "\u2063SYSTEM\u2063"
@@ -44,6 +44,8 @@ class ChatFormat:
 
     tok: object
     eos_ids: list[int]
+    # model.chat_template_kwargs: variables for every rendering, over TEMPLATE_VARS
+    template_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self):
         msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _A},
@@ -68,7 +70,8 @@ class ChatFormat:
             self.system_role = False
 
     def _render(self, msgs: list[dict], tokenize: bool = False):
-        return self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=tokenize, **TEMPLATE_VARS)
+        return self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=tokenize,
+                                            **{**TEMPLATE_VARS, **self.template_kwargs})
 
     def _messages(self, system: str | None, user: str) -> list[dict]:
         if system and not self.system_role:

@@ -12,6 +12,10 @@ TARGET_MODULES = Rule("a non-empty string or a non-empty list of non-empty strin
                       lambda v: bool(v.strip()) if isinstance(v, str)
                       else bool(v) and all(isinstance(s, str) and s.strip() for s in v))
 
+# names a Jinja template can read
+TEMPLATE_KWARGS = Rule("a mapping of identifier names to values",
+                       lambda v: all(isinstance(k, str) and k.isidentifier() for k in v))
+
 
 @dataclass
 class LoraConfig(Section):
@@ -39,4 +43,9 @@ class ModelConfig(Section):
                                rule=EXISTING_DIR_OR_EMPTY)
     dtype: str = knob("auto", "Inference dtype: auto (bf16 if the CPU/GPU supports it), float32 or bfloat16.",
                       choices=("auto", "float32", "bfloat16"))
+    chat_template_kwargs: dict = knob(
+        help="Variables for every rendering of the chat templates (solver and writer), as transformers' "
+             "apply_chat_template takes them, e.g. --set model.chat_template_kwargs.enable_thinking=false "
+             "(Qwen3: no thinking block). date_string defaults to '26 Jul 2024' so that a dated template "
+             "(Llama 3.2) renders the same prompt on any day.", rule=TEMPLATE_KWARGS, default_factory=dict)
     lora: LoraConfig = field(default_factory=LoraConfig)

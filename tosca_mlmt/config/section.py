@@ -83,6 +83,8 @@ def _type_problem(tp: Any, value: Any) -> str | None:
         return None if isinstance(value, str) else "a string"
     if tp is list:
         return None if isinstance(value, list) else "a list"
+    if tp is dict:
+        return None if isinstance(value, dict) else "a mapping"
     return None
 
 

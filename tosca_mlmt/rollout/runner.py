@@ -54,7 +54,8 @@ class EpisodeRunner:
         self.solve_sampling = at(cfg.solver_sampling, solve_temperature)
         self.refine_sampling = at(cfg.solver_sampling, refine_temperature)
         self.writer_sampling = at(cfg.writer_sampling, writer_temperature)
-        self.fmt = {r: ChatFormat(policies.tokenizer(r), policies.eos_ids(r)) for r in ("solver", "writer")}
+        self.fmt = {r: ChatFormat(policies.tokenizer(r), policies.eos_ids(r), cfg.model.chat_template_kwargs)
+                    for r in ("solver", "writer")}
         self.strategies = policies.strategies or cfg.episode.strategies
         self.on_turn = on_turn or (lambda kind, n: None)
         self.gen_tokens = 0
