@@ -40,6 +40,7 @@ from tosca_mlmt.config import Config
 from tosca_mlmt.errors import MlmtError
 from tosca_mlmt.fsutil import atomic_dir
 from tosca_mlmt.metrics import StageTimer
+from tosca_mlmt.models.artefacts import repoint_base
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.rollout.engines import make_engine
 from tosca_mlmt.train.checkpoint import CheckpointManager
@@ -270,4 +271,5 @@ def _publish(run: Path, manifest: dict) -> None:
             continue
         with atomic_dir(run / role) as tmp:
             shutil.copytree(run / src, tmp, dirs_exist_ok=True)
+            repoint_base(tmp, run / src, run / role)  # a local base's relative path, from its new place
         manifest[f"final_{role}"] = role

@@ -137,6 +137,23 @@ def finish_adapter_folder(tmp: Path, folder: Path, *, role: str, base_name: str,
     return meta
 
 
+def repoint_base(tmp: Path, saved_at: Path, folder: Path) -> None:
+    """An adapter folder saved at ``saved_at`` and copied into ``tmp`` (to be renamed to ``folder``):
+    a base recorded as a path relative to ``saved_at`` is rewritten relative to ``folder``, in the
+    adapter config, the metadata and the card. Names, hub ids and absolute paths stay as they are."""
+    cfg_file, meta = tmp / ADAPTER_CONFIG, read_meta(tmp)
+    ref = meta.get("base") or ""
+    if not ref.startswith(".") or os.path.isabs(ref):
+        return
+    rel = os.path.relpath(os.path.normpath(Path(saved_at).absolute() / ref), Path(folder).absolute())
+    meta["base"] = rel if rel.startswith("..") else os.path.join(".", rel)
+    cfg = json.loads(cfg_file.read_text())
+    cfg["base_model_name_or_path"] = meta["base"]
+    atomic_write_text(cfg_file, json.dumps(cfg, indent=2, sort_keys=True))
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
+    (tmp / "README.md").write_text(render_card(meta))
+
+
 def card_fields(info: dict) -> dict:
     """The provenance a stage handed to ``PolicyPair.describe``, in the metadata's shape."""
     out = {"stage": info.get("stage"), "within": info.get("within"),

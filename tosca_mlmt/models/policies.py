@@ -173,8 +173,10 @@ class PolicyPair:
         self.base_paths["writer"] = resolve_model(cfg.writer) if cfg.writer else self.base_paths["solver"]
         self.shared_base = self.base_paths["writer"] == self.base_paths["solver"]
         self._tok = {r: AutoTokenizer.from_pretrained(self.base_paths[r]) for r in ROLES}
-        lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                          target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM")
+        # one LoraConfig per role: peft keeps the object and writes its base's path into it, so a shared
+        # one would name the writer's base for the solver too (peft reads it to check the vocabulary)
+        lora = lambda: LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,  # noqa: E731
+                                  target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM")
         adapters = {"solver": cfg.solver_adapter, "writer": cfg.writer_adapter}
         # LoRA A matrices are random: seed them so a fresh pair has a reproducible fingerprint,
         # without reseeding the process (what the caller draws next does not depend on us).
@@ -186,7 +188,7 @@ class PolicyPair:
                     if adapters[role]:
                         pm.load_adapter(adapters[role], adapter_name=role, is_trainable=True)
                     else:
-                        pm.add_adapter(role, lora)
+                        pm.add_adapter(role, lora())
                     self._models[role] = pm
                     continue
                 base = AutoModelForCausalLM.from_pretrained(self.base_paths[role], dtype=self.dtype,
@@ -195,7 +197,7 @@ class PolicyPair:
                 if adapters[role]:
                     pm = PeftModel.from_pretrained(base, adapters[role], adapter_name=role, is_trainable=True)
                 else:
-                    pm = get_peft_model(base, lora, adapter_name=role)
+                    pm = get_peft_model(base, lora(), adapter_name=role)
                 pm.eval()
                 # the GPU where there is one (parallel.compute_device): the HF engine generates
                 # and every scoring forward runs there; batches cross at each call (tensors.onto)
