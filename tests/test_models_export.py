@@ -164,6 +164,38 @@ def test_a_local_folder_base_is_recorded_relative_and_survives_moving_both(tmp_p
     assert resolve_base(tmp_path / "b" / "run" / "solver").resolve() == (tmp_path / "b" / "models" / "tiny").resolve()
 
 
+def test_an_adapter_on_other_base_weights_in_the_same_folder_warns_on_load_and_export(tmp_path):
+    """A local base is not compared by name, but by the weights fingerprint the folder records:
+    a base changed in place (another revision, re-saved) warns, naming both fingerprints."""
+    import warnings
+
+    from safetensors.torch import load_file, save_file
+
+    from tosca_mlmt.models.export import export_merged
+    from tosca_mlmt.models.loading import resolve_model, stored_weights_sha
+
+    base = tmp_path / "base"
+    shutil.copytree(resolve_model("tiny-random"), base)
+    pair = _pair(**{"model.solver": str(base)})
+    _perturb(pair, "solver", 0)
+    folder = pair.save_role("solver", tmp_path / "solver")
+    recorded = json.loads((folder / "tosca_mlmt.json").read_text())["base_sha"]
+    assert recorded == stored_weights_sha(base)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _pair(**{"model.solver": str(base), "model.solver_adapter": str(folder)})
+    assert not [w for w in seen if "trained on base" in str(w.message)]  # the same weights: no warning
+    sd = load_file(base / "model.safetensors")
+    name = sorted(sd)[0]
+    sd[name] = sd[name] + 1e-3
+    save_file(sd, base / "model.safetensors", metadata={"format": "pt"})
+    changed = stored_weights_sha(base)
+    for load in (lambda: _pair(**{"model.solver": str(base), "model.solver_adapter": str(folder)}),
+                 lambda: export_merged(folder, tmp_path / "merged")):
+        with pytest.warns(UserWarning, match=f"trained on base weights {recorded}, but .* holds weights {changed}"):
+            load()
+
+
 # ---------------------------------------------------------------------- export
 
 

@@ -18,6 +18,7 @@ import json
 import os
 import warnings
 from pathlib import Path
+from typing import Callable
 
 from tosca_mlmt import __version__
 from tosca_mlmt.errors import ModelError
@@ -90,21 +91,24 @@ def resolve_base(folder: Path, override: str | None = None) -> Path:
     return local
 
 
-def check_base(folder: Path, name: str, path: Path) -> None:
-    """Warn when an adapter folder records a different named base than the one it is loaded on
-    (two bases of one architecture take each other's adapters without a shape error). Local
-    folder bases are not compared: their recorded paths are relative to where the run was."""
+def check_base(folder: Path, name: str, path: Path, sha: Callable[[], str] | None = None) -> None:
+    """Warn when an adapter folder records another base than the one it is loaded on: another named
+    base (two bases of one architecture take each other's adapters without a shape error; local
+    folders are not compared by name, their recorded paths being relative to where the run was), or,
+    with ``sha`` (the base's stored_weights_sha, computed only when the folder records one), other
+    weights: another revision in the same folder, a base re-saved in another dtype, another model."""
     meta = read_meta(folder)
     rec, rev = meta.get("base"), meta.get("base_revision")
-    if not rec or rec.startswith("."):
-        return
-    ref, cur_rev = base_reference(name, path, folder)
-    if ref.startswith("."):
-        return
-    if ref != rec or (rev and cur_rev and rev != cur_rev):
-        show = lambda r, v: f"'{r}'" + (f" at {v[:12]}" if v else "")  # noqa: E731
-        warnings.warn(f"{folder} was trained on base {show(rec, rev)} but is loaded on {show(ref, cur_rev)}",
-                      stacklevel=3)
+    if rec and not rec.startswith("."):
+        ref, cur_rev = base_reference(name, path, folder)
+        if not ref.startswith(".") and (ref != rec or (rev and cur_rev and rev != cur_rev)):
+            show = lambda r, v: f"'{r}'" + (f" at {v[:12]}" if v else "")  # noqa: E731
+            warnings.warn(f"{folder} was trained on base {show(rec, rev)} but is loaded on {show(ref, cur_rev)}",
+                          stacklevel=3)
+    want = meta.get("base_sha")
+    if want and sha is not None and (got := sha()) != want:
+        warnings.warn(f"{folder} was trained on base weights {want}, but {path} holds weights {got}: the policy "
+                      "it gives is not the one that was trained", stacklevel=3)
 
 
 def read_meta(folder: Path) -> dict:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from tosca_mlmt.errors import ModelError
 from tosca_mlmt.fsutil import atomic_dir
-from tosca_mlmt.models.artefacts import ADAPTER_CONFIG, META_FILE, read_meta, render_card, resolve_base
-from tosca_mlmt.models.loading import weights_fingerprint
+from tosca_mlmt.models.artefacts import ADAPTER_CONFIG, META_FILE, check_base, read_meta, render_card, resolve_base
+from tosca_mlmt.models.loading import stored_weights_sha, weights_fingerprint
 
 ROLES = ("solver", "writer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -55,6 +55,7 @@ def export_merged(adapter: str | Path, out: str | Path, role: str | None = None,
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ModelError(f"{out} exists and is not an empty folder; choose another --out")
     base_path = resolve_base(folder, base)
+    check_base(folder, base or _recorded_base(folder), base_path, lambda: stored_weights_sha(base_path))
     # what the base was saved in is the default output dtype (the loaded config says float32 now)
     stored_cfg = json.loads((base_path / "config.json").read_text())
     stored = stored_cfg.get("dtype") or stored_cfg.get("torch_dtype") or "float32"

@@ -134,6 +134,16 @@ def weights_fingerprint(state_dict) -> str:
     return h.hexdigest()[:16]
 
 
+def stored_weights_sha(path: Path) -> str:
+    """:func:`weights_fingerprint` of a model folder's weights as stored (every ``*.safetensors``)."""
+    from safetensors.torch import load_file
+
+    sd = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        sd.update(load_file(f))
+    return weights_fingerprint(sd)
+
+
 def attention_implementation(path: Path) -> str | None:
     """``"eager"`` for a model whose attention soft-caps its scores (Gemma 2's
     ``attn_logit_softcapping``), else None (transformers' default). transformers picks SDPA,

@@ -22,7 +22,7 @@ from torch import nn
 from tosca_mlmt.config import ModelConfig
 from tosca_mlmt.models.features import writer_state_features
 from tosca_mlmt.models.artefacts import check_base
-from tosca_mlmt.models.loading import attention_implementation, resolve_model, weights_fingerprint
+from tosca_mlmt.models.loading import attention_implementation, resolve_model, stored_weights_sha, weights_fingerprint
 from tosca_mlmt.parallel import compute_device, full_parameters, is_main
 from tosca_mlmt.precision import model_dtype
 from tosca_mlmt.seeds import seeded
@@ -172,6 +172,7 @@ class PolicyPair:
         self.base_paths = {"solver": resolve_model(cfg.solver)}
         self.base_paths["writer"] = resolve_model(cfg.writer) if cfg.writer else self.base_paths["solver"]
         self.shared_base = self.base_paths["writer"] == self.base_paths["solver"]
+        self._base_fp: dict[Path, str] = {}  # base folder -> stored_weights_sha, hashed once
         self._tok = {r: AutoTokenizer.from_pretrained(self.base_paths[r]) for r in ROLES}
         # one LoraConfig per role: peft keeps the object and writes its base's path into it, so a shared
         # one would name the writer's base for the solver too (peft reads it to check the vocabulary)
@@ -204,7 +205,8 @@ class PolicyPair:
                 self._models[role] = pm.to(compute_device())
         for role in ROLES:
             if adapters[role]:
-                check_base(Path(adapters[role]), self.base_names[role], self.base_paths[role])
+                check_base(Path(adapters[role]), self.base_names[role], self.base_paths[role],
+                           lambda role=role: self.base_sha(role))
             # A loaded adapter's config names its base portably ("tiny-random", "org/name"); peft
             # reads that name when saving to check the vocabulary, and for a name that is no folder
             # it asks the hub. Point it at the local folder; the saved file gets the portable name.
@@ -214,7 +216,6 @@ class PolicyPair:
         self.q_decisions = 0  # logged decisions the Q head was fitted on (episode.min_q_decisions gates its use)
         if cfg.writer_adapter:
             self._load_writer_extras(Path(cfg.writer_adapter))
-        self._base_fp: dict[Path, str] = {}
         self._plans: dict[str, SyncPlan] = {}
         # provenance a stage hands over (describe) for the model card of what save_role writes
         self.card_info: dict[str, dict] = {r: {} for r in ROLES}
@@ -267,12 +268,7 @@ class PolicyPair:
         """Fingerprint of ``role``'s base weights as stored (computed once per base)."""
         path = self.base_paths[role]
         if path not in self._base_fp:
-            from safetensors.torch import load_file
-
-            sd = {}
-            for f in sorted(path.glob("*.safetensors")):
-                sd.update(load_file(f))
-            self._base_fp[path] = weights_fingerprint(sd)
+            self._base_fp[path] = stored_weights_sha(path)
         return self._base_fp[path]
 
     def fingerprint(self, role: str) -> dict[str, str]:
