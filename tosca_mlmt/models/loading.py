@@ -135,13 +135,25 @@ def weights_fingerprint(state_dict) -> str:
 
 
 def stored_weights_sha(path: Path) -> str:
-    """:func:`weights_fingerprint` of a model folder's weights as stored (every ``*.safetensors``)."""
-    from safetensors.torch import load_file
+    """:func:`weights_fingerprint` of a model folder's weights as stored (every ``*.safetensors``),
+    read one tensor at a time: an 8B base is not held in memory a second time to be hashed."""
+    import contextlib
 
-    sd = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        sd.update(load_file(f))
-    return weights_fingerprint(sd)
+    from safetensors import safe_open
+
+    with contextlib.ExitStack() as stack:
+        where = {}  # tensor name -> the open file holding it (a later shard wins, as a merged dict would)
+        for f in sorted(Path(path).glob("*.safetensors")):
+            handle = stack.enter_context(safe_open(f, framework="pt"))
+            where.update((k, handle) for k in handle.keys())
+        return weights_fingerprint(_Lazy(where))
+
+
+class _Lazy(dict):
+    """A state dict whose tensors are read from their files when looked up."""
+
+    def __getitem__(self, key):
+        return super().__getitem__(key).get_tensor(key)
 
 
 def attention_implementation(path: Path) -> str | None:
