@@ -194,9 +194,10 @@ def identity(preset: Path, extra: dict | None, common: dict, train: dict) -> tup
     # episode.gold_prob off scores nothing and samples the same: units from before the knob count
     if not cfg["episode"]["gold_prob"]:
         cfg["episode"].pop("gold_prob")
-    # no chat-template variables renders the prompts every unit before the knob saw
-    if not cfg["model"]["chat_template_kwargs"]:
-        cfg["model"].pop("chat_template_kwargs")
+    # the tokenizer's own template, with no variables, renders the prompts every unit before the knobs saw
+    for knob in ("chat_template", "chat_template_kwargs"):
+        if not cfg["model"][knob]:
+            cfg["model"].pop(knob)
     if extra is None:  # nothing trains: what only training reads does not define the unit
         for section in ("lower", "upper", "joint"):
             cfg.pop(section)

@@ -196,6 +196,32 @@ def test_an_adapter_on_other_base_weights_in_the_same_folder_warns_on_load_and_e
             load()
 
 
+def test_a_base_without_a_chat_template_fails_at_once_or_takes_the_configured_one(tmp_path):
+    from tosca_mlmt.errors import ConfigError
+    from tosca_mlmt.models.loading import resolve_model
+
+    base = tmp_path / "base"
+    shutil.copytree(resolve_model("tiny-random"), base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    tc = json.loads((base / "tokenizer_config.json").read_text())
+    tc.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(tc))
+    with pytest.raises(ModelError, match=f"model.solver '{base}' has no chat template"):
+        _pair(**{"model.solver": str(base)})
+    with pytest.raises(ConfigError, match="model.chat_template"):
+        _cfg(**{"model.chat_template": str(tmp_path / "missing.jinja")})
+    template = tmp_path / "mine.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
+                        "{% if add_generation_prompt %}[assistant] {% endif %}")
+    pair = _pair(**{"model.solver": str(base), "model.chat_template": str(template)})
+    assert pair.tokenizer("solver").chat_template == template.read_text()
+    # the saved folder carries it, so the adapter decodes and renders on its own
+    from transformers import AutoTokenizer
+
+    folder = pair.save_role("solver", tmp_path / "solver")
+    assert AutoTokenizer.from_pretrained(folder).chat_template == template.read_text()
+
+
 # ---------------------------------------------------------------------- export
 
 

@@ -141,3 +141,27 @@ def test_template_variables_reach_every_rendering(tok):
     # although this template, like Qwen3's, would leave it out of a past turn)
     for ids in (p1, p1 + cont, off.user_prompt_with_ids("sys", ["Q"])[0]):
         assert t.decode(ids).endswith(empty)
+
+
+def test_chatml_for_a_base_model_closes_each_turn_with_its_eos(tok):
+    """model.chat_template=chatml: turns end with the tokenizer's own eos (here <|endoftext|>, id 0), so
+    a reply that stopped on it has closed its turn and the refine's context reads as the template renders."""
+    import copy
+
+    from tosca_mlmt.errors import ModelError
+    from tosca_mlmt.prompts import use_chat_template
+
+    t = copy.deepcopy(tok)
+    t.chat_template, t.eos_token = None, "<|endoftext|>"
+    with pytest.raises(ModelError, match="model.solver 'base' has no chat template.*model.chat_template"):
+        use_chat_template(t, "", "model.solver 'base'")
+    use_chat_template(t, "chatml", "model.solver 'base'")
+    fmt = ChatFormat(t, [0])
+    assert fmt.close_id == 0
+    p1 = fmt.first_prompt("What is 2 + 3?")
+    ctx = p1 + fmt.encode("It is 5.") + [0]
+    cont, _ = fmt.continue_with_user(ctx, ["Check it."])
+    assert t.decode(ctx + cont) == t.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "It is 5."},
+         {"role": "user", "content": "Check it."}], add_generation_prompt=True, tokenize=False)
+    assert (ctx + cont).count(0) == 3  # one per turn: the reply's own eos closed it

@@ -13,6 +13,7 @@ model's eos list gives it (Llama 3, Gemma, Phi-3 list another eos first).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 _A, _B = "\u2063ATTEMPT\u2063", "\u2063USER\u2063"
 _S = "\u2063SYSTEM\u2063"
@@ -20,6 +21,22 @@ _S = "\u2063SYSTEM\u2063"
 # block unless date_string is given, so a prompt, and with it a collect snapshot, would change with
 # the calendar; this is Llama 3.1's own fixed default. Templates that do not read it ignore it.
 TEMPLATE_VARS = {"date_string": "26 Jul 2024"}
+# model.chat_template=chatml, for a base model without a template of its own: each turn ends with the
+# model's eos token, so a reply that stopped on it has closed its turn (ChatFormat.close_id)
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + eos_token + '\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def use_chat_template(tok, source: str, what: str) -> None:
+    """Give ``tok`` the template of ``model.chat_template`` (``source``: "", "chatml" or a Jinja file),
+    or check it has one; ``what`` names the model in the error."""
+    from tosca_mlmt.errors import ModelError
+
+    if source:
+        tok.chat_template = CHATML if source == "chatml" else Path(source).expanduser().read_text()
+    elif not tok.chat_template:
+        raise ModelError(f"{what} has no chat template (a base model, not an instruct one?): set model.chat_template "
+                         "to a Jinja file or to 'chatml'")
 
 WRITER_SYSTEM = (
     "You are a concise tutor. You read a student's attempt at a problem and write short, "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tosca_mlmt.config.knobs import EXISTING_DIR_OR_EMPTY, NON_EMPTY, Rule, knob
+from tosca_mlmt.config.knobs import EXISTING_DIR_OR_EMPTY, NON_EMPTY, Rule, knob, path_is
 from tosca_mlmt.config.section import Section
 
 # peft accepts either form; an empty name would silently adapt nothing.
@@ -12,6 +12,8 @@ TARGET_MODULES = Rule("a non-empty string or a non-empty list of non-empty strin
                       lambda v: bool(v.strip()) if isinstance(v, str)
                       else bool(v) and all(isinstance(s, str) and s.strip() for s in v))
 
+TEMPLATE_SOURCE = Rule("empty, 'chatml' or an existing file",
+                       lambda v: v in ("", "chatml") or path_is("file", v))
 # names a Jinja template can read
 TEMPLATE_KWARGS = Rule("a mapping of identifier names to values",
                        lambda v: all(isinstance(k, str) and k.isidentifier() for k in v))
@@ -43,6 +45,10 @@ class ModelConfig(Section):
                                rule=EXISTING_DIR_OR_EMPTY)
     dtype: str = knob("auto", "Inference dtype: auto (bf16 if the CPU/GPU supports it), float32 or bfloat16.",
                       choices=("auto", "float32", "bfloat16"))
+    chat_template: str = knob("", "Chat template for both roles' tokenizers instead of their own: a Jinja file, or "
+                                  "'chatml' (<|im_start|>role ... <|im_end|>, ending each turn with the model's eos "
+                                  "token). Empty = each tokenizer's own; a base (not instruct) model usually has none "
+                                  "and needs this.", rule=TEMPLATE_SOURCE)
     chat_template_kwargs: dict = knob(
         help="Variables for every rendering of the chat templates (solver and writer), as transformers' "
              "apply_chat_template takes them, e.g. --set model.chat_template_kwargs.enable_thinking=false "

@@ -25,6 +25,7 @@ from tosca_mlmt.models.artefacts import check_base
 from tosca_mlmt.models.loading import attention_implementation, resolve_model, stored_weights_sha, weights_fingerprint
 from tosca_mlmt.parallel import compute_device, full_parameters, is_main
 from tosca_mlmt.precision import model_dtype
+from tosca_mlmt.prompts import use_chat_template
 from tosca_mlmt.seeds import seeded
 from tosca_mlmt.tensors import onto
 
@@ -174,6 +175,8 @@ class PolicyPair:
         self.shared_base = self.base_paths["writer"] == self.base_paths["solver"]
         self._base_fp: dict[Path, str] = {}  # base folder -> stored_weights_sha, hashed once
         self._tok = {r: AutoTokenizer.from_pretrained(self.base_paths[r]) for r in ROLES}
+        for r in ROLES:  # before any weights load: a base model without a template fails in a second
+            use_chat_template(self._tok[r], cfg.chat_template, f"model.{r} '{self.base_names[r]}'")
         # one LoraConfig per role: peft keeps the object and writes its base's path into it, so a shared
         # one would name the writer's base for the solver too (peft reads it to check the vocabulary)
         lora = lambda: LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,  # noqa: E731
