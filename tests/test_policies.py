@@ -221,3 +221,37 @@ def test_merge_into_writes_the_bits_of_the_merged_state_dict(debug_cfg, dtype):
         pair.merge_into("solver", {f"{attn}.o_proj": torch.empty(1, 1, dtype=dtype)})
     with pytest.raises(KeyError, match="no weight"):
         pair.merge_into("solver", {"model.layers.0.nope": norm})
+
+
+def test_a_model_cards_sampling_defaults_do_not_reach_the_hf_engine(tmp_path):
+    """generate() fills what a GenerationConfig leaves unset from the model's own generation config; a
+    base whose card asks for a repetition penalty and no repeated tokens must still decode greedily as
+    the argmax of its own logits, token after token (and keep its stop ids)."""
+    import json
+    import shutil
+
+    from conftest import FP32
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.models.loading import resolve_model
+    from tosca_mlmt.models.policies import PolicyPair
+    from tosca_mlmt.prompts import ChatFormat
+    from tosca_mlmt.rollout.engines.base import SamplingParams
+    from tosca_mlmt.rollout.engines.hf import HFEngine
+
+    base = tmp_path / "base"
+    shutil.copytree(resolve_model("tiny-random"), base)
+    card = json.loads((base / "generation_config.json").read_text())
+    card.update(repetition_penalty=5.0, no_repeat_ngram_size=1, do_sample=True, temperature=0.1, top_k=3)
+    (base / "generation_config.json").write_text(json.dumps(card))
+    pair = PolicyPair(load_config(overrides={**FP32, "model.solver": str(base)}).model)
+    eos = card["eos_token_id"] if isinstance(card["eos_token_id"], list) else [card["eos_token_id"]]
+    assert pair.eos_ids("solver")[:len(eos)] == eos  # the card's stop ids stay
+    prompt = ChatFormat(pair.tokenizer("solver"), pair.eos_ids("solver")).first_prompt("Count to ten.")
+    got = HFEngine(pair).generate([prompt], SamplingParams(max_new_tokens=24, temperature=0.0), "solver")[0][0]
+    ids = list(prompt)
+    with torch.no_grad(), pair.use("solver") as m:
+        for _ in range(len(got.token_ids)):
+            ids.append(int(m(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    chain = ids[len(prompt):]
+    assert len(set(chain)) < len(chain), "the argmax chain repeats no token: the card's penalty could not show"
+    assert list(got.token_ids) == chain

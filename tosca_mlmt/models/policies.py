@@ -164,7 +164,7 @@ class SyncPlan:
 class PolicyPair:
     def __init__(self, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype | None = None):
         from peft import LoraConfig, PeftModel, get_peft_model
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         self.cfg = cfg
         self.dtype = dtype or model_dtype(cfg.dtype)
@@ -197,7 +197,13 @@ class PolicyPair:
                     continue
                 base = AutoModelForCausalLM.from_pretrained(self.base_paths[role], dtype=self.dtype,
                                                             attn_implementation=attention_implementation(self.base_paths[role]))
-                base.generation_config.pad_token_id = self._tok[role].pad_token_id
+                # Sampling is the run's own (solver_sampling / writer_sampling) and nothing else: generate()
+                # fills every field it finds unset from the model's generation config, so a model card's
+                # defaults (Qwen2.5's repetition_penalty 1.05, ...) would make the HF engine sample another
+                # distribution than the log-probs it records. The stop and pad ids are all that is kept.
+                gen = base.generation_config
+                base.generation_config = GenerationConfig(bos_token_id=gen.bos_token_id, eos_token_id=gen.eos_token_id,
+                                                          pad_token_id=self._tok[role].pad_token_id)
                 if adapters[role]:
                     pm = PeftModel.from_pretrained(base, adapters[role], adapter_name=role, is_trainable=True)
                 else:
