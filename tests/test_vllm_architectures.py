@@ -1,11 +1,10 @@
 """vLLM serves architectures besides the embedded Llama, and every sync route loads the trainer's weights.
 
-Tiny random models are built locally on the embedded tokenizer: a Qwen2 (biased q/k/v, the most
-common RL base), a Gemma 2 (its head tied to the embeddings, which vLLM's Gemma 2 loader refuses
-under the name ``lm_head``; soft-capped attention scores, which the trainer must cap as vLLM does:
-models/loading.attention_implementation) and a Phi-3 (q/k/v and gate/up fused in the checkpoint
-itself; an untied head). Their weights are drawn wide enough
-(``initializer_range``) for peaked logits, so a changed adapter visibly moves log-probs. For each,
+The tiny random models of tests/test_architectures.py: a Qwen2 (biased q/k/v), a Gemma 2 (its head
+tied to the embeddings, which vLLM's Gemma 2 loader refuses under the name ``lm_head``; soft-capped
+attention scores, which the trainer must cap as vLLM does: models/loading.attention_implementation)
+and a Phi-3 (q/k/v and gate/up fused in the checkpoint itself; an untied head). Their peaked logits
+make a changed adapter visibly move log-probs. For each,
 one in-process vLLM engine serves a trained-looking solver adapter through the direct kernels (the
 CPU default), a delta reload, a full reload and the file route, and each gives the trainer's
 log-probs; and both engines decode greedily as the model's argmax although its generation config
@@ -22,41 +21,18 @@ import pytest
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from conftest import FP32, VLLM_MARKS, max_diff, perturbed_lora_b, teacher_forced, vllm_session  # noqa: E402
+from test_architectures import ARCHS, build_arch  # noqa: E402
 
 pytestmark = VLLM_MARKS
 
-# config class, and whether the head is tied to the embeddings
-ARCHS = {"qwen2": ("Qwen2Config", True), "gemma2": ("Gemma2Config", True), "phi3": ("Phi3Config", False)}
 # fp32 on both sides (measured: 1.5e-5 Qwen2, 3.8e-6 Gemma 2). Gemma 2 read 9.8e-3 before the trainer
 # loaded it with eager attention: SDPA, transformers' default, leaves its attention soft-cap out.
 TOL = 1e-4
 
 
-def _build(arch: str, folder) -> str:
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tosca_mlmt.models.loading import resolve_model
-
-    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
-    name, tied = ARCHS[arch]
-    config = getattr(transformers, name)(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=tied,
-        initializer_range=0.2, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # a model card's sampling defaults, which no engine may apply to the run's own sampling
-    model.generation_config.update(repetition_penalty=5.0, no_repeat_ngram_size=1, do_sample=True, top_k=3)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return str(folder)
-
-
 @pytest.fixture(scope="module", params=sorted(ARCHS))
 def arch_env(request, tmp_path_factory):
-    folder = _build(request.param, tmp_path_factory.mktemp(request.param))
+    folder = build_arch(request.param, tmp_path_factory.mktemp(request.param))
     overrides = {**FP32, "model.solver": folder, "engine.name": "vllm", "engine.vllm.kv_cache_gb": 1,
                  "engine.vllm.max_model_len": 1024, "episode.max_prompt_tokens": 768, "logging.wandb": False,
                  "logging.progress": False}

@@ -61,8 +61,10 @@ def fp32_logits(hidden: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:
     and to swamp a context bonus. The head is one matmul; doing it in fp32 costs little."""
     w = lm_head.weight
     b = getattr(lm_head, "bias", None)
+    post = getattr(lm_head, "post", None)  # models.head.OutputHead: what the model's forward does next
     with torch.autocast(hidden.device.type, enabled=False):
-        return torch.nn.functional.linear(hidden.float(), w.float(), None if b is None else b.float())
+        logits = torch.nn.functional.linear(hidden.float(), w.float(), None if b is None else b.float())
+        return logits if post is None else post(logits)
 
 
 def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, input_ids: torch.Tensor,

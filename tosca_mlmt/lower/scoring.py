@@ -18,6 +18,7 @@ from torch import nn
 from tosca_mlmt import parallel as dist
 from tosca_mlmt.lower import archer
 from tosca_mlmt.lower.trajectory import SolverTrajectory, TrajectoryTensors, no_feedback_sequences
+from tosca_mlmt.models.head import OutputHead
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.precision import use_bf16_autocast
 from tosca_mlmt.tensors import onto, token_logprobs_from_hidden
@@ -76,7 +77,7 @@ class SolverScorer:
             # logits_to_keep=1: the LM head runs in chunks below, never over [B, T, V] at once
             out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1)
             hidden = out.hidden_states[-1]
-            head = self.model.get_base_model().get_output_embeddings()
+            head = OutputHead(self.model)
             res = token_logprobs_from_hidden(hidden, head, ids, self.lo.logprob_chunk, with_entropy=entropy)
         lp, ent = res if entropy else (res, None)
         v = None

@@ -21,6 +21,7 @@ from torch import nn
 
 from tosca_mlmt.config import ModelConfig
 from tosca_mlmt.models.features import writer_state_features
+from tosca_mlmt.models.head import check_output_head
 from tosca_mlmt.models.artefacts import check_base
 from tosca_mlmt.models.loading import attention_implementation, resolve_model, stored_weights_sha, weights_fingerprint
 from tosca_mlmt.parallel import compute_device, full_parameters, is_main
@@ -220,6 +221,10 @@ class PolicyPair:
             # reads that name when saving to check the vocabulary, and for a name that is no folder
             # it asks the hub. Point it at the local folder; the saved file gets the portable name.
             self._models[role].peft_config[role].base_model_name_or_path = str(self.base_paths[role])
+        for role in ROLES[: 1 if self.shared_base else 2]:  # trainer log-probs = the model's own, or stop here
+            with full_parameters(self._models[role]):
+                check_output_head(self._models[role], self._tok[role].encode("The answer is: 42", add_special_tokens=False),
+                                  f"model.{role} '{self.base_names[role]}'")
         self.strategies: list[dict] | None = None
         self.q_head: QHead | None = None
         self.q_decisions = 0  # logged decisions the Q head was fitted on (episode.min_q_decisions gates its use)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tosca_mlmt.models.head import OutputHead
 from tosca_mlmt.tensors import onto, pad_batch, token_logprobs_from_hidden
 
 
@@ -43,9 +44,8 @@ def forward_logprobs(model, batch: TokenBatch, chunk: int = 256, return_hidden: 
 
     Runs the trunk once, then the LM head in chunks (see token_logprobs_from_hidden), on the
     model's device; takes and returns host tensors (tensors.onto)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     ids, attn = onto(model, batch.input_ids, batch.attention_mask)
     out = model(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1)
     hidden = out.hidden_states[-1]  # [B, T, H], final norm applied
-    lp = token_logprobs_from_hidden(hidden, base.get_output_embeddings(), ids, chunk).cpu()
+    lp = token_logprobs_from_hidden(hidden, OutputHead(model), ids, chunk).cpu()
     return (lp, hidden.cpu()) if return_hidden else lp

@@ -7,6 +7,7 @@ import re
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+from tosca_mlmt.models.head import OutputHead
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.parallel import full_parameters
 from tosca_mlmt.rollout.engines.base import Generation, SamplingParams
@@ -86,7 +87,7 @@ class HFEngine:
         model = self.policies.model(policy)
         tok = self.policies.tokenizer(policy)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        head = model.get_base_model().get_output_embeddings()
+        head = OutputHead(model)
         out: list[list[float]] = []
         for start in range(0, len(prompts), self.batch_size):
             ps, rs = prompts[start: start + self.batch_size], responses[start: start + self.batch_size]
