@@ -15,6 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from jinja2.exceptions import TemplateError
+
+from tosca_mlmt.errors import ModelError
+
 _A, _B = "\u2063ATTEMPT\u2063", "\u2063USER\u2063"
 _S = "\u2063SYSTEM\u2063"
 # Passed to every rendering. Llama 3.2's template stamps today's date (strftime_now) into its system
@@ -25,18 +29,6 @@ TEMPLATE_VARS = {"date_string": "26 Jul 2024"}
 # model's eos token, so a reply that stopped on it has closed its turn (ChatFormat.close_id)
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + eos_token + '\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
-def use_chat_template(tok, source: str, what: str) -> None:
-    """Give ``tok`` the template of ``model.chat_template`` (``source``: "", "chatml" or a Jinja file),
-    or check it has one; ``what`` names the model in the error."""
-    from tosca_mlmt.errors import ModelError
-
-    if source:
-        tok.chat_template = CHATML if source == "chatml" else Path(source).expanduser().read_text()
-    elif not tok.chat_template:
-        raise ModelError(f"{what} has no chat template (a base model, not an instruct one?): set model.chat_template "
-                         "to a Jinja file or to 'chatml'")
 
 WRITER_SYSTEM = (
     "You are a concise tutor. You read a student's attempt at a problem and write short, "
@@ -53,6 +45,16 @@ REFINE_USER_PREFIX = "A reviewer left this feedback on your answer:\n"
 REFINE_USER_SUFFIX = ("\n\nThe problem again: {question}\n"
                       "If your answer was right, give the same answer again; if it was wrong, solve the problem "
                       "again. {answer_format}")
+
+
+def use_chat_template(tok, source: str, what: str) -> None:
+    """Give ``tok`` the template of ``model.chat_template`` (``source``: "", "chatml" or a Jinja file),
+    or check it has one; ``what`` names the model in the error."""
+    if source:
+        tok.chat_template = CHATML if source == "chatml" else Path(source).expanduser().read_text()
+    elif not tok.chat_template:
+        raise ModelError(f"{what} has no chat template (a base model, not an instruct one?): set model.chat_template "
+                         "to a Jinja file or to 'chatml'")
 
 
 @dataclass
@@ -81,9 +83,7 @@ class ChatFormat:
         # the user message, as Gemma 3's template does itself.
         try:
             self.system_role = _S in self._render([{"role": "system", "content": _S}, {"role": "user", "content": _B}])
-        except Exception as e:  # jinja2's TemplateError from the template's raise_exception
-            if type(e).__name__ != "TemplateError":
-                raise
+        except TemplateError:  # the template's raise_exception
             self.system_role = False
 
     def _render(self, msgs: list[dict], tokenize: bool = False):

@@ -22,7 +22,8 @@ class OutputHead:
     """``model``'s LM head and the transform its forward applies to the head's output (``post``)."""
 
     def __init__(self, model: torch.nn.Module):
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft's wrapper
+        self.name = type(base).__name__
         self.module = base.get_output_embeddings()
         cfg = base.config.get_text_config()
         self.softcap = getattr(cfg, "final_logit_softcapping", None) or None
@@ -63,5 +64,4 @@ def check_output_head(model: torch.nn.Module, ids: list[int], what: str) -> None
     gap = float((got - want).abs().max())
     if gap > 0.02 * float(want.abs().max()) + 0.05:
         raise ModelError(f"{what}: its forward does something after the LM head that the trainer's log-probs do "
-                         f"not ({type(model.get_base_model() if hasattr(model, 'get_base_model') else model).__name__}: "
-                         f"logits {gap:.3g} apart on a probe); this architecture is not supported")
+                         f"not ({head.name}: logits {gap:.3g} apart on a probe); this architecture is not supported")

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from tosca_mlmt.config import ModelConfig
+from tosca_mlmt.models.artefacts import check_base
 from tosca_mlmt.models.features import writer_state_features
 from tosca_mlmt.models.head import check_output_head
-from tosca_mlmt.models.artefacts import check_base
 from tosca_mlmt.models.loading import attention_implementation, resolve_model, stored_weights_sha, weights_fingerprint
 from tosca_mlmt.parallel import compute_device, full_parameters, is_main
 from tosca_mlmt.precision import model_dtype
