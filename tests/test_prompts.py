@@ -165,3 +165,39 @@ def test_chatml_for_a_base_model_closes_each_turn_with_its_eos(tok):
         [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "It is 5."},
          {"role": "user", "content": "Check it."}], add_generation_prompt=True, tokenize=False)
     assert (ctx + cont).count(0) == 3  # one per turn: the reply's own eos closed it
+
+
+def _sentencepiece_tokenizer(scheme: str):
+    """A Metaspace (SentencePiece-style) BPE as Mistral's: every encoded text starts at a word boundary "▁"."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme)
+    tk.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme=scheme)
+    text = ["What is 12 and 30? The answer is: 42. Check your calculation carefully.",
+            "You are a concise tutor. [INST] Read the student's attempt [/INST] and write short feedback."] * 50
+    tk.train_from_iterator(text, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                                     initial_alphabet=list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,:?[]/\n'\u2581")))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + "
+                         "' [/INST]' }}{% else %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}")
+    return tok
+
+
+def test_sentencepiece_pieces_get_no_boundary_space(tok):
+    """Mistral's tokenizer starts every encoded text with "▁": encoded piece by piece, the refine's context
+    read "</s> [INST]  Feedback:  recheck" (a space at every seam). Now it is the template's rendering; a
+    byte-level tokenizer (SmolLM2's) encodes as it always did."""
+    t = _sentencepiece_tokenizer("first")
+    fmt = ChatFormat(t, [t.eos_token_id])
+    p1 = fmt.first_prompt("What is 12 and 30?")
+    reply = fmt.encode("It is 42.") + [t.eos_token_id]
+    assert not t.convert_ids_to_tokens(reply)[0].startswith("\u2581")
+    cont, cut = fmt.continue_with_user(p1 + reply, ["Feedback: ", fmt.encode("recheck"), " please"])
+    assert t.decode(p1 + reply + cont) == t.apply_chat_template(
+        [{"role": "user", "content": "What is 12 and 30?"}, {"role": "assistant", "content": "It is 42."},
+         {"role": "user", "content": "Feedback: recheck please"}], add_generation_prompt=True, tokenize=False)
+    assert cont[cut[0]:cut[1]] == fmt.encode("recheck")
+    plain = ChatFormat(tok, [tok.eos_token_id])
+    assert plain.encode("\n\nThe problem again") == list(tok.encode("\n\nThe problem again", add_special_tokens=False))

@@ -67,6 +67,10 @@ class ChatFormat:
     template_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        probe = self.tok.encode("a", add_special_tokens=False)
+        marks = self.tok.convert_ids_to_tokens(probe[:1])
+        self._anchor = (list(self.tok.encode("\n", add_special_tokens=False))
+                        if marks and isinstance(marks[0], str) and marks[0].startswith("\u2581") else [])
         msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _A},
                 {"role": "user", "content": _B}]
         full = self._render(msgs)
@@ -96,7 +100,14 @@ class ChatFormat:
         return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=False))
+        """``text``'s ids as a piece inside a sequence. A SentencePiece tokenizer (Llama 2, Mistral) starts
+        every encoded text with a word-boundary marker "▁", which inside a prompt is a space that is not
+        there: such a text is encoded after a newline, whose ids are then dropped."""
+        if not self._anchor:
+            return list(self.tok.encode(text, add_special_tokens=False))
+        ids = list(self.tok.encode("\n" + text, add_special_tokens=False))
+        n = len(self._anchor)
+        return ids[n:] if ids[:n] == self._anchor else list(self.tok.encode(text, add_special_tokens=False))
 
     def first_prompt(self, user: str, system: str | None = None) -> list[int]:
         ids = self._render(self._messages(system, user), tokenize=True)
