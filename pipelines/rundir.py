@@ -9,7 +9,8 @@ run's ``config.yaml`` is refused, named with its old and new value. ``logging.*`
 change (it only decides what is shown and where). A few more fields are safe but change what
 the run does, so they need ``--allow-drift FIELD``: checkpoint/log/eval periods and the run's
 length, which may only grow (the data of step i is a pure function of the seed and i, so a
-longer run extends the shorter one exactly).
+longer run extends the shorter one exactly). A field the run's ``config.yaml`` lacks (written
+before the knob existed) counts as its default, with a warning naming it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 import yaml
@@ -72,6 +74,20 @@ def _get(tree, field: str):
     return tree
 
 
+def _fill_missing(old: dict, defaults: dict, prefix: str = "") -> list[str]:
+    """Put each field of ``defaults`` that ``old`` (a run's config.yaml) lacks into it, at its default;
+    returns their dotted names. A knob is added with the default that keeps the old behaviour, so a
+    run written before it existed resumes as it was."""
+    added = []
+    for k, v in defaults.items():
+        if k not in old:
+            old[k] = v
+            added.append(prefix + k)
+        elif isinstance(v, dict) and v and isinstance(old[k], dict):
+            added += _fill_missing(old[k], v, f"{prefix}{k}.")
+    return added
+
+
 def check_drift(run: Path, cfg: Config, stage: str, allow) -> None:
     """Raise MlmtError naming every field of ``cfg`` that differs from ``<run>/config.yaml``
     and may not (``allow`` lists the fields let through, already checked)."""
@@ -80,7 +96,12 @@ def check_drift(run: Path, cfg: Config, stage: str, allow) -> None:
     except (OSError, yaml.YAMLError) as e:
         raise MlmtError(f"--resume: {run}/config.yaml unreadable ({e}); cannot tell what the run trained") from None
     new = cfg.to_dict()
-    changed = [f for f in diff_fields(old if isinstance(old, dict) else {}, new) if not _covered(f, ALWAYS_ALLOWED)]
+    old = old if isinstance(old, dict) else {}
+    added = _fill_missing(old, Config().to_dict())
+    if added:
+        warnings.warn(f"--resume: {run}/config.yaml predates the fields {', '.join(added)}; each counts as its "
+                      "default, which keeps what the version that wrote the run did", stacklevel=2)
+    changed = [f for f in diff_fields(old, new) if not _covered(f, ALWAYS_ALLOWED)]
     show = lambda f: f"{f} ({_get(old, f)!r} -> {_get(new, f)!r})"  # noqa: E731
     unsafe = [f for f in changed if not _covered(f, SAFE_DRIFT[stage])]
     shrunk = [f for f in changed if f in GROW_ONLY and _covered(f, allow) and isinstance(_get(old, f), int)

@@ -7,6 +7,7 @@ Fast tests need no model (errors happen before it loads); the ones marked slow t
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 from dataclasses import replace
 
@@ -144,6 +145,23 @@ def test_safe_drift_needs_the_flag_and_lengths_may_only_grow(tmp_path):
     shorter = load_config(overrides={"lower.iterations": 3, "lower.save_every": 2})
     with pytest.raises(MlmtError, match=r"lower.iterations \(4 -> 3\): a run's length may only grow"):
         check_drift(run, shorter, "train-lower", allow=("lower.iterations",))
+
+
+def test_a_run_written_before_a_knob_existed_resumes_with_its_default(tmp_path):
+    """config.yaml from an older version lacks the knobs added since: each counts as its default (named in
+    a warning), while a field the run did record still has to match."""
+    import yaml
+
+    run = _run_with_config(tmp_path, **{"lower.lr": 1e-4})
+    old = yaml.safe_load((run / "config.yaml").read_text())
+    del old["model"]["chat_template"], old["model"]["chat_template_kwargs"]
+    (run / "config.yaml").write_text(yaml.safe_dump(old))
+    with pytest.warns(UserWarning, match="predates the fields model.chat_template, model.chat_template_kwargs"):
+        check_drift(run, load_config(overrides={"lower.lr": 1e-4}), "train-lower", allow=())
+    for over, field_ in (({"lower.lr": 1e-3}, "lower.lr (0.0001 -> 0.001)"),
+                         ({"lower.lr": 1e-4, "model.chat_template": "chatml"}, "model.chat_template ('' -> 'chatml')")):
+        with pytest.warns(UserWarning), pytest.raises(MlmtError, match=re.escape(field_)):
+            check_drift(run, load_config(overrides=over), "train-lower", allow=())
 
 
 def test_allow_drift_accepts_only_fields_that_are_safe_for_the_stage():
