@@ -2,7 +2,8 @@
 
 Tiny random models are built locally on the embedded tokenizer: a Qwen2 (biased q/k/v, the most
 common RL base), a Gemma 2 (its head tied to the embeddings; soft-capped attention scores and final
-logits) and a Phi-3 (q/k/v and gate/up fused in the checkpoint itself; an untied head). Their weights
+logits), a Phi-3 (q/k/v and gate/up fused in the checkpoint itself; an untied head) and a GPT-2
+(Conv1D layers, whose LoRA deltas merge transposed; learned positions). Their weights
 are drawn wide (``initializer_range``) for peaked logits, so a missing transform shows. Here: the
 trainer's chunked log-probs are the model's own; tests/test_vllm_architectures.py serves the same
 models from vLLM.
@@ -14,8 +15,10 @@ from conftest import FP32
 
 pytestmark = pytest.mark.slow
 
-# config class, and whether the head is tied to the embeddings
-ARCHS = {"qwen2": ("Qwen2Config", True), "gemma2": ("Gemma2Config", True), "phi3": ("Phi3Config", False)}
+# config class; whether the head is tied to the embeddings; whether vLLM fuses its layers (q/k/v, gate/up),
+# which the direct kernels and delta syncs need (GPT-2's Conv1D layers: every sync is a full reload)
+ARCHS = {"qwen2": ("Qwen2Config", True, True), "gemma2": ("Gemma2Config", True, True),
+         "phi3": ("Phi3Config", False, True), "gpt2": ("GPT2Config", True, False)}
 
 
 def build_arch(arch: str, folder) -> str:
@@ -26,7 +29,7 @@ def build_arch(arch: str, folder) -> str:
     from tosca_mlmt.models.loading import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
-    name, tied = ARCHS[arch]
+    name, tied, _ = ARCHS[arch]
     config = getattr(transformers, name)(
         vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=tied,
