@@ -2,7 +2,7 @@
 
 The tiny random models of tests/test_architectures.py: a Qwen2 (biased q/k/v), a Gemma 2 (its head
 tied to the embeddings, which vLLM's Gemma 2 loader refuses under the name ``lm_head``; soft-capped
-attention scores, which the trainer must cap as vLLM does: models/loading.attention_implementation)
+attention scores, which the trainer must cap as vLLM does: models/loading.attention_implementation),
 a Phi-3 (q/k/v and gate/up fused in the checkpoint itself; an untied head) and a GPT-2 (no fused
 layers in vLLM, so every sync is a full reload; Conv1D deltas merged transposed). Their peaked logits
 make a changed adapter visibly move log-probs. For each,

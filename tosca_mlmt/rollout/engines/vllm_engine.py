@@ -303,11 +303,9 @@ class VLLMEngine:
         sp = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         # With LoRA enabled, vLLM maps the LM head's adapter per *sampled* row, not per prompt position,
         # so prompt log-probs of a batch fail (vllm#16668, #29955); one request per call is right as long
-        # as no adapter sits on the LM head, whose delta prompt log-probs drop (vllm#51594).
+        # as no adapter sits on the LM head (whose delta prompt log-probs drop, vllm#51594): PolicyPair
+        # refuses one (models/head.check_output_head).
         per_call = 1 if self.serve_adapters else max(1, len(seqs))
-        if self.serve_adapters and any(m.split(".")[-1] == "lm_head" for m in self.policies.adapted_modules(policy)):
-            raise NotImplementedError("engine.vllm.serve_adapters: vLLM's prompt log-probs drop an LM-head "
-                                      "adapter's delta; score with lower.bonus.scorer=trainer")
         outs = []
         for i in range(0, len(seqs), per_call):
             outs += self.llm.generate(self.requests(seqs[i: i + per_call]), sp,
