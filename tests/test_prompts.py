@@ -201,3 +201,14 @@ def test_sentencepiece_pieces_get_no_boundary_space(tok):
     assert cont[cut[0]:cut[1]] == fmt.encode("recheck")
     plain = ChatFormat(tok, [tok.eos_token_id])
     assert plain.encode("\n\nThe problem again") == list(tok.encode("\n\nThe problem again", add_special_tokens=False))
+
+
+def test_strategy_index_tokens_are_single_pieces_on_a_sentencepiece_tokenizer(tok):
+    """upper.q_source=logits reads the LM head's rows of "1".."K": a SentencePiece tokenizer encodes a lone
+    "1" as "▁" "1", so the digit is taken as it appears inside a text, as on a byte-level tokenizer."""
+    from tosca_mlmt.upper.critic import strategy_token_ids
+
+    t = _sentencepiece_tokenizer("first")
+    ids = strategy_token_ids(t, 6)
+    assert [t.convert_ids_to_tokens(i) for i in ids] == [str(k) for k in range(1, 7)]
+    assert strategy_token_ids(tok, 6) == [tok.encode(str(k), add_special_tokens=False)[0] for k in range(1, 7)]

@@ -47,6 +47,23 @@ REFINE_USER_SUFFIX = ("\n\nThe problem again: {question}\n"
                       "again. {answer_format}")
 
 
+def boundary_anchor(tok) -> list[int]:
+    """For a SentencePiece tokenizer (Llama 2, Mistral), which starts every text it encodes with its
+    word-boundary marker "▁" (inside a prompt, a space that is not there): the ids of a newline, after
+    which :func:`encode_piece` encodes a text and which it then drops. Empty for any other tokenizer."""
+    first = tok.convert_ids_to_tokens(tok.encode("a", add_special_tokens=False)[:1])
+    return list(tok.encode("\n", add_special_tokens=False)) if first and str(first[0]).startswith("\u2581") else []
+
+
+def encode_piece(tok, text: str, anchor: list[int]) -> list[int]:
+    """``text``'s ids as a piece inside a sequence (``anchor``: :func:`boundary_anchor` of ``tok``)."""
+    if anchor:
+        ids = list(tok.encode("\n" + text, add_special_tokens=False))
+        if ids[:len(anchor)] == anchor:
+            return ids[len(anchor):]
+    return list(tok.encode(text, add_special_tokens=False))
+
+
 def use_chat_template(tok, source: str, what: str) -> None:
     """Give ``tok`` the template of ``model.chat_template`` (``source``: "", "chatml" or a Jinja file),
     or check it has one; ``what`` names the model in the error."""
@@ -67,10 +84,7 @@ class ChatFormat:
     template_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        probe = self.tok.encode("a", add_special_tokens=False)
-        marks = self.tok.convert_ids_to_tokens(probe[:1])
-        self._anchor = (list(self.tok.encode("\n", add_special_tokens=False))
-                        if marks and isinstance(marks[0], str) and marks[0].startswith("\u2581") else [])
+        self._anchor = boundary_anchor(self.tok)
         msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _A},
                 {"role": "user", "content": _B}]
         full = self._render(msgs)
@@ -100,14 +114,7 @@ class ChatFormat:
         return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
 
     def encode(self, text: str) -> list[int]:
-        """``text``'s ids as a piece inside a sequence. A SentencePiece tokenizer (Llama 2, Mistral) starts
-        every encoded text with a word-boundary marker "▁", which inside a prompt is a space that is not
-        there: such a text is encoded after a newline, whose ids are then dropped."""
-        if not self._anchor:
-            return list(self.tok.encode(text, add_special_tokens=False))
-        ids = list(self.tok.encode("\n" + text, add_special_tokens=False))
-        n = len(self._anchor)
-        return ids[n:] if ids[:n] == self._anchor else list(self.tok.encode(text, add_special_tokens=False))
+        return encode_piece(self.tok, text, self._anchor)
 
     def first_prompt(self, user: str, system: str | None = None) -> list[int]:
         ids = self._render(self._messages(system, user), tokenize=True)

@@ -30,6 +30,7 @@ from tosca_mlmt.config import UpperConfig
 from tosca_mlmt.config.episode import SIGNAL_BUCKETS
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.models.policies import QHead
+from tosca_mlmt.prompts import boundary_anchor, encode_piece
 from tosca_mlmt.tensors import onto
 
 
@@ -77,9 +78,9 @@ def feature_stats(features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def strategy_token_ids(tokenizer, n_actions: int) -> list[int]:
     """Token ids of "1".."K": the logits option needs each index to be a single token."""
-    ids = []
+    ids, anchor = [], boundary_anchor(tokenizer)
     for k in range(1, n_actions + 1):
-        enc = tokenizer.encode(str(k), add_special_tokens=False)
+        enc = encode_piece(tokenizer, str(k), anchor)  # as inside a text: no SentencePiece "▁" in front
         if len(enc) != 1:
             raise ConfigError(f"invalid value for field 'upper.q_source': 'logits' needs every strategy index to be "
                               f"one token, but '{k}' is {len(enc)} tokens for this tokenizer; use q_source=head "
