@@ -194,6 +194,8 @@ def identity(preset: Path, extra: dict | None, common: dict, train: dict) -> tup
     # episode.gold_prob off scores nothing and samples the same: units from before the knob count
     if not cfg["episode"]["gold_prob"]:
         cfg["episode"].pop("gold_prob")
+    if not cfg["episode"]["reasoning_tags"]:  # no thinking block: turns cut and read as before the knob
+        cfg["episode"].pop("reasoning_tags")
     # the tokenizer's own template, with no variables, renders the prompts every unit before the knobs saw
     for knob in ("chat_template", "chat_template_kwargs"):
         if not cfg["model"][knob]:

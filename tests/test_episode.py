@@ -301,3 +301,30 @@ def test_chat_template_kwargs_open_every_turn(tiny_cfg, policies):
                       model=replace(tiny_cfg.model, chat_template_kwargs=kwargs))
         for t in _scripted_episode(cfg, other):
             assert other.tok.decode(t.prompt_ids).endswith(empty) == bool(kwargs), (t.kind, kwargs)
+
+
+def test_a_reasoning_models_turn_is_cut_and_scored_after_its_thinking(tiny_cfg, policies):
+    """episode.reasoning_tags: the solver's answer line inside its thinking neither ends the turn (the
+    engine gets a stop pattern that matches after the close tag) nor is scored; the one after it is."""
+    from dataclasses import replace
+
+    from tosca_mlmt.rollout.engines.stop import apply_stop
+
+    task = ArithTask(1)
+    problem = task.load("train", 1).problems[0]
+    tok = policies.tokenizer("solver")
+    wrong = int(problem.answer) + 1
+    reply = f"<think>The answer is: {problem.answer}.\nNo, recheck.</think>\nThe answer is: {wrong}.\nThen more."
+
+    class CuttingEngine(ScriptedEngine):  # cuts at the stop pattern it is given, as both real engines do
+        def generate(self, prompts, params, policy):
+            out = super().generate(prompts, params, policy)
+            return [[apply_stop(g, tok.decode, params.stop_regex) for g in gs] for gs in out]
+
+    replies = {"solver": tok.encode(reply) + [2], "writer": tok.encode("Add again.") + [2]}
+    for tags, kept, right in (([], f"<think>The answer is: {problem.answer}.\n", True),
+                              (["<think>", "</think>"], f"</think>\nThe answer is: {wrong}.\n", False)):
+        cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=1, n_samples=1, reasoning_tags=tags))
+        z = EpisodeRunner(cfg, task, CuttingEngine(replies), policies).run([problem])[0].turns[0]
+        assert z.finish_reason == "answer" and z.text.endswith(kept)
+        assert z.correct == right  # without tags the thinking's answer is read; with them, the final one

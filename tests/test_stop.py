@@ -44,6 +44,31 @@ def test_a_template_echo_scores_wrong_and_the_format_has_no_readable_answer():
     assert t.verify(p, ANSWER_FORMAT).extracted is None
 
 
+THINK = ["<think>", "</think>"]
+
+
+@pytest.mark.parametrize("text, kept, read", [
+    # an answer line inside the thinking neither ends the turn nor is verified
+    ("<think>The answer is: 3.\nNo.</think>\nThe answer is: 5.\nMore", "<think>The answer is: 3.\nNo.</think>\nThe answer is: 5.\n",
+     "\nThe answer is: 5.\n"),
+    # a turn that ran out while thinking has no answer to verify
+    ("<think>The answer is: 3.\nStill thinking", None, ""),
+    # the template opened the block in the prompt (R1 distills): the reply holds only the close tag
+    ("Hm, 2 + 2. The answer is: 4.\n</think>The answer is: 4.\nMore", "Hm, 2 + 2. The answer is: 4.\n</think>The answer is: 4.\n",
+     "The answer is: 4.\n"),
+])
+def test_a_reasoning_models_turn_ends_and_is_read_after_its_thinking(text, kept, read):
+    """episode.reasoning_tags: the stop pattern matches only after the close tag, and the verifier reads
+    what follows it (stop.after_reasoning, stop.final_text)."""
+    from tosca_mlmt.rollout.engines.stop import after_reasoning, final_text
+
+    ids, decode = _chars(text)
+    n = stop_index(ids, decode, after_reasoning(ANSWER_LINE, THINK))
+    assert (None if n is None else decode(ids[:n])) == kept
+    assert final_text(kept or text, THINK) == read
+    assert after_reasoning(ANSWER_LINE, []) == ANSWER_LINE and final_text(text, []) == text  # [] = no block
+
+
 @pytest.mark.slow
 def test_hf_engine_stops_at_the_answer_line_token_exactly(policies):
     """Greedy decoding with and without the stop rule: each stopped turn is exactly the prefix of

@@ -41,6 +41,10 @@ CONFIDENCE_EDGES = Rule("two ascending finite numbers", lambda v: isinstance(v, 
     isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v) and v[0] < v[1])
 
 
+REASONING_TAGS = Rule("[] or two different non-empty strings [open, close]",
+                      lambda v: v == [] or (len(v) == 2 and all(isinstance(t, str) and t.strip() for t in v)
+                                            and v[0] != v[1]))
+
 @dataclass
 class EpisodeConfig(Section):
     n_samples: int = knob(2, "Turn-1 samples per problem (the group for group-relative advantages).", min=1)
@@ -92,8 +96,17 @@ class EpisodeConfig(Section):
                                     "share of such feedback as leak_rate. 0 = measure only.", min=0.0)
     stop_at_answer: bool = knob(True, "End each solver turn at its first complete 'The answer is: N' line (tasks with "
                                       "an answer line: arith, gsm8k); finish_reason 'answer'.")
+    reasoning_tags: list = knob(dataclasses.MISSING, "A reasoning model's thinking block, as [open, close] (e.g. "
+                                                     "['<think>', '</think>'] for Qwen3 thinking and the R1 distills), "
+                                                     "for a model that thinks before every answer: the verifier reads "
+                                                     "only what follows the close tag (nothing if the block never "
+                                                     "closed) and stop_at_answer ends a turn only at an answer line "
+                                                     "after it. [] = no thinking block.",
+                                default_factory=list, rule=REASONING_TAGS)
 
     def check(self, prefix: str) -> None:
+        need(not (self.reasoning_tags and self.gold_prob), f"{prefix}gold_prob",
+             "cannot be combined with episode.reasoning_tags (the answer slot it scores may sit in the thinking)")
         # A strategy's name is its action id in snapshots and the Q head, so names must be unique.
         need(len(self.strategies) >= 1, f"{prefix}strategies", "needs at least one strategy")
         names = set()

@@ -27,6 +27,7 @@ from tosca_mlmt.prompts import (REFINE_USER_PREFIX, REFINE_USER_SUFFIX, WRITER_S
                                 WRITER_SYSTEM, ChatFormat)
 from tosca_mlmt.records import Episode, FeedbackSpan, Turn
 from tosca_mlmt.rollout.engines.base import Engine, Generation, SamplingParams
+from tosca_mlmt.rollout.engines.stop import after_reasoning, final_text
 from tosca_mlmt.rollout.gold import gold_continuation, gold_prob
 from tosca_mlmt.seeds import stream
 from tosca_mlmt.strategies import behaviour_distribution, sample_strategies
@@ -63,6 +64,9 @@ class EpisodeRunner:
         self.truncated_prompts = 0
         # solver turns end at the task's first complete answer line (rollout/engines/stop.py)
         self.stop_regex = getattr(task, "stop_regex", None) if cfg.episode.stop_at_answer else None
+        self.tags = cfg.episode.reasoning_tags  # a reasoning model's [open, close] thinking tags, or []
+        if self.stop_regex:
+            self.stop_regex = after_reasoning(self.stop_regex, self.tags)
         if cfg.episode.gold_prob and not hasattr(task, "answer_slot"):
             raise ConfigError(f"invalid value true for field 'episode.gold_prob': task {task.name!r} has no "
                               "'The answer is: N' line to score the gold answer at (arith and gsm8k have one)")
@@ -89,7 +93,7 @@ class EpisodeRunner:
         return self.policies.tokenizer("solver").decode(self.fmt["solver"].strip_eos(ids), skip_special_tokens=True)
 
     def _score(self, ep: Episode, turn: Turn) -> None:
-        v = self.task.verify(ep.problem, turn.text)
+        v = self.task.verify(ep.problem, final_text(turn.text, self.tags))
         turn.reward, turn.correct, turn.extracted = v.reward, v.correct, v.extracted
         turn.info = dict(v.info, feedback_context=v.feedback_context) if v.feedback_context else dict(v.info)
 
@@ -291,6 +295,6 @@ class EpisodeRunner:
         params = to_params(self.refine_sampling, self._seed(rnd, "counterfactual", batch_index),
                            stop_regex=self.stop_regex)
         for ep, gs in zip(episodes, self._gen(cut, params, "solver", "counterfactual")[0]):
-            v = self.task.verify(ep.problem, self._solver_text(gs[0].token_ids))
+            v = self.task.verify(ep.problem, final_text(self._solver_text(gs[0].token_ids), self.tags))
             ep.turns[-1].info.update(counterfactual_reward=float(v.reward), counterfactual_extracted=v.extracted)
 

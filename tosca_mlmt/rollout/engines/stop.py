@@ -47,3 +47,23 @@ def apply_stop(gen: Generation, decode: Callable[[list[int]], str], pattern: str
     if n is None or (n == len(gen.token_ids) and gen.finish_reason == "stop"):
         return gen  # no answer line, or the eos itself ended it: keep eos semantics
     return Generation(gen.token_ids[:n], gen.logprobs[:n], "answer")
+
+
+# ---------------------------------------------------------------- reasoning models (episode.reasoning_tags)
+
+def after_reasoning(pattern: str, tags: list[str]) -> str:
+    """``pattern`` matched only after the close tag of a thinking block (``tags``: [open, close]; [] = as
+    it is): an answer line the model writes while still thinking does not end its turn. The engines'
+    early stop reads the last TAIL_TOKENS tokens, so an answer line further than that from the close
+    tag ends the turn afterwards instead (the same ids, with the decoding after it done)."""
+    return f"{re.escape(tags[1])}[\\s\\S]*?(?:{pattern})" if tags else pattern
+
+
+def final_text(text: str, tags: list[str]) -> str:
+    """What a verifier reads of a turn: the text after the last close tag, and nothing where the
+    thinking never closed (the turn ran out inside it; a template may open the block in the prompt,
+    so a reply need not hold the open tag); the whole text without ``tags``."""
+    if not tags:
+        return text
+    closed = text.rfind(tags[1])
+    return text[closed + len(tags[1]):] if closed >= 0 else ""
