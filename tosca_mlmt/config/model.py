@@ -46,9 +46,9 @@ class ModelConfig(Section):
     dtype: str = knob("auto", "Inference dtype: auto (bf16 if the CPU/GPU supports it), float32 or bfloat16.",
                       choices=("auto", "float32", "bfloat16"))
     chat_template: str = knob("", "Chat template for both roles' tokenizers instead of their own: a Jinja file, or "
-                                  "'chatml' (<|im_start|>role ... <|im_end|>, ending each turn with the model's eos "
-                                  "token). Empty = each tokenizer's own; a base (not instruct) model usually has none "
-                                  "and needs this.", rule=TEMPLATE_SOURCE)
+                                  "'chatml' (<|im_start|>role turns, each ended by the model's own eos token). "
+                                  "Empty = each tokenizer's own; a base (not instruct) model usually has none and "
+                                  "needs this.", rule=TEMPLATE_SOURCE)
     chat_template_kwargs: dict = knob(
         help="Variables for every rendering of the chat templates (solver and writer), as transformers' "
              "apply_chat_template takes them, e.g. --set model.chat_template_kwargs.enable_thinking=false "
