@@ -120,6 +120,18 @@ def vllm_session(overrides: dict):
         set_threads(threads)
 
 
+def argmax_chain(policies, policy: str, prompt: list[int], n: int) -> list[int]:
+    """The ``n`` tokens greedy decoding must give: the argmax of the live model's own logits, token after
+    token (one full forward per token, no cache, no generation config)."""
+    import torch
+
+    ids = list(prompt)
+    with torch.no_grad(), policies.use(policy) as m:
+        for _ in range(n):
+            ids.append(int(m(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
 def teacher_forced(policies, policy: str, prompt: list[int], response) -> list[float]:
     """log_softmax of the raw (temperature-1) logits at every response position, unpadded: the
     live peft model's log pi(response | prompt), what a vLLM engine must reproduce."""

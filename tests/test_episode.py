@@ -239,12 +239,9 @@ class OtherTemplate:
     TEMPLATES) for both roles, and <|endoftext|> listed before the <|im_end|> its turns close with."""
 
     def __init__(self, inner, template: str):
-        import copy
+        from test_prompts import with_template
 
-        from test_prompts import TEMPLATES
-
-        self.inner, self.tok = inner, copy.deepcopy(inner.tokenizer("solver"))
-        self.tok.chat_template = TEMPLATES[template]
+        self.inner, self.tok = inner, with_template(inner.tokenizer("solver"), template)
 
     def tokenizer(self, role):
         return self.tok

@@ -230,7 +230,7 @@ def test_a_model_cards_sampling_defaults_do_not_reach_the_hf_engine(tmp_path):
     import json
     import shutil
 
-    from conftest import FP32
+    from conftest import FP32, argmax_chain
     from tosca_mlmt.config import load_config
     from tosca_mlmt.models.loading import resolve_model
     from tosca_mlmt.models.policies import PolicyPair
@@ -248,10 +248,6 @@ def test_a_model_cards_sampling_defaults_do_not_reach_the_hf_engine(tmp_path):
     assert pair.eos_ids("solver")[:len(eos)] == eos  # the card's stop ids stay
     prompt = ChatFormat(pair.tokenizer("solver"), pair.eos_ids("solver")).first_prompt("Count to ten.")
     got = HFEngine(pair).generate([prompt], SamplingParams(max_new_tokens=24, temperature=0.0), "solver")[0][0]
-    ids = list(prompt)
-    with torch.no_grad(), pair.use("solver") as m:
-        for _ in range(len(got.token_ids)):
-            ids.append(int(m(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    chain = ids[len(prompt):]
+    chain = argmax_chain(pair, "solver", prompt, len(got.token_ids))
     assert len(set(chain)) < len(chain), "the argmax chain repeats no token: the card's penalty could not show"
     assert list(got.token_ids) == chain

@@ -71,7 +71,7 @@ TEMPLATES = {
 }
 
 
-def _with_template(tok, name):
+def with_template(tok, name):
     import copy
 
     t = copy.deepcopy(tok)
@@ -83,7 +83,7 @@ def _with_template(tok, name):
 def test_a_turn_closed_by_a_later_listed_eos_is_closed_once(tok, name):
     # Llama 3 lists <|end_of_text|> before <|eot_id|>, Gemma <eos> before <end_of_turn>: the template's
     # close is not eos_ids[0], and a reply that stopped on it must not get a second one
-    t = _with_template(tok, name)
+    t = with_template(tok, name)
     fmt = ChatFormat(t, [0, 2])
     assert fmt.close_id == 2
     p1 = fmt.first_prompt("What is 2 + 3?")
@@ -103,7 +103,7 @@ def test_a_turn_closed_by_a_later_listed_eos_is_closed_once(tok, name):
 
 @pytest.mark.parametrize("name", ["refuses_system", "drops_system"])
 def test_system_text_opens_the_user_message_where_the_template_has_no_system_turn(tok, name):
-    t = _with_template(tok, name)
+    t = with_template(tok, name)
     fmt = ChatFormat(t, [2])
     assert not fmt.system_role
     folded = t.apply_chat_template([{"role": "user", "content": "Be brief.\n\nWhat is 2 + 3?"}],
@@ -123,7 +123,7 @@ def test_the_system_turn_is_kept_where_the_template_has_one(tok):
 
 
 def test_a_dated_template_renders_the_same_prompt_on_any_day(tok):
-    fmt = ChatFormat(_with_template(tok, "dated"), [2])
+    fmt = ChatFormat(with_template(tok, "dated"), [2])
     text = fmt.tok.decode(fmt.first_prompt("Q"))
     assert "Today Date: 26 Jul 2024" in text
     assert fmt.user_prompt_with_ids(None, ["Q"])[0] == fmt.first_prompt("Q")
@@ -131,7 +131,7 @@ def test_a_dated_template_renders_the_same_prompt_on_any_day(tok):
 
 def test_template_variables_reach_every_rendering(tok):
     """model.chat_template_kwargs: turn 1, the writer's prompt and every later turn open the same way."""
-    t = _with_template(tok, "thinks")
+    t = with_template(tok, "thinks")
     plain, off = ChatFormat(t, [2]), ChatFormat(t, [2], {"enable_thinking": False})
     empty = "<|im_start|>model\n<think>\n\n</think>\n\n"
     assert not t.decode(plain.first_prompt("Q")).endswith(empty)

@@ -21,7 +21,7 @@ import pytest
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from conftest import FP32, VLLM_MARKS, max_diff, perturbed_lora_b, teacher_forced, vllm_session  # noqa: E402
+from conftest import FP32, VLLM_MARKS, argmax_chain, max_diff, perturbed_lora_b, teacher_forced, vllm_session  # noqa: E402
 from test_architectures import ARCHS, build_arch  # noqa: E402
 
 pytestmark = VLLM_MARKS
@@ -94,8 +94,6 @@ def test_every_route_serves_the_trainers_weights(arch_env):
 def test_greedy_decoding_is_the_argmax_chain_on_both_engines(arch_env):
     """The card's repetition penalty and no_repeat_ngram_size reach neither engine: both decode greedily
     as the argmax of the model's own logits, token after token."""
-    import torch
-
     from tosca_mlmt.prompts import ChatFormat
     from tosca_mlmt.rollout.engines.base import SamplingParams
     from tosca_mlmt.rollout.engines.hf import HFEngine
@@ -104,11 +102,8 @@ def test_greedy_decoding_is_the_argmax_chain_on_both_engines(arch_env):
     prompt = ChatFormat(policies.tokenizer("solver"), policies.eos_ids("solver")).first_prompt("Count to ten.")
     params = SamplingParams(max_new_tokens=16, temperature=0.0)
     got = {e.name: list(e.generate([prompt], params, "solver")[0][0].token_ids) for e in (engine, HFEngine(policies))}
-    ids = list(prompt)
-    with torch.no_grad(), policies.use("solver") as m:
-        for _ in range(len(got["vllm"])):
-            ids.append(int(m(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    chain = ids[len(prompt):]
+    chain = argmax_chain(policies, "solver", prompt, len(got["vllm"]))
+    ids = list(prompt) + chain
     # Gemma 2's chain repeats tokens, so there the penalty would have changed it (the wide random Qwen2 and
     # Phi-3 draw a new token every step: for them this is plain greedy agreement)
     repeats = any(t in ids[:len(prompt) + i] for i, t in enumerate(chain))
