@@ -16,6 +16,8 @@ In ONE process (one model load, one vLLM start-up) it measures:
   through the engine (syncs included) with the prefix cache kept across policy swaps, each policy's
   KV salted by its weights (VLLMEngine.requests, the default), and emptied at every swap that moves
   weights (what every sync did before): what a warm turn-1 prefix is worth to the refine;
+* ``norm_ab`` (``--norm-ab N``): N rounds of the replay and a raw run with
+  ``engine.vllm.cpu_norm_kernel`` on and off, alternating: what vLLM's C++ RMSNorm saves on each;
 * ``prefill_probe`` (``--prefill-probe``): each of the collect run's calls prefilled alone
   (max_tokens=1: the prompt's forward and the first token's sampling, no decode step), timed, with
   the prefix cache as the loop had it before that call (each call's prompts + outputs are fed
@@ -88,6 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--salt-ab", type=int, default=0,
                     help="rounds of the collect's calls with the prefix cache kept across swaps (salted) and "
                          "emptied at each swap, alternating; needs --trained-adapters")
+    ap.add_argument("--norm-ab", type=int, default=0,
+                    help="after the vLLM collect, this many rounds of the loop's replay and a raw run with "
+                         "engine.vllm.cpu_norm_kernel on and off, alternating: the kernel's effect on each and on "
+                         "their ratio")
     ap.add_argument("--prefill-probe", action="store_true",
                     help="after the vLLM collect, time each turn's prompts prefilled alone (max_tokens=1) with the "
                          "cache as the loop left it before that turn: what prefill costs per turn, and the loop's "
@@ -366,6 +372,31 @@ def main(argv=None) -> int:
                   f"reset / salted {out['reset_over_salted']}", flush=True)
             return out
 
+        def norm_ab(rec: RecordingEngine, rounds: int, n_raw: int) -> dict:
+            runs: dict[str, list] = {"on": [], "off": []}
+            for i in range(rounds):
+                for on in ((True, False) if i % 2 == 0 else (False, True)):
+                    routed = engine.route_norms(on)
+                    rep = replay(rec)
+                    run_raw(n_raw)
+                    raw = raw_runs.pop()  # not one of the baseline's runs
+                    runs["on" if on else "off"].append({"norm_kernels": routed, "replay": rep, "raw": raw,
+                                                        "replay_over_raw": round(rep["tokens_per_s"] / raw["tokens_per_s"], 3)})
+            engine.route_norms(engine.cfg.cpu_norm_kernel)
+            # tokens/s, not seconds: the two norms round differently, so bf16 samples (and their lengths) differ
+            med = {k: {"replay_tokens_per_s": float(np.median([r["replay"]["tokens_per_s"] for r in v])),
+                       "raw_tokens_per_s": float(np.median([r["raw"]["tokens_per_s"] for r in v])),
+                       "replay_over_raw": float(np.median([r["replay_over_raw"] for r in v]))} for k, v in runs.items()}
+            out = {"rounds": rounds, "median": med,
+                   "replay_on_over_off": round(med["on"]["replay_tokens_per_s"] / med["off"]["replay_tokens_per_s"], 3),
+                   "raw_on_over_off": round(med["on"]["raw_tokens_per_s"] / med["off"]["raw_tokens_per_s"], 3), "runs": runs}
+            print(f"cpu_norm_kernel A/B over {rounds} rounds: replay {med['on']['replay_tokens_per_s']:.1f} tok/s on, "
+                  f"{med['off']['replay_tokens_per_s']:.1f} off ({out['replay_on_over_off']}x); raw "
+                  f"{med['on']['raw_tokens_per_s']:.1f} / {med['off']['raw_tokens_per_s']:.1f} tok/s "
+                  f"({out['raw_on_over_off']}x); replay / raw {med['on']['replay_over_raw']} on, "
+                  f"{med['off']['replay_over_raw']} off", flush=True)
+            return out
+
         def prefill_probe(rec: RecordingEngine) -> dict:
             from vllm import SamplingParams as VSP
 
@@ -411,6 +442,8 @@ def main(argv=None) -> int:
                 results["stop_ab"] = stop_ab(recorded["vllm"], args.stop_ab)
             if args.salt_ab:
                 results["salt_ab"] = salt_ab(recorded["vllm"], args.salt_ab)
+            if args.norm_ab:
+                results["norm_ab"] = norm_ab(recorded["vllm"], args.norm_ab, n_raw)
             if args.prefill_probe:
                 results["prefill_probe"] = prefill_probe(recorded["vllm"])
         for _ in range(args.raw_runs - len(raw_runs)):
@@ -447,7 +480,7 @@ def main(argv=None) -> int:
     print()
     print(f"{'run':<14}{'tokens':>9}{'seconds':>10}{'tok/s':>9}{'tok/s (gen only)':>18}")
     for name, r in results.items():
-        if "gen_tokens" not in r:  # stop_ab, salt_ab, prefill_probe: printed when they ran
+        if "gen_tokens" not in r:  # stop_ab, salt_ab, norm_ab, prefill_probe: printed when they ran
             continue
         secs = r.get("episodes_seconds", r.get("seconds"))
         print(f"{name:<14}{r['gen_tokens']:>9}{secs:>10.1f}{r['tokens_per_s']:>9.1f}"

@@ -50,6 +50,8 @@ LOGPROB_TOL = 1e-3
 # Restoring the exact weights must give the original numbers back (bit-identical in the study).
 RESTORE_TOL = 1e-5
 GREEDY_TOKENS = 24
+# vLLM's C++ RMSNorm against its PyTorch ops, fp32: rounding differences through 30 layers (9e-6 seen).
+NORM_TOL = 1e-4
 
 PROMPTS = [
     "What is 17 + 5?",
@@ -510,6 +512,87 @@ def test_prefix_cache_outlives_policy_swaps_and_never_crosses_them(env, route):
     perturbed.enter_context(_perturbed_solver(policies, engine, seed=7))
     _, routes = check_salted_swaps(policies, engine, fmt, perturbed, LOGPROB_TOL)
     assert (routes[-1] == "kernels") == (route == "direct")
+
+
+def _norm_calls(engine, prompt, response) -> tuple[list[float], int]:
+    """vLLM's teacher-forced log-probs and how many C++ RMSNorm kernel calls computed them."""
+    with torch.profiler.profile() as prof:
+        lp = _prompt_logprobs(engine, prompt, response)
+    return lp, sum(e.count for e in prof.key_averages() if e.key in ("_C::rms_norm", "_C::fused_add_rms_norm"))
+
+
+def test_cpu_norm_kernel_serves_every_rmsnorm_with_the_same_logprobs(env):
+    """engine.vllm.cpu_norm_kernel (on by default): every RMSNorm of the model runs vLLM's C++
+    kernel (seen in the profile: one call per norm per forward), the log-probs are those of vLLM's
+    own PyTorch norm to fp32 rounding and the trainer's, switching it off on the live engine brings
+    the PyTorch ops back, and a full reload of the weights keeps the kernels."""
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from tosca_mlmt.rollout.engines import vllm_norm, vllm_sync
+
+    _, policies, engine, _, fmt = env
+    model = vllm_sync.inprocess_runner(engine.llm).get_model()
+    norms = sum(type(m) is RMSNorm for m in model.modules())
+    assert norms == 2 * policies.model("solver").config.num_hidden_layers + 1  # two per layer and the final one
+    assert engine.norm_kernels == vllm_norm.routed(model) == norms
+    prompt = _prompts(fmt, PROMPTS[3:])[0]
+    response = tuple(fmt.encode(" Ben has 8 apples left."))
+    engine.llm.reset_prefix_cache()
+    on, calls_on = _norm_calls(engine, prompt, response)
+    try:
+        assert engine.route_norms(False) == 0 and vllm_norm.routed(model) == 0
+        engine.llm.reset_prefix_cache()
+        off, calls_off = _norm_calls(engine, prompt, response)
+    finally:
+        engine.route_norms(True)
+    assert calls_on == norms and calls_off == 0  # max_tokens=1: one forward, the prefill
+    trainer = teacher_forced(policies, "solver", prompt, response)
+    print(f"kernel vs PyTorch norm {max_diff(on, off):.1e}, vs trainer {max_diff(on, trainer):.1e}")
+    assert max_diff(on, off) <= NORM_TOL
+    assert max_diff(on, trainer) < LOGPROB_TOL
+    engine.sync_weights("solver", force=True)  # vLLM's reload machinery: the layers must keep the route
+    assert vllm_norm.routed(model) == norms
+    engine.llm.reset_prefix_cache()
+    assert max_diff(_prompt_logprobs(engine, prompt, response), on) <= RESTORE_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_norm_kernel_rounds_once_after_the_weight(dtype):
+    """What vllm_norm routes to, against a reference written out here: the variance of the fp32
+    residual sum, the sum rounded to the model dtype normalised, multiplied by the weight in fp32
+    and rounded once; the residual stream is the rounded sum. vLLM's PyTorch norm (and HF's)
+    round before the weight, which in bf16 moves some outputs by a step. Inputs it cannot take
+    (non-contiguous, another dtype) go to the PyTorch path."""
+    from types import SimpleNamespace
+
+    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+
+    from tosca_mlmt.rollout.engines.vllm_norm import _kernel
+
+    g = torch.Generator().manual_seed(0)
+    x, r = (3 * torch.randn(16, 576, generator=g)).to(dtype), torch.randn(16, 576, generator=g).to(dtype)
+    eps = 1e-5
+    m = SimpleNamespace(weight=(torch.rand(576, generator=g) + 0.5).to(dtype), variance_epsilon=eps,
+                        _tosca_native=lambda *a: "native")
+    w = m.weight.float()
+
+    def ref(v, var_of):
+        return (v * torch.rsqrt(var_of.pow(2).mean(-1, keepdim=True) + eps) * w).to(dtype)
+
+    def close(a, b):  # equal but for the variance's fp32 summation order (in bf16: a step in under 1 % of outputs)
+        torch.testing.assert_close(a, b, rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+        assert dtype == torch.float32 or (a != b).float().mean() < 0.01
+
+    close(_kernel(m, x), ref(x.float(), x.float()))
+    s = x.float() + r.float()
+    out, res = _kernel(m, x.clone(), r.clone())
+    assert torch.equal(res, s.to(dtype))
+    close(out, ref(s.to(dtype).float(), s))
+    if dtype == torch.bfloat16:  # rounding before the weight, as vLLM's PyTorch path does, differs more
+        twice = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(dtype) * m.weight
+        assert (twice != _kernel(m, x)).float().mean() > 0.05
+    assert _kernel(m, torch.cat([x, x], 1)[:, :576]) == "native"
+    assert _kernel(m, x.float() if dtype == torch.bfloat16 else x.bfloat16()) == "native"
 
 
 def test_collect_logs_the_prefix_hit_rate(env, tmp_path):

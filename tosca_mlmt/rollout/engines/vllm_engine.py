@@ -13,7 +13,9 @@ serves the adapters themselves instead: each policy is a LoRA request on the bas
 sync moves only that policy's adapter tensors, and the two policies never displace each other.
 
 On CPU we run vLLM in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one thread, no
-binding): it starts in ~10 s instead of ~35 s and allows direct weight reloads. On a
+binding): it starts in ~10 s instead of ~35 s and allows direct weight reloads, and its
+RMSNorm layers run vLLM's C++ kernel instead of PyTorch ops (``engine.vllm.cpu_norm_kernel``,
+vllm_norm.py). On a
 GPU the default multiprocess engine is used. How weights reach the worker
 (``engine.vllm.weight_sync``: in memory, or through a safetensors file) is in vllm_sync.py.
 """
@@ -132,7 +134,19 @@ class VLLMEngine:
         self.served: dict[str, str] = {}
         # direct_sync: the packed kernels of the base and of each policy (None: the weight_sync route)
         self.kernels = self._kernel_sets(packed) if cfg.direct_sync and not self.serve_adapters else None
+        self.norm_kernels = self.route_norms(cfg.cpu_norm_kernel)
         self.sync_weights("solver")
+
+    def route_norms(self, on: bool) -> int:
+        """engine.vllm.cpu_norm_kernel on a live engine: route RMSNorm to vLLM's C++ kernel (``on``)
+        or back to vLLM's own PyTorch ops; returns how many layers run the kernel. Only an
+        in-process eager CPU engine holds a model this process can reach (vllm_norm.py)."""
+        from tosca_mlmt.rollout.engines import vllm_norm
+
+        runner = vllm_sync.inprocess_runner(self.llm)
+        if not self.on_cpu or runner is None or not self.cfg.enforce_eager:
+            return 0
+        return vllm_norm.install(runner.get_model(), on)
 
     def close(self) -> None:
         """Stop vLLM now: a multiprocess engine's core process ends and, on a GPU, its memory
