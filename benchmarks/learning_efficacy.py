@@ -191,6 +191,10 @@ def identity(preset: Path, extra: dict | None, common: dict, train: dict) -> tup
     # another numerics path (bf16: ~0.03 nats per token), so it defines units of its own
     if cfg["lower"]["bonus"]["scorer"] == "trainer":
         cfg["lower"]["bonus"].pop("scorer")
+    # engine.vllm.cpu_norm_kernel=false is vLLM's own PyTorch norm, which every unit before the knob ran;
+    # the C++ kernel rounds once instead of twice (bf16), another numerics path, so it defines units of its own
+    if not cfg["engine"]["vllm"]["cpu_norm_kernel"]:
+        cfg["engine"]["vllm"].pop("cpu_norm_kernel")
     # episode.gold_prob off scores nothing and samples the same: units from before the knob count
     if not cfg["episode"]["gold_prob"]:
         cfg["episode"].pop("gold_prob")
@@ -321,9 +325,11 @@ def _same_unit(stored: dict | None, key: dict, has_q: bool) -> bool:
 
 def run_overrides(args) -> tuple[dict, dict]:
     """(overrides of every run and eval, overrides of training only) from the sizes."""
+    # every unit before engine.vllm.cpu_norm_kernel (on by default since) ran vLLM's PyTorch norm
     common = {"task.name": "arith", "task.level": args.level, "task.limit": args.test_problems,
               "logging.wandb": False, "logging.progress": False, "engine.name": args.engine,
-              "episode.max_prompt_tokens": 768, "engine.vllm.max_model_len": 1024, **ENV_OVERRIDES[args.env]}
+              "episode.max_prompt_tokens": 768, "engine.vllm.max_model_len": 1024,
+              "engine.vllm.cpu_norm_kernel": False, **ENV_OVERRIDES[args.env]}
     # equal compute for every trained method (a frozen part simply spends none of it)
     train = {"task.split": "train", "task.limit": 0, "joint.rounds": args.rounds, "episode.n_samples": args.n_samples,
              "joint.collect_problems": args.collect_problems, "joint.lower_iterations": args.lower_iterations,

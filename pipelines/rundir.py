@@ -74,14 +74,20 @@ def _get(tree, field: str):
     return tree
 
 
+# Knobs whose default does not keep what runs written before them did, with the value those runs had:
+# engine.vllm.cpu_norm_kernel (vLLM's C++ RMSNorm rounds bf16 rollouts differently from the PyTorch norm).
+BEFORE_KNOB = {"engine.vllm.cpu_norm_kernel": False}
+
+
 def _fill_missing(old: dict, defaults: dict, prefix: str = "") -> list[str]:
-    """Put each field of ``defaults`` that ``old`` (a run's config.yaml) lacks into it, at its default;
-    returns their dotted names. A knob is added with the default that keeps the old behaviour, so a
-    run written before it existed resumes as it was."""
+    """Put each field of ``defaults`` that ``old`` (a run's config.yaml) lacks into it, at what the
+    version that wrote the run did: the default, which a knob is added with where it keeps the old
+    behaviour, else its BEFORE_KNOB value; returns their dotted names. A run written before a knob
+    existed then resumes as it was, or is told which setting would make it."""
     added = []
     for k, v in defaults.items():
         if k not in old:
-            old[k] = v
+            old[k] = BEFORE_KNOB.get(prefix + k, v)
             added.append(prefix + k)
         elif isinstance(v, dict) and v and isinstance(old[k], dict):
             added += _fill_missing(old[k], v, f"{prefix}{k}.")
@@ -99,8 +105,8 @@ def check_drift(run: Path, cfg: Config, stage: str, allow) -> None:
     old = old if isinstance(old, dict) else {}
     added = _fill_missing(old, Config().to_dict())
     if added:
-        warnings.warn(f"--resume: {run}/config.yaml predates the fields {', '.join(added)}; each counts as its "
-                      "default, which keeps what the version that wrote the run did", stacklevel=2)
+        warnings.warn(f"--resume: {run}/config.yaml predates the fields {', '.join(added)}; each counts as what "
+                      "the version that wrote the run did (its default, or the value before the knob)", stacklevel=2)
     changed = [f for f in diff_fields(old, new) if not _covered(f, ALWAYS_ALLOWED)]
     show = lambda f: f"{f} ({_get(old, f)!r} -> {_get(new, f)!r})"  # noqa: E731
     unsafe = [f for f in changed if not _covered(f, SAFE_DRIFT[stage])]

@@ -164,6 +164,22 @@ def test_a_run_written_before_a_knob_existed_resumes_with_its_default(tmp_path):
             check_drift(run, load_config(overrides=over), "train-lower", allow=())
 
 
+def test_a_run_from_before_the_cpu_norm_kernel_resumes_only_with_the_pytorch_norm(tmp_path):
+    """engine.vllm.cpu_norm_kernel defaults to on, which runs written before it did not do: such a run
+    counts as off, so resuming it with the default names the field, and with the kernel off it resumes."""
+    import yaml
+
+    run = _run_with_config(tmp_path)
+    old = yaml.safe_load((run / "config.yaml").read_text())
+    del old["engine"]["vllm"]["cpu_norm_kernel"]
+    (run / "config.yaml").write_text(yaml.safe_dump(old))
+    with pytest.warns(UserWarning, match="predates the fields engine.vllm.cpu_norm_kernel"), \
+            pytest.raises(MlmtError, match=re.escape("engine.vllm.cpu_norm_kernel (False -> True)")):
+        check_drift(run, load_config(), "train-lower", allow=())
+    with pytest.warns(UserWarning, match="predates"):
+        check_drift(run, load_config(overrides={"engine.vllm.cpu_norm_kernel": False}), "train-lower", allow=())
+
+
 def test_allow_drift_accepts_only_fields_that_are_safe_for_the_stage():
     assert check_allow_drift("train-upper", ["upper.steps", "logging.wandb"]) == ("upper.steps", "logging.wandb")
     with pytest.raises(ConfigError, match="--allow-drift lower.lr: not a field that may change"):
