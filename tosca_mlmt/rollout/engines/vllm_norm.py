@@ -10,9 +10,9 @@ loop's calls and single-turn generation 1.27x and 1.25x faster in tokens/s
 
 What changes in the numbers: the kernel multiplies by the weight in fp32 and rounds once, where
 the PyTorch ops (and HF's ``LlamaRMSNorm``, the trainer's) round the normalised activations to the
-model dtype first; after a residual add it normalises the sum rounded to the model dtype (by the
-RMS of the unrounded sum), as HF's layer does, where vLLM's PyTorch path normalises the unrounded
-one. In fp32 the two agree to ~1e-6; in bf16 about a quarter of the outputs move by one bf16 step.
+model dtype first; after a residual add it normalises the sum rounded to the model dtype, as HF's
+layer does (though by the RMS of the unrounded sum), where vLLM's PyTorch path normalises the
+unrounded one. In fp32 the two agree to ~1e-6; in bf16 about a quarter of the outputs move by one bf16 step.
 The residual stream is the same: the sum rounded to the model dtype.
 
 Only ``RMSNorm`` itself (not a subclass, nor other norms such as Gemma's ``1 + weight``) with a weight of the
