@@ -287,8 +287,9 @@ def main(argv=None) -> int:
         print(f"vLLM started in {vllm_info['startup_seconds']} s", flush=True)
         s = base_cfg.solver_sampling
 
-        def run_raw(n_raw: int) -> None:
-            # Exactly the vLLM SamplingParams the engine uses for a solver turn, only with n_raw samples.
+        def run_raw(n_raw: int) -> dict:
+            # Exactly the vLLM SamplingParams the engine uses for a solver turn, only with n_raw samples;
+            # seeded by the baseline runs so far (the A/B rounds' runs are not among them).
             sp = engine.sampling_params(SamplingParams(
                 max_new_tokens=args.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                 n=n_raw, seed=args.seed + len(raw_runs)), "solver")
@@ -299,10 +300,9 @@ def main(argv=None) -> int:
             secs = time.perf_counter() - t
             tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
             cached = sum(o.num_cached_tokens or 0 for o in outs) / max(sum(len(o.prompt_token_ids) for o in outs), 1)
-            raw_runs.append({"n": n_raw, "sequences": len(p1) * n_raw, "gen_tokens": tokens, "seconds": round(secs, 3),
-                             "tokens_per_s": round(tokens / secs, 2), "prefix_hit_rate": round(cached, 3),
-                             "load_after": loadavg()})
             print(f"raw vLLM (n={n_raw}): {tokens} tokens in {secs:.1f} s ({tokens / secs:.1f} tok/s)", flush=True)
+            return {"n": n_raw, "sequences": len(p1) * n_raw, "gen_tokens": tokens, "seconds": round(secs, 3),
+                    "tokens_per_s": round(tokens / secs, 2), "prefix_hit_rate": round(cached, 3), "load_after": loadavg()}
 
         def replay(rec: RecordingEngine) -> dict:
             # the collect run's calls as bare LLM.generate calls, each under the weights it ran with (a
@@ -377,9 +377,7 @@ def main(argv=None) -> int:
             for i in range(rounds):
                 for on in ((True, False) if i % 2 == 0 else (False, True)):
                     routed = engine.route_norms(on)
-                    rep = replay(rec)
-                    run_raw(n_raw)
-                    raw = raw_runs.pop()  # not one of the baseline's runs
+                    rep, raw = replay(rec), run_raw(n_raw)
                     runs["on" if on else "off"].append({"norm_kernels": routed, "replay": rep, "raw": raw,
                                                         "replay_over_raw": round(rep["tokens_per_s"] / raw["tokens_per_s"], 3)})
             engine.route_norms(engine.cfg.cpu_norm_kernel)
@@ -434,7 +432,7 @@ def main(argv=None) -> int:
         n_raw = args.raw_n or (size_raw(results["collect_hf"]) if "collect_hf" in results else None)
         if "vllm" in engines:
             if n_raw is not None and args.raw_runs > 0:  # raw before and after the collect run
-                run_raw(n_raw)
+                raw_runs.append(run_raw(n_raw))
             run_collect("vllm", engine)
             n_raw = n_raw if n_raw is not None else size_raw(results["collect_vllm"])
             results["replay_vllm"] = replay(recorded["vllm"])
@@ -447,7 +445,7 @@ def main(argv=None) -> int:
             if args.prefill_probe:
                 results["prefill_probe"] = prefill_probe(recorded["vllm"])
         for _ in range(args.raw_runs - len(raw_runs)):
-            run_raw(n_raw if n_raw is not None else 3 * args.n_samples)
+            raw_runs.append(run_raw(n_raw if n_raw is not None else 3 * args.n_samples))
         vllm_info.update({"weight_syncs": engine.syncs, "weight_sync_seconds": round(engine.sync_seconds, 3),
                           "sync_check_seconds": round(engine.check_seconds, 3)})
 

@@ -10,7 +10,8 @@ change (it only decides what is shown and where). A few more fields are safe but
 the run does, so they need ``--allow-drift FIELD``: checkpoint/log/eval periods and the run's
 length, which may only grow (the data of step i is a pure function of the seed and i, so a
 longer run extends the shorter one exactly). A field the run's ``config.yaml`` lacks (written
-before the knob existed) counts as its default, with a warning naming it.
+before the knob existed) counts as what that version did, its default or its BEFORE_KNOB value, with a
+warning naming it.
 """
 
 from __future__ import annotations

@@ -534,7 +534,7 @@ def test_cpu_norm_kernel_serves_every_rmsnorm_with_the_same_logprobs(env):
     model = vllm_sync.inprocess_runner(engine.llm).get_model()
     norms = sum(type(m) is RMSNorm for m in model.modules())
     assert norms == 2 * policies.model("solver").config.num_hidden_layers + 1  # two per layer and the final one
-    assert engine.norm_kernels == vllm_norm.routed(model) == norms
+    assert vllm_norm.routed(model) == norms  # routed at start-up
     prompt = _prompts(fmt, PROMPTS[3:])[0]
     response = tuple(fmt.encode(" Ben has 8 apples left."))
     engine.llm.reset_prefix_cache()

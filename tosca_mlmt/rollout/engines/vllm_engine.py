@@ -134,7 +134,7 @@ class VLLMEngine:
         self.served: dict[str, str] = {}
         # direct_sync: the packed kernels of the base and of each policy (None: the weight_sync route)
         self.kernels = self._kernel_sets(packed) if cfg.direct_sync and not self.serve_adapters else None
-        self.norm_kernels = self.route_norms(cfg.cpu_norm_kernel)
+        self.route_norms(cfg.cpu_norm_kernel)
         self.sync_weights("solver")
 
     def route_norms(self, on: bool) -> int:
