@@ -195,6 +195,10 @@ def identity(preset: Path, extra: dict | None, common: dict, train: dict) -> tup
     # the C++ kernel rounds once instead of twice (bf16), another numerics path, so it defines units of its own
     if not cfg["engine"]["vllm"]["cpu_norm_kernel"]:
         cfg["engine"]["vllm"].pop("cpu_norm_kernel")
+    # engine.vllm.writer_share only splits memory between two bases' engines (vllm_pair.py): with one base
+    # it is unread, so units from before the knob count
+    if not cfg["model"]["writer"]:
+        cfg["engine"]["vllm"].pop("writer_share")
     # episode.gold_prob off scores nothing and samples the same: units from before the knob count
     if not cfg["episode"]["gold_prob"]:
         cfg["episode"].pop("gold_prob")

@@ -22,7 +22,12 @@ class VLLMConfig(Section):
     max_model_len: int = knob(2048, "Longest prompt+response vLLM must hold (more than episode.max_prompt_tokens).",
                               min=2)
     enforce_eager: bool = knob(True, "Skip CUDA graphs / torch.compile (fast start; turn off for long GPU runs).")
-    kv_cache_gb: int = knob(2, "CPU only: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE).", min=1)
+    kv_cache_gb: int = knob(2, "CPU only: GiB of KV cache (vLLM's kv_cache_memory_bytes; its legacy "
+                              "VLLM_CPU_KVCACHE_SPACE env, where set, wins).", min=1)
+    writer_share: float = knob(0.5, "Solver and writer on different bases (model.writer): vLLM runs one engine per "
+                               "base (rollout/engines/vllm_pair.py), and the writer's gets this share of "
+                               "gpu_memory_utilization (GPU) or kv_cache_gb (CPU), the solver's the rest. Ignored "
+                               "with one base.", min=0.0, max=1.0, min_exclusive=True, max_exclusive=True)
     enable_prefix_caching: bool = knob(True, "Reuse KV of shared prefixes (turn-3 prompts extend turn-1 prompts). The cache outlives "
                                       "weight syncs: each request is salted by the weights it runs under, so KV never crosses policies.")
     block_size: int = knob(0, "KV-cache block size in tokens; 0 = 32 on CPU, vLLM's own on GPU (16). The prefix "

