@@ -96,3 +96,37 @@ def test_hf_engine_stops_at_the_answer_line_token_exactly(policies):
         assert c.finish_reason == "answer" and c.token_ids == f.token_ids[:n]
         assert c.logprobs == pytest.approx(f.logprobs[:n], abs=1e-5)
     assert n_cut >= 1, [tok.decode(list(f.token_ids)) for f in full]
+
+
+def test_early_stop_finds_an_answer_line_far_after_the_thinking():
+    """stop.AnswerLine, the early stop both engines run per token: it fires at exactly the token
+    apply_stop cuts after, also where the close tag lies further back than the TAIL_TOKENS it reads
+    first (a reasoning model's summary between its thinking and its answer), and never for an
+    answer line written while still thinking."""
+    import re
+    import types
+
+    import torch
+
+    from tosca_mlmt.rollout.engines.hf import _AnswerLineStop
+    from tosca_mlmt.rollout.engines.stop import TAIL_TOKENS, AnswerLine, after_reasoning
+
+    pattern = after_reasoning(ANSWER_LINE, THINK)
+    text = ("<think>2 + 2. The answer is: 4.\nYes.</think>" + "So, adding the two numbers step by step, " * 3
+            + "The answer is: 4.\nDone")
+    ids, decode = _chars(text)
+    cut = stop_index(ids, decode, pattern)
+    assert cut is not None and decode(ids[:cut]).endswith("The answer is: 4.\n")
+    assert cut - text.index("</think>") > TAIL_TOKENS  # the case a tail-only test missed
+    assert not re.search(pattern, decode(ids[:cut][-TAIL_TOKENS:]))
+    line = AnswerLine(pattern)
+    fired = [n for n in range(1, len(ids) + 1) if line.done(ids[:n], decode)]
+    assert fired[0] == cut  # not at the answer line inside the thinking, and not later than the cut
+    # without reasoning tags the pattern is read whole, in the tail as before
+    plain = AnswerLine(ANSWER_LINE)
+    assert plain.tail.pattern == plain.full.pattern == ANSWER_LINE
+    # the HF engine's stopping criterion runs the same test on each row's sampled ids (after the prompt)
+    width = 5
+    rows = torch.tensor([[0] * width + ids[:cut], [0] * (width + 1) + ids[:cut - 1]])  # left-padded, as HF
+    stop = _AnswerLineStop(types.SimpleNamespace(decode=decode), width, pattern)
+    assert stop(rows, None).tolist() == [True, False]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
@@ -11,7 +9,7 @@ from tosca_mlmt.models.head import OutputHead
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.parallel import full_parameters
 from tosca_mlmt.rollout.engines.base import Generation, SamplingParams
-from tosca_mlmt.rollout.engines.stop import TAIL_TOKENS, apply_stop
+from tosca_mlmt.rollout.engines.stop import AnswerLine, apply_stop
 from tosca_mlmt.seeds import seeded
 from tosca_mlmt.tensors import onto, pad_batch, token_logprobs_from_hidden
 
@@ -55,16 +53,15 @@ class _RawLogprobRecorder(LogitsProcessor):
 
 
 class _AnswerLineStop(StoppingCriteria):
-    """Marks a row done once its recent tokens hold a complete answer line, so decoding stops
+    """Marks a row done once its sampled tokens end the turn (stop.AnswerLine), so decoding stops
     early; the exact cut is made afterwards by ``apply_stop``."""
 
     def __init__(self, tok, prompt_width: int, pattern: str):
-        self.tok, self.width, self.rx = tok, prompt_width, re.compile(pattern)
+        self.tok, self.width, self.line = tok, prompt_width, AnswerLine(pattern)
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        tails = input_ids[:, max(self.width, input_ids.shape[1] - TAIL_TOKENS):].tolist()
-        return torch.tensor([bool(self.rx.search(self.tok.decode(t))) for t in tails], dtype=torch.bool,
-                            device=input_ids.device)
+        rows = input_ids[:, self.width:].tolist()
+        return torch.tensor([self.line.done(r, self.tok.decode) for r in rows], dtype=torch.bool, device=input_ids.device)
 
 
 class HFEngine:

@@ -5,8 +5,10 @@ A solver turn is over once it has written "The answer is: <a number>" and someth
 number shows the number is complete (a newline, a full stop not followed by a digit, a space and
 a word). Text after that line is never trained on and never verified, so both engines cut the
 sampled ids right after the token that completed the line and report ``finish_reason="answer"``.
-The HF engine also stops decoding there (a stopping criterion); vLLM's stop strings are literal,
-so it decodes on and the cut is applied afterwards: same ids, same logprobs, more compute.
+Both engines also stop decoding there by the same test (AnswerLine): the HF engine as a stopping
+criterion, vLLM as a logits processor that forces eos (vllm_stop.py, engine.vllm.stop_in_engine;
+vLLM's own stop strings are literal). Without it the turn decodes on and the cut is applied
+afterwards: same ids, same logprobs, more compute.
 """
 
 from __future__ import annotations
@@ -49,14 +51,37 @@ def apply_stop(gen: Generation, decode: Callable[[list[int]], str], pattern: str
     return Generation(gen.token_ids[:n], gen.logprobs[:n], "answer")
 
 
+class AnswerLine:
+    """The engines' early stop: whether the ids sampled so far end a turn under ``pattern``. Run after
+    every decoded token, so the test is cheap first: the last TAIL_TOKENS tokens must hold an answer
+    line (the one that just completed lies there), and only then is the whole text searched. The
+    whole-text search confirms a hit a tail decoded mid-character could fake, and finds the thinking
+    block's close tag (after_reasoning) wherever it lies. The exact cut is apply_stop's."""
+
+    def __init__(self, pattern: str):
+        self.tail, self.full = re.compile(tail_pattern(pattern)), re.compile(pattern)
+
+    def done(self, ids: list[int], decode: Callable[[list[int]], str]) -> bool:
+        return bool(ids) and bool(self.tail.search(decode(ids[-TAIL_TOKENS:]))) and bool(self.full.search(decode(ids)))
+
+
 # ---------------------------------------------------------------- reasoning models (episode.reasoning_tags)
+
+# what after_reasoning puts between the close tag and the answer-line pattern (a group name no task uses)
+_AFTER_CLOSE = "[\\s\\S]*?(?P<after_reasoning>"
+
 
 def after_reasoning(pattern: str, tags: list[str]) -> str:
     """``pattern`` matched only after the close tag of a thinking block (``tags``: [open, close]; [] = as
-    it is): an answer line the model writes while still thinking does not end its turn. The engines'
-    early stop reads the last TAIL_TOKENS tokens, so an answer line further than that from the close
-    tag ends the turn afterwards instead (the same ids, with the decoding after it done)."""
-    return f"{re.escape(tags[1])}[\\s\\S]*?(?:{pattern})" if tags else pattern
+    it is): an answer line the model writes while still thinking does not end its turn."""
+    return f"{re.escape(tags[1])}{_AFTER_CLOSE}{pattern})" if tags else pattern
+
+
+def tail_pattern(pattern: str) -> str:
+    """The part of a stop pattern the last tokens hold when it has just matched: after_reasoning's
+    answer line without its close tag, which may lie any distance back; any other pattern whole."""
+    _, sep, inner = pattern.partition(_AFTER_CLOSE)
+    return inner[:-1] if sep and inner.endswith(")") else pattern
 
 
 def final_text(text: str, tags: list[str]) -> str:

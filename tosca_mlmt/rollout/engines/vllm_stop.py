@@ -14,12 +14,10 @@ rounding, as any change of batch composition does.)
 
 from __future__ import annotations
 
-import re
-
 import torch
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
-from tosca_mlmt.rollout.engines.stop import TAIL_TOKENS
+from tosca_mlmt.rollout.engines.stop import AnswerLine
 
 # SamplingParams.extra_args key: {"regex": the answer-line pattern, "eos": the id to force}
 EXTRA_KEY = "tosca_stop_at_answer"
@@ -43,12 +41,10 @@ class AnswerLineStop(AdapterLogitsProcessor):
         spec = (params.extra_args or {}).get(EXTRA_KEY)
         if not spec:
             return None
-        rx, eos, decode = re.compile(spec["regex"]), int(spec["eos"]), self._decode
+        line, eos, decode = AnswerLine(spec["regex"]), int(spec["eos"]), self._decode
 
         def force_eos_after_answer(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-            # the tail is cheap to check every step; a tail decoded mid-character could show text the
-            # whole never holds, so a hit is confirmed on the whole text (a confirmed hit ends the request)
-            if not output_ids or not rx.search(decode(output_ids[-TAIL_TOKENS:])) or not rx.search(decode(output_ids)):
+            if not line.done(output_ids, decode):
                 return logits
             forced = torch.full_like(logits, float("-inf"))
             forced[eos] = 0.0
