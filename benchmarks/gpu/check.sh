@@ -20,6 +20,8 @@
 #              engines and is not run here)
 #   vbench     benchmarks/collect_throughput.py 64 x 4: the three-turn loop against raw vLLM at its batch
 #   vjoint     mlmt train-joint, one round of configs/demo.yaml on vLLM
+#   vpair      mlmt collect with the writer on a base of its own (model.writer=tiny-random): two vLLM
+#              engines on one GPU, the memory split by engine.vllm.writer_share (rollout/engines/vllm_pair.py)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$(pwd)
@@ -97,6 +99,8 @@ if [ "$PROFILE" = vllm ]; then
     --raw-runs 1 --out "$OUT/collect_throughput-gpu.json"
   step vjoint 200 "${MLMT[@]}" train-joint -c configs/demo.yaml --engine vllm --rounds 1 --no-wandb --no-progress \
     --set joint.collect_problems="$probs" "${joint[@]}" --out "$W/vjoint"
+  step vpair 120 "${MLMT[@]}" collect --task arith --level 2 --limit "$probs" --n-samples 4 --engine vllm \
+    --set model.writer=tiny-random --no-wandb --no-progress --out "$W/vpair"
 else
   step collect 180 "${MLMT[@]}" collect --task arith --level 2 --limit "$n" --n-samples 4 --engine hf \
     --set engine.batch_size="$hfb" --no-wandb --no-progress --out "$W/snapshots"
