@@ -204,6 +204,8 @@ def identity(preset: Path, extra: dict | None, common: dict, train: dict) -> tup
         cfg["episode"].pop("gold_prob")
     if not cfg["episode"]["reasoning_tags"]:  # no thinking block: turns cut and read as before the knob
         cfg["episode"].pop("reasoning_tags")
+    if cfg["episode"]["writer_reads_thinking"]:  # the whole attempt, as the writer read it before the knob
+        cfg["episode"].pop("writer_reads_thinking")
     # the tokenizer's own template, with no variables, renders the prompts every unit before the knobs saw
     for knob in ("chat_template", "chat_template_kwargs"):
         if not cfg["model"][knob]:

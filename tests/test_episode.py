@@ -325,3 +325,36 @@ def test_a_reasoning_models_turn_is_cut_and_scored_after_its_thinking(tiny_cfg, 
         z = EpisodeRunner(cfg, task, CuttingEngine(replies), policies).run([problem])[0].turns[0]
         assert z.finish_reason == "answer" and z.text.endswith(kept)
         assert z.correct == right  # without tags the thinking's answer is read; with them, the final one
+
+
+def test_the_writer_reads_the_thinking_unless_told_not_to(tiny_cfg, policies):
+    """episode.writer_reads_thinking: the writer's state holds the solver's whole attempt, thinking included,
+    or with false only the exact ids after the last close tag; an attempt that never closed its thinking
+    reaches the writer empty."""
+    from dataclasses import replace
+
+    task = ArithTask(1)
+    problem = task.load("train", 1).problems[0]
+    tok = policies.tokenizer("solver")
+    thinking, final = "<think>First 2 + 2 is 5, no, 4.</think>", "\nThe answer is: 4.\n"
+    eos = policies.eos_ids("solver")[0]
+
+    def writer_prompt(reply: str, reads: bool) -> list[int]:
+        ep = replace(tiny_cfg.episode, rounds=1, n_samples=1, reasoning_tags=["<think>", "</think>"],
+                     writer_reads_thinking=reads)
+        engine = ScriptedEngine({"solver": tok.encode(reply) + [eos], "writer": tok.encode("Add again.") + [eos]})
+        EpisodeRunner(replace(tiny_cfg, episode=ep), task, engine, policies).run([problem])
+        return engine.given[1]
+
+    def holds(prompt: list[int], ids: list[int]) -> bool:
+        return any(prompt[i: i + len(ids)] == ids for i in range(len(prompt) - len(ids) + 1))
+
+    ids = tok.encode(thinking + final)
+    whole, after = writer_prompt(thinking + final, True), writer_prompt(thinking + final, False)
+    assert holds(whole, ids)
+    end = len(whole) - len(after)  # the thinking's ids are all that is left out
+    assert end > 0 and tok.decode(ids[:end]).endswith("</think>") and holds(after, ids[end:])
+    assert "</think>" not in tok.decode(after) and "2 + 2 is 5" in tok.decode(whole)
+    # never closed: the attempt is empty for the writer, whole otherwise
+    open_only = "<think>Still thinking about 2 + 2"
+    assert len(writer_prompt(open_only, True)) - len(writer_prompt(open_only, False)) == len(tok.encode(open_only))

@@ -130,3 +130,18 @@ def test_early_stop_finds_an_answer_line_far_after_the_thinking():
     rows = torch.tensor([[0] * width + ids[:cut], [0] * (width + 1) + ids[:cut - 1]])  # left-padded, as HF
     stop = _AnswerLineStop(types.SimpleNamespace(decode=decode), width, pattern)
     assert stop(rows, None).tolist() == [True, False]
+
+
+@pytest.mark.parametrize("text, kept", [
+    ("<think>a</think>rest", "rest"),
+    ("<think>a</think>b</think>tail", "tail"),  # the last close tag, as final_text reads
+    ("</think>", ""),
+    ("<think>never closed", None),
+])
+def test_thinking_end_is_where_final_text_begins(text, kept):
+    from tosca_mlmt.rollout.engines.stop import final_text, thinking_end
+
+    ids, decode = _chars(text)
+    end = thinking_end(ids, decode, THINK[1])
+    assert (None if end is None else decode(ids[end:])) == kept
+    assert end is None or final_text(text, THINK) == kept

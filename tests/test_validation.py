@@ -51,6 +51,8 @@ from tosca_mlmt.errors import ConfigError, DataError, TrainingDiverged
     ("engine.vllm.gpu_memory_utilization", 1.5, "(0, 1]"),
     ("engine.vllm.max_model_len", 1, ">= 2"),
     ("engine.vllm.kv_cache_gb", 0, ">= 1"),
+    ("engine.vllm.writer_share", 1.0, "(0, 1)"),
+    ("episode.writer_reads_thinking", False, "needs episode.reasoning_tags"),
     ("engine.vllm.weight_sync", "disk", "allowed: memory, file"),
     ("solver_sampling.temperature", -0.5, "0 (greedy) or >= 0.001"),
     ("writer_sampling.temperature", 1e-9, "0 (greedy) or >= 0.001"),

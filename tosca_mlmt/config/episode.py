@@ -103,10 +103,16 @@ class EpisodeConfig(Section):
                                                      "closed) and stop_at_answer ends a turn only at an answer line "
                                                      "after it. [] = no thinking block.",
                                 default_factory=list, rule=REASONING_TAGS)
+    writer_reads_thinking: bool = knob(True, "With reasoning_tags: the writer reads each attempt whole, thinking "
+                                       "included (where the calculations are), or, false, only what follows its last "
+                                       "close tag, as the verifier does: shorter writer prompts for long thinking; an "
+                                       "attempt whose thinking never closed reaches the writer empty.")
 
     def check(self, prefix: str) -> None:
         need(not (self.reasoning_tags and self.gold_prob), f"{prefix}gold_prob",
              "cannot be combined with episode.reasoning_tags (the answer slot it scores may sit in the thinking)")
+        need(self.writer_reads_thinking or bool(self.reasoning_tags), f"{prefix}writer_reads_thinking",
+             "false needs episode.reasoning_tags: without a thinking block there is nothing to leave out")
         # A strategy's name is its action id in snapshots and the Q head, so names must be unique.
         need(len(self.strategies) >= 1, f"{prefix}strategies", "needs at least one strategy")
         names = set()

@@ -27,7 +27,7 @@ from tosca_mlmt.prompts import (REFINE_USER_PREFIX, REFINE_USER_SUFFIX, WRITER_S
                                 WRITER_SYSTEM, ChatFormat)
 from tosca_mlmt.records import Episode, FeedbackSpan, Turn
 from tosca_mlmt.rollout.engines.base import Engine, Generation, SamplingParams
-from tosca_mlmt.rollout.engines.stop import after_reasoning, final_text
+from tosca_mlmt.rollout.engines.stop import after_reasoning, final_text, thinking_end
 from tosca_mlmt.rollout.gold import gold_continuation, gold_prob
 from tosca_mlmt.seeds import stream
 from tosca_mlmt.strategies import behaviour_distribution, sample_strategies
@@ -138,8 +138,12 @@ class EpisodeRunner:
         return e.feedback == "generate" and s["name"] in e.prefix_only and "prefix" in s
 
     def _attempt_ids_for_writer(self, ids: list[int]) -> list[int]:
+        ids = self.fmt["solver"].strip_eos(ids)
+        if self.tags and not self.cfg.episode.writer_reads_thinking:  # what follows the thinking, or nothing
+            end = thinking_end(ids, self._solver_text, self.tags[1])
+            ids = [] if end is None else ids[end:]
         if self.policies.shared_base:
-            return self.fmt["solver"].strip_eos(ids)
+            return list(ids)
         # Different tokenizers: the writer must re-encode the attempt's text (unavoidable).
         return self.fmt["writer"].encode(self._solver_text(ids))
 

@@ -84,6 +84,22 @@ def tail_pattern(pattern: str) -> str:
     return inner[:-1] if sep and inner.endswith(")") else pattern
 
 
+def thinking_end(token_ids: list[int], decode: Callable[[list[int]], str], close: str) -> int | None:
+    """The ids' index just after the token that completes their last ``close`` tag (what final_text reads
+    begins there), or None where no close tag was written."""
+    count = decode(token_ids).count(close)
+    if not count:
+        return None
+    lo, hi = 1, len(token_ids)  # the shortest prefix holding every close tag
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if decode(token_ids[:mid]).count(close) >= count:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def final_text(text: str, tags: list[str]) -> str:
     """What a verifier reads of a turn: the text after the last close tag, and nothing where the
     thinking never closed (the turn ran out inside it; a template may open the block in the prompt,
