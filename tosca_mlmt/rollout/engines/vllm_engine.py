@@ -82,9 +82,10 @@ class VLLMEngine:
         if block:
             kwargs["block_size"] = block
         self.serve_adapters = cfg.serve_adapters
-        if cfg.weight_sync == "memory" or self.serve_adapters:
-            # the memory sync's receiver in multiprocess workers (unused in-process); left out with
-            # weight_sync=file, so that fallback does not depend on importing it in the worker
+        # the memory sync's receiver in multiprocess workers (unused in-process); left out with
+        # weight_sync=file, so that fallback does not depend on importing it in the worker
+        self.extension = cfg.weight_sync == "memory" or self.serve_adapters
+        if self.extension:
             kwargs["worker_extension_cls"] = vllm_sync.EXTENSION
         if self.serve_adapters:
             for role in self.roles:  # fixed when the pair is built: refuse at start-up, not at the first push
@@ -144,14 +145,19 @@ class VLLMEngine:
 
     def route_norms(self, on: bool) -> int:
         """engine.vllm.cpu_norm_kernel on a live engine: route RMSNorm to vLLM's C++ kernel (``on``)
-        or back to vLLM's own PyTorch ops; returns how many layers run the kernel. Only an
-        in-process eager CPU engine holds a model this process can reach (vllm_norm.py)."""
+        or back to vLLM's own PyTorch ops; returns how many layers run the kernel. An eager CPU
+        engine only (vllm_norm.py): in this process, or in a multiprocess engine's worker through
+        the worker extension, where one is installed."""
         from tosca_mlmt.rollout.engines import vllm_norm
 
-        runner = vllm_sync.inprocess_runner(self.llm)
-        if not self.on_cpu or runner is None or not self.cfg.enforce_eager:
+        if not self.on_cpu or not self.cfg.enforce_eager:
             return 0
-        return vllm_norm.install(runner.get_model(), on)
+        runner = vllm_sync.inprocess_runner(self.llm)
+        if runner is not None:
+            return vllm_norm.install(runner.get_model(), on)
+        if self.extension:
+            return sum(self.llm.collective_rpc("tosca_route_norms", args=(on,)))
+        return 0
 
     def close(self) -> None:
         """Stop vLLM now: a multiprocess engine's core process ends and, on a GPU, its memory

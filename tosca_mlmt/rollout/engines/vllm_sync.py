@@ -73,6 +73,11 @@ class WeightSyncExtension:
 
         return add_lora(self.model_runner, lora_id, load(payload), config)
 
+    def tosca_route_norms(self, on: bool) -> int:
+        from tosca_mlmt.rollout.engines import vllm_norm
+
+        return vllm_norm.install(self.model_runner.get_model(), on)
+
 
 def add_lora(runner, lora_id: int, tensors: dict[str, torch.Tensor], config: dict) -> int:
     """Put a peft adapter (``tensors``: its state dict, ``config``: its LoraConfig as a dict) into
