@@ -88,7 +88,8 @@ VLLM_MARKS = [
 
 @contextlib.contextmanager
 def vllm_session(overrides: dict):
-    """(cfg, PolicyPair, VLLMEngine) on one thread for a test module; skips when vLLM cannot be
+    """(cfg, PolicyPair, engine) on one thread for a test module, the engine built as the stages build it
+    (rollout.engines.make_engine: a VLLMEngine, or a VLLMPair for two bases); skips when vLLM cannot be
     imported or the embedded model is unavailable. One thread: 2-thread runs collapse 3-5x on
     a shared 2-core box. vLLM's in-process CPU worker replaces torch.set_num_threads with a
     no-op, so the real one is kept and restored."""
@@ -101,7 +102,7 @@ def vllm_session(overrides: dict):
     from tosca_mlmt.config import load_config
     from tosca_mlmt.errors import ModelError
     from tosca_mlmt.models.policies import PolicyPair
-    from tosca_mlmt.rollout.engines.vllm_engine import VLLMEngine
+    from tosca_mlmt.rollout.engines import make_engine
 
     cfg = load_config(overrides=overrides)
     set_threads, threads = torch.set_num_threads, torch.get_num_threads()
@@ -111,7 +112,7 @@ def vllm_session(overrides: dict):
     except ModelError as e:
         set_threads(threads)
         pytest.skip(f"embedded model unavailable: {e}")
-    engine = VLLMEngine(policies, cfg.engine.vllm, seed=cfg.seed)
+    engine = make_engine(cfg, policies)
     try:
         yield cfg, policies, engine
     finally:

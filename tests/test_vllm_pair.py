@@ -17,7 +17,8 @@ import pytest
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from conftest import DEBUG_MODEL, FP32, VLLM_MARKS, max_diff, perturbed_lora_b, teacher_forced  # noqa: E402
+from conftest import (DEBUG_MODEL, FP32, VLLM_MARKS, max_diff, perturbed_lora_b, teacher_forced,  # noqa: E402
+                      vllm_session)
 from test_two_bases import _bpe_writer  # noqa: E402
 
 pytestmark = VLLM_MARKS
@@ -28,33 +29,14 @@ WRITER_SHARE = 0.25
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    import torch
-
-    from tosca_mlmt.config import load_config
-    from tosca_mlmt.models.policies import PolicyPair
-    from tosca_mlmt.rollout.engines import make_engine
-
-    try:
-        import vllm  # noqa: F401
-    except Exception as e:  # noqa: BLE001 -- as conftest.vllm_session
-        pytest.skip(f"import vllm failed: {type(e).__name__}: {e}")
     writer = _bpe_writer(tmp_path_factory.mktemp("writer-base"))
-    cfg = load_config(overrides={**DEBUG_MODEL, **FP32, "model.writer": writer, "engine.name": "vllm",
-                                 "engine.vllm.kv_cache_gb": 1, "engine.vllm.writer_share": WRITER_SHARE,
-                                 "engine.vllm.max_model_len": 512, "episode.max_prompt_tokens": 384,
-                                 "task.name": "arith", "task.level": 1, "episode.n_samples": 2,
-                                 "solver_sampling.max_new_tokens": 12, "episode.max_feedback_tokens": 8,
-                                 "logging.wandb": False, "logging.progress": False})
-    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    set_threads(1)
-    policies = PolicyPair(cfg.model, seed=cfg.seed)
-    engine = make_engine(cfg, policies)
-    try:
+    with vllm_session({**DEBUG_MODEL, **FP32, "model.writer": writer, "engine.name": "vllm",
+                       "engine.vllm.kv_cache_gb": 1, "engine.vllm.writer_share": WRITER_SHARE,
+                       "engine.vllm.max_model_len": 512, "episode.max_prompt_tokens": 384,
+                       "task.name": "arith", "task.level": 1, "episode.n_samples": 2,
+                       "solver_sampling.max_new_tokens": 12, "episode.max_feedback_tokens": 8,
+                       "logging.wandb": False, "logging.progress": False}) as (cfg, policies, engine):
         yield cfg, policies, engine, writer
-    finally:
-        engine.close()
-        torch.set_num_threads = set_threads  # vLLM's in-process worker replaces it with a no-op
-        set_threads(threads)
 
 
 def _sampled(policies, engine, role: str, text: str, seed: int = 0):

@@ -22,23 +22,27 @@ from tosca_mlmt.rollout.engines.base import Generation
 TAIL_TOKENS = 32
 
 
-def stop_index(token_ids: list[int], decode: Callable[[list[int]], str], pattern: str) -> int | None:
-    """Smallest n such that ``decode(token_ids[:n])`` contains a match of ``pattern``, or None.
-
-    Linear in the ids: decodes prefixes only until the first match (text is decoded from
-    the start so multi-token characters are whole)."""
-    rx = re.compile(pattern)
-    full = decode(token_ids)
-    if not rx.search(full):
+def shortest_prefix(token_ids: list[int], decode: Callable[[list[int]], str],
+                    holds: Callable[[str], bool]) -> int | None:
+    """Smallest n such that ``holds(decode(token_ids[:n]))``, or None where the whole text does not hold;
+    ``holds`` must stay true once true (text is decoded from the start, so multi-token characters are
+    whole). A binary search: O(log n) decodes."""
+    if not holds(decode(token_ids)):
         return None
-    lo, hi = 1, len(token_ids)  # the match exists in the whole; find the shortest prefix holding it
+    lo, hi = 1, len(token_ids)
     while lo < hi:
         mid = (lo + hi) // 2
-        if rx.search(decode(token_ids[:mid])):
+        if holds(decode(token_ids[:mid])):
             hi = mid
         else:
             lo = mid + 1
     return lo
+
+
+def stop_index(token_ids: list[int], decode: Callable[[list[int]], str], pattern: str) -> int | None:
+    """Smallest n such that ``decode(token_ids[:n])`` contains a match of ``pattern``, or None."""
+    rx = re.compile(pattern)
+    return shortest_prefix(token_ids, decode, lambda text: bool(rx.search(text)))
 
 
 def apply_stop(gen: Generation, decode: Callable[[list[int]], str], pattern: str | None) -> Generation:
@@ -87,17 +91,8 @@ def tail_pattern(pattern: str) -> str:
 def thinking_end(token_ids: list[int], decode: Callable[[list[int]], str], close: str) -> int | None:
     """The ids' index just after the token that completes their last ``close`` tag (what final_text reads
     begins there), or None where no close tag was written."""
-    count = decode(token_ids).count(close)
-    if not count:
-        return None
-    lo, hi = 1, len(token_ids)  # the shortest prefix holding every close tag
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if decode(token_ids[:mid]).count(close) >= count:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    count = decode(token_ids).count(close)  # the shortest prefix holding every close tag
+    return shortest_prefix(token_ids, decode, lambda text: text.count(close) >= count) if count else None
 
 
 def final_text(text: str, tags: list[str]) -> str:
