@@ -22,6 +22,10 @@ In ONE process (one model load, one vLLM start-up) it measures:
   (max_tokens=1: the prompt's forward and the first token's sampling, no decode step), timed, with
   the prefix cache as the loop had it before that call (each call's prompts + outputs are fed
   untimed afterwards, so the next call finds the blocks the loop left); what prefill costs per turn;
+* ``continuous_ab`` (``--continuous-ab N``): N rounds of a whole collect with
+  ``engine.vllm.continuous_episodes`` on (each episode's next turn joins the running batch as its
+  last one ends: rollout/continuous.py) and off (one batched call per turn), and a raw run, the
+  order alternating, on the same engine: the loop's tokens/s each way against raw single-turn;
 * ``raw_vllm``: one flat ``LLM.generate`` call over the same turn-1 prompts with n samples,
   the same model, sampling and max_new_tokens. n is chosen from the collect run so the
   generated-token count roughly matches (the comparison is in tokens/s, so it need not be
@@ -98,6 +102,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="after the vLLM collect, time each turn's prompts prefilled alone (max_tokens=1) with the "
                          "cache as the loop left it before that turn: what prefill costs per turn, and the loop's "
                          "ratio to raw if the feedback and refine prefills were free")
+    ap.add_argument("--continuous", default="off", choices=("on", "off"),
+                    help="engine.vllm.continuous_episodes for the recorded vLLM collect run; off (batched turns) is "
+                         "what the replay, --stop-ab, --salt-ab, --norm-ab and --prefill-probe replay call by call")
+    ap.add_argument("--continuous-ab", type=int, default=0,
+                    help="after the vLLM collect, this many rounds of a collect with continuous episodes, one with "
+                         "batched turns and a raw run, alternating: tokens/s of each and the loop/raw ratios")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS))
     return ap.parse_args(argv)
@@ -173,6 +183,9 @@ class RecordingEngine:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.continuous == "on" and (args.stop_ab or args.salt_ab or args.norm_ab or args.prefill_probe):
+        sys.exit("--stop-ab, --salt-ab, --norm-ab and --prefill-probe replay the loop's per-turn calls: "
+                 "use --continuous off (continuous episodes make none)")
     if args.salt_ab and not args.trained_adapters:
         sys.exit("--salt-ab needs --trained-adapters: with zero adapters no sync moves weights, so nothing is reset")
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -184,7 +197,6 @@ def main(argv=None) -> int:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gb))
 
     load_before = loadavg()
     t_start = time.time()
@@ -205,6 +217,7 @@ def main(argv=None) -> int:
         "engine.vllm.kv_cache_gb": args.kv_cache_gb, "engine.vllm.max_model_len": args.max_model_len,
         "engine.vllm.enable_prefix_caching": args.prefix_caching == "on", "engine.vllm.block_size": args.block_size,
         "engine.vllm.stop_in_engine": args.stop_in_engine == "on",
+        "engine.vllm.continuous_episodes": args.continuous == "on",
         "task.name": args.task, "task.level": args.level, "task.limit": args.limit,
         "episode.n_samples": args.n_samples, "episode.rounds": args.rounds,
         "episode.max_feedback_tokens": args.feedback_tokens, "solver_sampling.max_new_tokens": args.max_new_tokens,
@@ -395,6 +408,42 @@ def main(argv=None) -> int:
                   f"{med['off']['replay_over_raw']} off", flush=True)
             return out
 
+        def continuous_ab(rounds: int, n_raw: int) -> dict:
+            def run(on: bool) -> dict:
+                engine.continuous = on
+                engine.llm.reset_prefix_cache()
+                t = time.perf_counter()
+                res = collect(cfgs["vllm"], policies=policies, engine=engine, log_dir=str(tmp / "logs-ab"))
+                wall = time.perf_counter() - t
+                s = res.summary
+                return {"gen_tokens": s["gen_tokens"], "episodes_seconds": round(s["time/episodes"], 3),
+                        "collect_call_seconds": round(wall, 3),
+                        "tokens_per_s": round(s["gen_tokens"] / s["time/episodes"], 2), "acc_t1": s.get("acc_t1"),
+                        "acc_final": s.get("acc_final"), "load_after": loadavg()}
+
+            keep = engine.continuous
+            runs: dict[str, list] = {"continuous": [], "batched": [], "raw": []}
+            for i in range(rounds):
+                order = ("continuous", "batched", "raw") if i % 2 == 0 else ("raw", "batched", "continuous")
+                for name in order:
+                    r = run_raw(n_raw) if name == "raw" else run(name == "continuous")
+                    runs[name].append(r)
+                    print(f"  continuous A/B round {i}: {name} {r['tokens_per_s']} tok/s", flush=True)
+            engine.continuous = keep
+            med = {k: float(np.median([r["tokens_per_s"] for r in v])) for k, v in runs.items()}
+            out = {"rounds": rounds, "median_tokens_per_s": med,
+                   "continuous_over_raw": round(med["continuous"] / med["raw"], 3),
+                   "batched_over_raw": round(med["batched"] / med["raw"], 3),
+                   "continuous_over_batched": round(med["continuous"] / med["batched"], 3),
+                   # per round, each loop against the raw run of the same round (load drifts between rounds)
+                   "paired_continuous_over_raw": [round(c["tokens_per_s"] / r["tokens_per_s"], 3)
+                                                  for c, r in zip(runs["continuous"], runs["raw"])],
+                   "runs": runs}
+            print(f"continuous episodes A/B over {rounds} rounds (medians): continuous {med['continuous']:.1f}, "
+                  f"batched {med['batched']:.1f}, raw {med['raw']:.1f} tok/s; continuous / raw "
+                  f"{out['continuous_over_raw']}, batched / raw {out['batched_over_raw']}", flush=True)
+            return out
+
         def prefill_probe(rec: RecordingEngine) -> dict:
             from vllm import SamplingParams as VSP
 
@@ -435,7 +484,8 @@ def main(argv=None) -> int:
                 raw_runs.append(run_raw(n_raw))
             run_collect("vllm", engine)
             n_raw = n_raw if n_raw is not None else size_raw(results["collect_vllm"])
-            results["replay_vllm"] = replay(recorded["vllm"])
+            if args.continuous == "off":  # continuous episodes make no per-turn calls to replay
+                results["replay_vllm"] = replay(recorded["vllm"])
             if args.stop_ab:
                 results["stop_ab"] = stop_ab(recorded["vllm"], args.stop_ab)
             if args.salt_ab:
@@ -444,6 +494,8 @@ def main(argv=None) -> int:
                 results["norm_ab"] = norm_ab(recorded["vllm"], args.norm_ab, n_raw)
             if args.prefill_probe:
                 results["prefill_probe"] = prefill_probe(recorded["vllm"])
+            if args.continuous_ab:
+                results["continuous_ab"] = continuous_ab(args.continuous_ab, n_raw)
         for _ in range(args.raw_runs - len(raw_runs)):
             raw_runs.append(run_raw(n_raw if n_raw is not None else 3 * args.n_samples))
         vllm_info.update({"weight_syncs": engine.syncs, "weight_sync_seconds": round(engine.sync_seconds, 3),

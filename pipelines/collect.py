@@ -78,7 +78,7 @@ def collect(cfg: Config, out: str | Path | None = None, *, console=None, policie
             bar = progress.add_task(cfg.task.name, total=n_mine * n * turns_per_episode)
             runner = EpisodeRunner(cfg, task, engine, policies,
                                    on_turn=lambda kind, k: progress.update(
-                                       bar, advance=k * {"solve": n, "counterfactual": 0}.get(kind, 1),
+                                       bar, advance=0 if kind == "counterfactual" else k,
                                        description=f"{cfg.task.name}: {kind}"),
                                    solve_temperature=cfg.collect.solve_temperature,
                                    refine_temperature=cfg.collect.refine_temperature,

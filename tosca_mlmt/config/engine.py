@@ -68,6 +68,12 @@ class VLLMConfig(Section):
                                 "right after its first complete answer line (rollout/engines/vllm_stop.py) instead of "
                                 "decoding on to eos or max_new_tokens and cutting afterwards: the same kept ids, "
                                 "log-probs and finish reason, less decoding. Off = the post-hoc cut alone.")
+    continuous_episodes: bool = knob(True, "Each episode moves to its next turn as soon as its last one ends, all in "
+                                     "one running vLLM batch (rollout/continuous.py), instead of every turn waiting "
+                                     "for the batch's slowest sequence. Applies where both roles fit one batch "
+                                     "(equal merged weights, e.g. untrained adapters, or serve_adapters) or no writer "
+                                     "model writes; elsewhere turns run batched. The same seeds and strategy draws "
+                                     "as batched turns; only which requests share a decode step differs.")
 
 
 @dataclass

