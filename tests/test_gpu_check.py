@@ -165,7 +165,7 @@ def test_runs_report_keeps_each_runs_last_metrics_and_manifest(tmp_path):
 
 @pytest.mark.parametrize("profile, names", [
     ("hf", ["env", "collect", "lower", "joint", "throughput", "zero2"]),
-    ("vllm", ["env", "vcollect", "vlower", "vbench", "vjoint", "vpair"]),
+    ("vllm", ["env", "vcollect", "vlower", "vbench", "vjoint", "vpair", "vcont"]),
 ])
 def test_steps_share_one_budget_and_a_spent_one_skips_them(tmp_path, profile, names):
     """A device call is killed at 600 s; steps past the budget are recorded as skipped, not started."""

@@ -22,6 +22,8 @@
 #   vjoint     mlmt train-joint, one round of configs/demo.yaml on vLLM
 #   vpair      mlmt collect with the writer on a base of its own (model.writer=tiny-random): two vLLM
 #              engines on one GPU, the memory split by engine.vllm.writer_share (rollout/engines/vllm_pair.py)
+#   vcont      collect_throughput.py --continuous-ab 1 at 512 x 4: continuous episodes against batched
+#              turns and raw vLLM, with more episodes than vLLM's max_num_seqs (rollout/continuous.py)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$(pwd)
@@ -101,6 +103,8 @@ if [ "$PROFILE" = vllm ]; then
     --set joint.collect_problems="$probs" "${joint[@]}" --out "$W/vjoint"
   step vpair 120 "${MLMT[@]}" collect --task arith --level 2 --limit "$probs" --n-samples 4 --engine vllm \
     --set model.writer=tiny-random --no-wandb --no-progress --out "$W/vpair"
+  step vcont 240 "$PY" benchmarks/collect_throughput.py --limit "$((n * 8))" --n-samples 4 --engines vllm --raw-n 4 \
+    --raw-runs 0 --continuous on --continuous-ab 1 --out "$OUT/collect_throughput-continuous-gpu.json"
 else
   step collect 180 "${MLMT[@]}" collect --task arith --level 2 --limit "$n" --n-samples 4 --engine hf \
     --set engine.batch_size="$hfb" --no-wandb --no-progress --out "$W/snapshots"

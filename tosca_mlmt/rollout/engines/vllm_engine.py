@@ -421,7 +421,10 @@ class VLLMEngine:
         # ids of their own: LLM.generate numbers its requests from a counter of its own
         rid = f"tosca-{self._stream_ids}"
         self._stream_ids += 1
-        self.llm.llm_engine.add_request(rid, self.requests([prompt])[0], sp, lora_request=self.lora_request(policy))
+        req = self.requests([prompt])[0]
+        # rendered as LLM.generate renders its prompts (vLLM deprecates raw prompts in add_request)
+        render = getattr(self.llm, "_preprocess_cmpl_one", None)
+        self.llm.llm_engine.add_request(rid, render(req) if render else req, sp, lora_request=self.lora_request(policy))
         self._stream[rid] = (tag, policy, params.stop_regex)
 
     def step(self) -> list[tuple[object, Generation]]:
