@@ -103,7 +103,8 @@ if [ "$PROFILE" = vllm ]; then
     --set joint.collect_problems="$probs" "${joint[@]}" --out "$W/vjoint"
   step vpair 120 "${MLMT[@]}" collect --task arith --level 2 --limit "$probs" --n-samples 4 --engine vllm \
     --set model.writer=tiny-random --no-wandb --no-progress --out "$W/vpair"
-  step vcont 240 "$PY" benchmarks/collect_throughput.py --limit "$((n * 8))" --n-samples 4 --engines vllm --raw-n 4 \
+  # more episodes than vLLM's max_num_seqs on an H100/H200 (1024), where batched turns pay a tail per turn
+  step vcont 240 "$PY" benchmarks/collect_throughput.py --limit "$([ "$SMALL" = 1 ] && echo 4 || echo 512)" --n-samples 4 --engines vllm --raw-n 4 \
     --raw-runs 0 --continuous on --continuous-ab 1 --out "$OUT/collect_throughput-continuous-gpu.json"
 else
   step collect 180 "${MLMT[@]}" collect --task arith --level 2 --limit "$n" --n-samples 4 --engine hf \
