@@ -199,6 +199,10 @@ def identity(preset: Path, extra: dict | None, common: dict, train: dict) -> tup
     # it is unread, so units from before the knob count
     if not cfg["model"]["writer"]:
         cfg["engine"]["vllm"].pop("writer_share")
+    # engine.vllm.continuous_episodes=false is the batched turns every unit before the knob ran; continuous
+    # episodes put other requests in a decode step (bf16: other samples), so they define units of their own
+    if not cfg["engine"]["vllm"]["continuous_episodes"]:
+        cfg["engine"]["vllm"].pop("continuous_episodes")
     # episode.gold_prob off scores nothing and samples the same: units from before the knob count
     if not cfg["episode"]["gold_prob"]:
         cfg["episode"].pop("gold_prob")
