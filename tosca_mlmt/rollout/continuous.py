@@ -45,6 +45,11 @@ class _Drawn:
         return self.u
 
 
+def _writer_writes(cfg) -> bool:
+    """Whether the writer model generates any feedback (not with no rounds, nor with fixed feedback)."""
+    return cfg.episode.rounds > 0 and cfg.episode.feedback not in ("static", "verdict")
+
+
 def applies(runner) -> bool:
     """Whether ``runner`` plays its episodes continuously: the engine can (submit/step), the
     config asks for it (engine.vllm.continuous_episodes), and both roles fit one batch or no
@@ -52,14 +57,13 @@ def applies(runner) -> bool:
     eng = runner.engine
     if not getattr(eng, "continuous", False) or not hasattr(eng, "submit"):
         return False
-    return runner.cfg.episode.rounds == 0 or runner.cfg.episode.feedback in ("static", "verdict") or eng.mixes_roles()
+    return not _writer_writes(runner.cfg) or eng.mixes_roles()
 
 
 def run(runner, problems, batch_index: int) -> list[Episode]:
     cfg, eng = runner.cfg, runner.engine
     n, rounds = cfg.episode.n_samples, cfg.episode.rounds
-    writes = rounds > 0 and cfg.episode.feedback not in ("static", "verdict")
-    eng.open_stream(("solver", "writer") if writes else ("solver",))
+    eng.open_stream(("solver", "writer") if _writer_writes(cfg) else ("solver",))
     episodes = [Episode(f"{p.id}/s{k}", p, k) for p in problems for k in range(n)]
     rng = stream(cfg.seed, "strategy", batch_index)
     draws = [rng.random(len(episodes)) for _ in range(rounds)]  # the batched runner's order: round 1, 2, ...
