@@ -55,6 +55,33 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_
     assert removed == [old] and not old.exists() and live.exists()
 
 
+def test_each_environment_builds_in_a_folder_of_its_own(monkeypatch, tmp_path):
+    # one shared folder made a second virtual environment rebuild the op over the first's (a build's
+    # command lines name the environment's include paths), and the first rebuild it back on its next run
+    import sys
+
+    import torch
+
+    from tosca_mlmt.train import distributed
+
+    monkeypatch.setenv("TOSCA_MLMT_CACHE", str(tmp_path))
+    folders = {}
+    for prefix, version in (("/venvs/a", "2.13.0+cpu"), ("/venvs/b", "2.13.0+cpu"), ("/venvs/a", "2.14.0")):
+        monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+        monkeypatch.setattr(sys, "prefix", prefix)
+        monkeypatch.setattr(torch, "__version__", version)
+        distributed._deepspeed_build_dir()
+        folders[prefix, version] = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    assert len(set(folders.values())) == 3
+    assert all(f.parent == tmp_path / "torch_extensions" for f in folders.values())
+    monkeypatch.setattr(sys, "prefix", "/venvs/a")
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    assert distributed.environment_key() == folders["/venvs/a", "2.13.0+cpu"].name  # stable within one
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))  # the user's choice wins
+    distributed._deepspeed_build_dir()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "mine")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 def test_the_op_mlmt_setup_builds_is_the_one_a_deepspeed_start_loads(monkeypatch):
     """`mlmt setup` (make install) builds DeepSpeed's CPU comm op so that the first distributed run does

@@ -96,12 +96,23 @@ def clear_stale_build_locks(root: Path, max_age_s: float = STALE_BUILD_LOCK_S) -
     return removed
 
 
+def environment_key() -> str:
+    """A folder name for this Python environment and torch build. A build's command lines name the
+    environment's include paths, so two virtual environments sharing one build folder rebuild the op
+    in turn (1-2 minutes each time either starts DeepSpeed); one folder each keeps both builds."""
+    import hashlib
+
+    digest = hashlib.sha1(f"{Path(sys.prefix).resolve()}\0{torch.__version__}".encode()).hexdigest()[:12]
+    return f"py{sys.version_info[0]}{sys.version_info[1]}-{digest}"
+
+
 def _deepspeed_build_dir() -> None:
     """DeepSpeed JIT-builds its CPU comm op on first start (~30 s); keep the build beside the
-    model cache. Set when an engine starts, not on import: importing must not change the process."""
+    model cache, one folder per environment (environment_key). Set when an engine starts, not on
+    import: importing must not change the process."""
     from tosca_mlmt.models.loading import cache_root
 
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_root() / "torch_extensions"))
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_root() / "torch_extensions" / environment_key()))
     clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
 
 
