@@ -81,7 +81,7 @@ def run(runner, problems, batch_index: int) -> list[Episode]:
 
     solve = runner.solve_params(batch_index, 1)
     for i, prompt in enumerate(runner.first_prompts(problems)):
-        seen = runner._cut(prompt)
+        seen = runner.cut_prompt(prompt)
         # greedy: one decode serves all n samples, as the batched engines hand out n copies
         for k in range(1 if solve.greedy else n):
             submit(("solve", i, k), seen, replace(solve, seed=solve.seed + k), "solver")
@@ -95,17 +95,17 @@ def run(runner, problems, batch_index: int) -> list[Episode]:
             plans = runner.plan_feedback([episodes[j] for j in idx], _Drawn(draws[rnd - 1][idx]))
             for j, plan in zip(idx, plans):
                 if plan.fixed is None:
-                    seen = runner._cut(plan.prompt)
+                    seen = runner.cut_prompt(plan.prompt)
                     submit(("feedback", j, rnd), seen, runner.feedback_params(rnd, batch_index), "writer")
                     waiting[j] = (plan, seen)
                 else:
-                    runner._feedback_turn(episodes[j], rnd, plan, plan.fixed, plan.prompt)
+                    runner.record_feedback(episodes[j], rnd, plan, plan.fixed, plan.prompt)
                     runner.on_turn("feedback", 1)
                     refine(j, rnd)
 
     def refine(j: int, rnd: int) -> None:
         prompt, span = runner.refine_prompt(episodes[j], contexts[j])
-        seen = runner._cut(prompt)
+        seen = runner.cut_prompt(prompt)
         submit(("refine", j, rnd), seen, runner.refine_params(rnd, batch_index), "solver")
         waiting[j] = (prompt, seen, span)
 
@@ -115,7 +115,7 @@ def run(runner, problems, batch_index: int) -> list[Episode]:
             prompt, seen = first[j]
             for k in (range(n) if solve.greedy else (r,)):
                 e = j * n + k
-                contexts[e] = runner._solve_turn(episodes[e], prompt, seen, g)
+                contexts[e] = runner.record_solve(episodes[e], prompt, seen, g)
                 runner.gen_tokens += len(g.token_ids)
                 if rounds:
                     ready.append((e, 1))
@@ -125,19 +125,19 @@ def run(runner, problems, batch_index: int) -> list[Episode]:
         runner.on_turn(kind, 1)
         if kind == "feedback":
             plan, seen = waiting.pop(j)
-            runner._feedback_turn(episodes[j], r, plan, g, seen)
+            runner.record_feedback(episodes[j], r, plan, g, seen)
             refine(j, r)
         elif kind == "refine":
             prompt, seen, span = waiting.pop(j)
-            contexts[j] = runner._refine_turn(episodes[j], r, prompt, seen, g, span)
+            contexts[j] = runner.record_refine(episodes[j], r, prompt, seen, g, span)
             if cfg.episode.counterfactual:
                 # the g-less twin of this refine; the episode's next round need not wait for it
-                submit(("counterfactual", j, episodes[j].turns[-1]), runner._cut(span.cut(prompt)),
+                submit(("counterfactual", j, episodes[j].turns[-1]), runner.cut_prompt(span.cut(prompt)),
                        runner.refine_params(r, batch_index, "counterfactual"), "solver")
             if r < rounds:
                 ready.append((j, r + 1))
         else:  # counterfactual: r is the refine turn it belongs to
-            runner._counterfactual_score(episodes[j], r, g)
+            runner.record_counterfactual(episodes[j], r, g)
 
     try:
         while eng.streaming or ready:
@@ -154,5 +154,5 @@ def run(runner, problems, batch_index: int) -> list[Episode]:
         eng.abort_stream()  # after an error: nothing of this run may finish inside a later call
     runner.gen_seconds += t_engine
     if cfg.episode.gold_prob:
-        runner._gold_probs(episodes)
+        runner.score_gold(episodes)
     return episodes

@@ -92,7 +92,7 @@ class EpisodeRunner:
     def _gen(self, prompts: list[list[int]], params: SamplingParams, role: str,
              kind: str) -> tuple[list[list[Generation]], list[list[int]]]:
         """The generations, and each prompt as the engine was given it (what turns record)."""
-        seen = [self._cut(p) for p in prompts]
+        seen = [self.cut_prompt(p) for p in prompts]
         t0 = time.perf_counter()
         out = self.engine.generate(seen, params, policy=role)
         self.gen_seconds += time.perf_counter() - t0
@@ -100,7 +100,7 @@ class EpisodeRunner:
         self.on_turn(kind, len(prompts) * params.n)
         return out, seen
 
-    def _cut(self, prompt: list[int]) -> list[int]:
+    def cut_prompt(self, prompt: list[int]) -> list[int]:
         """The prompt as the engine gets it: its last episode.max_prompt_tokens ids (the end holds
         the instruction and the generation prompt)."""
         seen = list(prompt[-self.cfg.episode.max_prompt_tokens:])
@@ -179,7 +179,7 @@ class EpisodeRunner:
         """The refine's sampling, or with ``kind="counterfactual"`` its g-less twin's."""
         return to_params(self.refine_sampling, self._seed(rnd, kind, batch_index), stop_regex=self.stop_regex)
 
-    def _solve_turn(self, ep: Episode, prompt: list[int], seen: list[int], g: Generation) -> list[int]:
+    def record_solve(self, ep: Episode, prompt: list[int], seen: list[int], g: Generation) -> list[int]:
         """Turn 1 of ``ep``, scored and appended; returns the solver's context after it."""
         t = Turn(0, 0, "solver", "solve", list(seen), list(g.token_ids), list(g.logprobs), g.finish_reason,
                  self._solver_text(g.token_ids), truncated=len(seen) < len(prompt))
@@ -228,7 +228,7 @@ class EpisodeRunner:
                                       rendered[i][1][-1], signals[i], fixed))
         return plans
 
-    def _feedback_turn(self, ep: Episode, rnd: int, plan: FeedbackPlan, g: Generation, seen: list[int]) -> None:
+    def record_feedback(self, ep: Episode, rnd: int, plan: FeedbackPlan, g: Generation, seen: list[int]) -> None:
         """Turn 2 of round ``rnd``: the feedback ``g`` written (or fixed) for ``plan``, appended to ``ep``."""
         shift = len(plan.prompt) - len(seen)
         s = self.strategies[plan.action]
@@ -257,7 +257,7 @@ class EpisodeRunner:
         cont, cut = sfmt.continue_with_user(ctx, [REFINE_USER_PREFIX, prefix + " " if prefix else "", fb_ids, suffix])
         return ctx + cont, FeedbackSpan(len(ctx) + cut[0], len(ctx) + cut[2])
 
-    def _refine_turn(self, ep: Episode, rnd: int, prompt: list[int], seen: list[int], g: Generation,
+    def record_refine(self, ep: Episode, rnd: int, prompt: list[int], seen: list[int], g: Generation,
                      span: FeedbackSpan) -> list[int]:
         """Turn 3 of round ``rnd``, scored and appended; returns the solver's context after it."""
         shift = len(prompt) - len(seen)
@@ -268,7 +268,7 @@ class EpisodeRunner:
         ep.turns.append(t)
         return prompt + list(g.token_ids)
 
-    def _counterfactual_score(self, ep: Episode, turn: Turn, g: Generation) -> None:
+    def record_counterfactual(self, ep: Episode, turn: Turn, g: Generation) -> None:
         v = self.task.verify(ep.problem, final_text(self._solver_text(g.token_ids), self.tags))
         turn.info.update(counterfactual_reward=float(v.reward), counterfactual_extracted=v.extracted)
 
@@ -297,13 +297,13 @@ class EpisodeRunner:
         for p, prompt, cut, gs in zip(problems, p1, seen, gens):
             for k, g in enumerate(gs):
                 ep = Episode(f"{p.id}/s{k}", p, k)
-                contexts.append(self._solve_turn(ep, prompt, cut, g))
+                contexts.append(self.record_solve(ep, prompt, cut, g))
                 episodes.append(ep)
         rng = stream(cfg.seed, "strategy", batch_index)
         for rnd in range(1, cfg.episode.rounds + 1):
             self._feedback_round(episodes, contexts, rnd, batch_index, rng)
         if cfg.episode.gold_prob:
-            self._gold_probs(episodes)
+            self.score_gold(episodes)
         return episodes
 
     def _feedback_round(self, episodes: list[Episode], contexts: list[list[int]], rnd: int, batch_index: int,
@@ -320,17 +320,17 @@ class EpisodeRunner:
             self.on_turn("feedback", len(episodes) - len(write))
         for i, (ep, pl) in enumerate(zip(episodes, plans)):
             g, seen = written.get(i, (pl.fixed, pl.prompt))  # a fixed turn made no engine call: nothing was cut
-            self._feedback_turn(ep, rnd, pl, g, seen)
+            self.record_feedback(ep, rnd, pl, g, seen)
         # ---- turn 3: the solver refines with the feedback appended to its own context
         refine = [self.refine_prompt(ep, ctx) for ep, ctx in zip(episodes, contexts)]
         prompts = [p for p, _ in refine]
         ref_gens, ref_seen = self._gen(prompts, self.refine_params(rnd, batch_index), "solver", "refine")
         for i, (ep, gs) in enumerate(zip(episodes, ref_gens)):
-            contexts[i] = self._refine_turn(ep, rnd, prompts[i], ref_seen[i], gs[0], refine[i][1])
+            contexts[i] = self.record_refine(ep, rnd, prompts[i], ref_seen[i], gs[0], refine[i][1])
         if self.cfg.episode.counterfactual:
             self._counterfactual_refines(episodes, prompts, [sp for _, sp in refine], rnd, batch_index)
 
-    def _gold_probs(self, episodes: list[Episode]) -> None:
+    def score_gold(self, episodes: list[Episode]) -> None:
         """Every solver turn's ``info["gold_prob"]``: the solver's teacher-forced probability of the
         gold answer at the turn's answer slot (rollout/gold.py), one batched scoring pass."""
         sfmt = self.fmt["solver"]
@@ -354,5 +354,5 @@ class EpisodeRunner:
         cut = [span.cut(p) for p, span in zip(prompts, spans)]
         params = self.refine_params(rnd, batch_index, "counterfactual")
         for ep, gs in zip(episodes, self._gen(cut, params, "solver", "counterfactual")[0]):
-            self._counterfactual_score(ep, ep.turns[-1], gs[0])
+            self.record_counterfactual(ep, ep.turns[-1], gs[0])
 
