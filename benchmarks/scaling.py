@@ -142,10 +142,9 @@ def machine_info() -> dict:
             versions[p] = metadata.version(p)
         except metadata.PackageNotFoundError:
             versions[p] = None
-    from tosca_mlmt.models.loading import cache_root
-    from tosca_mlmt.train.distributed import environment_key
+    from tosca_mlmt.train.distributed import default_build_dir
 
-    ext = Path(os.environ.get("TORCH_EXTENSIONS_DIR", cache_root() / "torch_extensions" / environment_key()))
+    ext = Path(os.environ.get("TORCH_EXTENSIONS_DIR", default_build_dir()))
     return {"cpu_model": cpu, "cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)), "mem_gb": mem_gb,
             # DeepSpeed JIT-builds its CPU comm op on first use (~30 s of the first ZeRO start-up)
             "deepspeed_cpu_op_prebuilt": any(ext.glob("deepspeed_shm_comm*/*.so")),

@@ -106,13 +106,18 @@ def environment_key() -> str:
     return f"py{sys.version_info[0]}{sys.version_info[1]}-{digest}"
 
 
-def _deepspeed_build_dir() -> None:
-    """DeepSpeed JIT-builds its CPU comm op on first start (~30 s); keep the build beside the
-    model cache, one folder per environment (environment_key). Set when an engine starts, not on
-    import: importing must not change the process."""
+def default_build_dir() -> Path:
+    """Where DeepSpeed's ops build unless TORCH_EXTENSIONS_DIR says otherwise: beside the model
+    cache, one folder per environment (environment_key)."""
     from tosca_mlmt.models.loading import cache_root
 
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_root() / "torch_extensions" / environment_key()))
+    return cache_root() / "torch_extensions" / environment_key()
+
+
+def _deepspeed_build_dir() -> None:
+    """DeepSpeed JIT-builds its CPU comm op on first start (~30 s); keep the build in
+    default_build_dir(). Set when an engine starts, not on import: importing must not change the process."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default_build_dir()))
     clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
 
 
