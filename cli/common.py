@@ -57,6 +57,9 @@ DATA = typer.Option(None, "--data", help="Data root for gsm8k/math500/mbpp (task
 NO_WANDB = typer.Option(False, "--no-wandb", help="Log to no tracker (logging.trackers: wandb, tensorboard); "
                                                   "metrics.jsonl is always written.")
 NO_PROGRESS = typer.Option(False, "--no-progress", help="Hide progress bars.")
+# collect, train-lower and eval pick a task on the command line (task.name)
+TASK = typer.Option(None, "--task", help="Task: arith, gsm8k, math500, mbpp, jsonl (with --set task.path=FILE), an "
+                                         "installed 'tosca_mlmt.tasks' entry point, or module:Class.")
 
 
 def common_overrides(seed: int | None = None, data: str | None = None, no_wandb: bool = False,

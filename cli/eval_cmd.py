@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, common_overrides, err, parse_sets,
-                                  print_summary)
+from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, TASK, common_overrides, err,
+                                  parse_sets, print_summary)
 
 
 def eval_cmd(
@@ -16,9 +16,7 @@ def eval_cmd(
     run: Optional[Path] = typer.Option(None, "--run", help="A training run folder (uses its solver/ and writer/)."),
     solver: Optional[str] = typer.Option(None, help="Solver adapter folder (instead of --run)."),
     writer: Optional[str] = typer.Option(None, help="Writer folder: adapter + Q head + strategies (instead of --run)."),
-    task: Optional[str] = typer.Option(None, help="Task: arith, gsm8k, math500, mbpp, jsonl (with "
-                                                  "--set task.path=FILE), an installed 'tosca_mlmt.tasks' "
-                                                  "entry point, or module:Class."),
+    task: Optional[str] = TASK,
     split: str = typer.Option("test", help="Must be test: eval never touches training problems."),
     limit: Optional[int] = typer.Option(None, help="Number of held-out problems (0 = all)."),
     engine: Optional[str] = typer.Option(None, help="hf or vllm."),

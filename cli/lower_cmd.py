@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, common_overrides, err, parse_sets,
-                                  print_summary)
+from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, TASK, common_overrides, err,
+                                  parse_sets, print_summary)
 
 
 def train_lower(
@@ -16,9 +16,7 @@ def train_lower(
     snapshot: list[str] = typer.Option([], "--snapshot", help="Train on these snapshots (ids, or prefixes of exactly one id under --root) instead of collecting (repeatable)."),
     root: Path = typer.Option(Path("snapshots"), help="Folder searched (recursively) for --snapshot."),
     iterations: Optional[int] = typer.Option(None, help="PPO iterations (lower.iterations)."),
-    task: Optional[str] = typer.Option(None, help="Task: arith, gsm8k, math500, mbpp, jsonl (with "
-                                                  "--set task.path=FILE), an installed 'tosca_mlmt.tasks' "
-                                                  "entry point, or module:Class."),
+    task: Optional[str] = TASK,
     engine: Optional[str] = typer.Option(None, help="Rollout engine: hf or vllm."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its latest checkpoint."),
     allow_drift: list[str] = typer.Option([], "--allow-drift", metavar="FIELD",

@@ -17,8 +17,8 @@ from tosca_mlmt import runtime
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.cli.analyze_cmd import analyze
 from tosca_mlmt.cli.chat_cmd import chat
-from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, common_overrides, err, parse_sets,
-                                  print_summary, user_errors)
+from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, TASK, common_overrides, err,
+                                  parse_sets, print_summary, user_errors)
 from tosca_mlmt.cli.eval_cmd import eval_cmd
 from tosca_mlmt.cli.export_cmd import export
 from tosca_mlmt.cli.joint_cmd import train_joint
@@ -41,9 +41,7 @@ def _process() -> None:
 @app.command()
 @user_errors
 def collect(
-    task: Optional[str] = typer.Option(None, help="Task: arith, gsm8k, math500, mbpp, jsonl (with "
-                                                  "--set task.path=FILE), an installed 'tosca_mlmt.tasks' "
-                                                  "entry point, or module:Class."),
+    task: Optional[str] = TASK,
     limit: Optional[int] = typer.Option(None, help="Number of problems (0 = whole split)."),
     split: Optional[str] = typer.Option(None, help="train or test."),
     engine: Optional[str] = typer.Option(None, help="Rollout engine: hf or vllm."),
