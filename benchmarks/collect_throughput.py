@@ -129,8 +129,24 @@ def machine_info() -> dict:
                 mem_gb = round(int(line.split()[1]) / 2**20, 1)
     except OSError:
         pass
-    return {"cpu_model": cpu, "cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)),
-            "mem_gb": mem_gb, "platform": platform.platform(), "python": platform.python_version()}
+    return {"cpu_model": cpu, "cpu_flags": cpu_flags(), "cores": os.cpu_count(),
+            "cores_usable": len(os.sched_getaffinity(0)), "mem_gb": mem_gb, "platform": platform.platform(),
+            "python": platform.python_version()}
+
+
+# The flags that pick the bf16 kernels (oneDNN's AMX tiles, avx512_bf16 dot products, or emulation):
+# they round differently, so sampled bf16 runs, and what a short training run learns from them,
+# differ between two CPUs that share a model name ("AMD EPYC", "Intel Xeon") but not these.
+BF16_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def cpu_flags() -> list[str]:
+    try:
+        line = next((x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags")), "")
+    except OSError:
+        return []
+    present = set(line.split(":", 1)[-1].split())
+    return [f for f in BF16_FLAGS if f in present]
 
 
 def loadavg() -> list[float]:

@@ -4,13 +4,16 @@ Per seed, the demo's three measured commands with `--seed S` (eval of the untrai
 first N arith level-2 test problems, train-joint with configs/demo.yaml, eval again with
 --compare-to), then the seeds are pooled: paired-bootstrap 95 % intervals over seeds x problems
 for Acc@t1, Acc@final and the after - before difference, and an exact McNemar test per seed.
-Writes benchmarks/results/demo.json (date, machine, load, commit, seeds, per-seed numbers, and
-each command's peak RSS).
+Writes benchmarks/results/demo.json (date, machine with its CPU's bf16 flags, load, commit, seeds,
+per-seed numbers, and each command's peak RSS). A seed reproduces its numbers on the same code and
+the same kind of CPU only: bf16 kernels (AMX tiles or avx512_bf16) round differently, and 64 PPO
+episodes follow their samples.
 
     python benchmarks/demo_seeds.py --seeds 0 1 2            # ~8 min per seed on 2 idle cores
     python benchmarks/demo_seeds.py --seeds 0 1 2 --reuse    # pool seeds whose folders are complete
-    python benchmarks/demo_seeds.py --config configs/demo-selector.yaml --work W2 --results demo-selector.json \
+    python benchmarks/demo_seeds.py --config configs/demo-text.yaml --work W2 --results demo-text.json \
         --against W1   # and this configuration minus the one trained in W1, after training, paired
+    python benchmarks/demo_seeds.py --seeds 0 1 2 --set lower.bonus.scorer=auto --work W3 --results demo-auto.json
 
 A seed's folder is <work>/seed<S> with eval-before/, run/ and eval/ (what `make demo` writes, so a
 `make demo DEMO_OUT=<work>/seed0` run counts as seed 0).
@@ -22,13 +25,14 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from collect_throughput import loadavg, machine_info
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,9 +45,9 @@ ENV = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false"
            WANDB_MODE="offline", WANDB_SILENT="true")
 
 
-def run_seed(folder: Path, seed: int, problems: int, config: str) -> tuple[float, dict[str, float]]:
+def run_seed(folder: Path, seed: int, problems: int, config: str, sets: list[str] = ()) -> tuple[float, dict[str, float]]:
     """The seed's three commands: (wall seconds, peak RSS in MiB of each command)."""
-    common = ["--config", config, "--seed", str(seed)]
+    common = ["--config", config, "--seed", str(seed), *(a for s in sets for a in ("--set", s))]
     t0, peaks = time.time(), {}
     for name, args in (("eval_before", ["eval", *common, "--out", str(folder / "eval-before"), "--limit",
                                         str(problems)]),
@@ -76,6 +80,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--problems", type=int, default=100)
     ap.add_argument("--config", default="configs/demo.yaml")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for all three commands of every seed (repeatable), e.g. "
+                         "--set engine.vllm.cpu_norm_kernel=false")
     ap.add_argument("--work", default="/tmp/tosca-demo-seeds")
     ap.add_argument("--reuse", action="store_true", help="pool complete seed folders instead of rerunning them")
     ap.add_argument("--results", default="demo.json", help="file name under benchmarks/results/")
@@ -87,12 +94,13 @@ def main() -> None:
     from tosca_mlmt.runtime import git_sha
 
     sha = git_sha()  # the code that runs: read before the first command (a commit may land while seeds run)
+    machine = machine_info() | {"load_before": loadavg()}
     work = Path(args.work)
     per, walls, peaks = [], {}, {}
     for seed in args.seeds:
         folder = work / f"seed{seed}"
         if not (args.reuse and (folder / "eval" / "eval.json").exists()):
-            wall, peaks[seed] = run_seed(folder, seed, args.problems, args.config)
+            wall, peaks[seed] = run_seed(folder, seed, args.problems, args.config, args.sets)
             walls[seed] = round(wall, 1)
         before, after = eval_outcomes(folder / "eval-before"), eval_outcomes(folder / "eval")
         if before["ids"] != after["ids"]:
@@ -138,8 +146,8 @@ def main() -> None:
     (RESULTS / args.results).write_text(json.dumps({
         "benchmark": "demo_seeds", "date": dt.datetime.now().isoformat(timespec="seconds"), "commit": sha,
         "command": f"benchmarks/demo_seeds.py --seeds {' '.join(map(str, args.seeds))} (make demo's commands, "
-                   f"{args.config}, --seed S)", "machine": f"{platform.machine()} {os.cpu_count()} cores",
-        "load_avg": os.getloadavg(), "problems": args.problems, "seeds": seeds, "pooled": pooled,
+                   f"{args.config}{''.join(f', --set {s}' for s in args.sets)}, --seed S)",
+        "machine": machine | {"load_after": loadavg()}, "problems": args.problems, "seeds": seeds, "pooled": pooled,
         "against": against}, indent=1))
 
 

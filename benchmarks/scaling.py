@@ -128,14 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ------------------------------------------------------------------ machine
 def machine_info() -> dict:
-    cpu, mem_gb = "", None
-    try:
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), "")
-        mem_gb = next((round(int(line.split()[1]) / 2**20, 1) for line in Path("/proc/meminfo").read_text().splitlines()
-                       if line.startswith("MemTotal")), None)
-    except OSError:
-        pass
+    from collect_throughput import machine_info as base_info
+
     versions = {"python": platform.python_version()}
     for p in PACKAGES:
         try:
@@ -145,11 +139,10 @@ def machine_info() -> dict:
     from tosca_mlmt.train.distributed import default_build_dir
 
     ext = Path(os.environ.get("TORCH_EXTENSIONS_DIR", default_build_dir()))
-    return {"cpu_model": cpu, "cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)), "mem_gb": mem_gb,
-            # DeepSpeed JIT-builds its CPU comm op on first use (~30 s of the first ZeRO start-up)
-            "deepspeed_cpu_op_prebuilt": any(ext.glob("deepspeed_shm_comm*/*.so")),
-            "platform": platform.platform(), "versions": versions,
-            "omp": {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "set per configuration (see configs)"}}
+    return base_info() | {
+        # DeepSpeed JIT-builds its CPU comm op on first use (~30 s of the first ZeRO start-up)
+        "deepspeed_cpu_op_prebuilt": any(ext.glob("deepspeed_shm_comm*/*.so")), "versions": versions,
+        "omp": {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "set per configuration (see configs)"}}
 
 
 def loadavg() -> list[float]:
