@@ -1,0 +1,51 @@
+"""What the benchmark scripts record about a run: the demo's seeds run the commands a reader can
+repeat from the JSON, and the machine line names the CPU flags that decide bf16 numerics."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture
+def scripts(monkeypatch):
+    # benchmarks/ is not a package: its scripts import each other as top-level modules
+    monkeypatch.syspath_prepend(str(BENCH))
+    for name in ("demo_seeds", "collect_throughput"):
+        sys.modules.pop(name, None)
+    import collect_throughput
+    import demo_seeds
+
+    return demo_seeds, collect_throughput
+
+
+def test_demo_seeds_passes_every_override_to_all_three_commands(scripts, monkeypatch, tmp_path):
+    demo_seeds, _ = scripts
+    ran = []
+    monkeypatch.setattr(demo_seeds, "_run", lambda cmd: ran.append(cmd) or 1.0)
+    demo_seeds.run_seed(tmp_path, 3, 10, "configs/demo.yaml",
+                        ["lower.bonus.scorer=auto", "engine.vllm.cpu_norm_kernel=false"])
+    assert [c[1] for c in ran] == ["eval", "train-joint", "eval"]
+    for cmd in ran:
+        sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
+        assert sets == ["lower.bonus.scorer=auto", "engine.vllm.cpu_norm_kernel=false"]
+        assert cmd[cmd.index("--seed") + 1] == "3" and cmd[cmd.index("--config") + 1] == "configs/demo.yaml"
+    assert ran[2][ran[2].index("--compare-to") + 1] == str(tmp_path / "eval-before")
+
+
+def test_machine_info_names_the_bf16_flags_the_dtype_decision_reads(scripts):
+    from tosca_mlmt.precision import native_bf16
+
+    _, ct = scripts
+    flags = ct.machine_info()["cpu_flags"]
+    assert set(flags) <= set(ct.BF16_FLAGS)
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    assert set(flags) == set(ct.BF16_FLAGS) & set(line.split(":", 1)[-1].split())
+    # the same CPU, read by the package's own precision decision (which asks CUDA first where it can)
+    import torch
+
+    if not torch.cuda.is_available():
+        assert native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
