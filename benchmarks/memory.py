@@ -9,6 +9,8 @@ each step's seconds and the load average. Variants undo the demo's memory settin
   allocator   + engine.mmap_threshold_kb 64
   demo        + kv_cache_gb 1, score_batch 4, grad_accum 2 (configs/demo.yaml as shipped)
   demo-fp32   the demo in fp32, as a CPU without native bf16 runs it
+  demo-kbN, demo-fp32-kbN   the demo (in fp32) with the mmap threshold at N KiB instead of the
+              shipped one: where the threshold sits between page faults and the heap's growth
 
 The fixed mmap threshold is paid for in page faults. --ppo-pairs N times that: N pairs of offline
 train-lower runs (one PPO iteration: scoring, bonus and update of 16 demo episodes from the first
@@ -17,6 +19,7 @@ and system seconds and peak RSS from os.wait4, the ratio taken pair by pair.
 
     python benchmarks/memory.py                      # ~5 min per variant on 2 idle cores
     python benchmarks/memory.py --variants before demo --ppo-pairs 3
+    python benchmarks/memory.py --variants demo demo-kb2048 demo-kb8192 demo-fp32 demo-fp32-kb2048
 
 Writes benchmarks/results/memory.json. Peak RSS does not depend on machine load; the seconds do.
 """
@@ -27,13 +30,13 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 
+from collect_throughput import machine_info
 from demo_seeds import MLMT, ROOT, _run, run_measured
 
 RESULTS = Path(__file__).parent / "results"
@@ -42,6 +45,17 @@ BEFORE = {"engine.mmap_threshold_kb": 0, "engine.vllm.kv_cache_gb": 2, "lower.sc
 FP32 = {"model.dtype": "float32", "lower.autocast": "none"}
 VARIANTS = {"before": BEFORE, "allocator": {**BEFORE, "engine.mmap_threshold_kb": 64}, "demo": {},
             "demo-fp32": FP32}
+
+
+def variant(name: str) -> dict:
+    """A named variant's overrides, or ``demo[-fp32]-kb<N>``'s: the demo with the threshold at N KiB."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    base, sep, kb = name.rpartition("-kb")
+    if not sep or base not in ("demo", "demo-fp32") or not kb.isdigit():
+        raise argparse.ArgumentTypeError(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}, "
+                                         "demo-kbN or demo-fp32-kbN")
+    return {**VARIANTS[base], "engine.mmap_threshold_kb": int(kb)}
 
 
 def run_variant(name: str, sets: dict, work: Path, seed: int) -> dict:
@@ -86,20 +100,26 @@ def ppo_pairs(snapshots: Path, n: int, work: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), help=f"{', '.join(VARIANTS)}, demo-kbN or "
+                                                                          "demo-fp32-kbN (threshold N KiB)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ppo-pairs", type=int, default=0, help="time the threshold on N pairs of offline PPO "
                                                                    "iterations (0 = skip)")
     ap.add_argument("--work", default="/tmp/tosca-bench-memory")
     ap.add_argument("--results", default="memory.json", help="file name under benchmarks/results/")
     args = ap.parse_args()
+    try:
+        overrides = {name: variant(name) for name in args.variants}
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
     sys.path.insert(0, str(ROOT))
     from tosca_mlmt.runtime import git_sha
 
     sha = git_sha()  # before the first run: a commit may land while variants run
+    machine = machine_info() | {"load_before": os.getloadavg()}
     rows = []
     for name in args.variants:
-        r = run_variant(name, VARIANTS[name], Path(args.work), args.seed)
+        r = run_variant(name, overrides[name], Path(args.work), args.seed)
         rows.append(r)
         print(f"{name:>10}: peak RSS {r['peak_rss_mib'] / 1024:.2f} GiB, {r['wall_seconds']:.0f} s, "
               f"per step {[s['peak_rss_gib'] for s in r['steps']]}", flush=True)
@@ -110,7 +130,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / args.results).write_text(json.dumps({
         "benchmark": "memory", "date": dt.datetime.now().isoformat(timespec="seconds"), "commit": sha,
-        "machine": f"{platform.machine()} {os.cpu_count()} cores", "seed": args.seed,
+        "machine": machine | {"load_after": os.getloadavg()}, "seed": args.seed,
         "command": "mlmt train-joint --config configs/demo.yaml --seed S --set <variant>", "variants": rows,
         "ppo_iteration_threshold_timing": ppo},
         indent=1))
