@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,8 @@ ENV = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false"
            WANDB_MODE="offline", WANDB_SILENT="true")
 
 
-def run_seed(folder: Path, seed: int, problems: int, config: str, sets: list[str] = ()) -> tuple[float, dict[str, float]]:
+def run_seed(folder: Path, seed: int, problems: int, config: str,
+             sets: Sequence[str] = ()) -> tuple[float, dict[str, float]]:
     """The seed's three commands: (wall seconds, peak RSS in MiB of each command)."""
     common = ["--config", config, "--seed", str(seed), *(a for s in sets for a in ("--set", s))]
     t0, peaks = time.time(), {}
