@@ -114,24 +114,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def machine_info() -> dict:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem_gb = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                mem_gb = round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return {"cpu_model": cpu, "cpu_flags": cpu_flags(), "cores": os.cpu_count(),
+    cpuinfo, meminfo = _proc_lines("cpuinfo"), _proc_lines("meminfo")
+    cpu = next((x.split(":", 1)[1].strip() for x in cpuinfo if x.startswith("model name")), "")
+    mem_gb = next((round(int(x.split()[1]) / 2**20, 1) for x in meminfo if x.startswith("MemTotal")), None)
+    return {"cpu_model": cpu, "cpu_flags": cpu_flags(cpuinfo), "cores": os.cpu_count(),
             "cores_usable": len(os.sched_getaffinity(0)), "mem_gb": mem_gb, "platform": platform.platform(),
             "python": platform.python_version()}
+
+
+def _proc_lines(name: str) -> list[str]:
+    try:
+        return Path("/proc", name).read_text().splitlines()
+    except OSError:
+        return []
 
 
 # The flags that pick the bf16 kernels (oneDNN's AMX tiles, avx512_bf16 dot products, or emulation):
@@ -140,11 +135,9 @@ def machine_info() -> dict:
 BF16_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 
 
-def cpu_flags() -> list[str]:
-    try:
-        line = next((x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags")), "")
-    except OSError:
-        return []
+def cpu_flags(cpuinfo: list[str]) -> list[str]:
+    """Which of BF16_FLAGS /proc/cpuinfo's lines (``cpuinfo``) name."""
+    line = next((x for x in cpuinfo if x.startswith("flags")), "")
     present = set(line.split(":", 1)[-1].split())
     return [f for f in BF16_FLAGS if f in present]
 

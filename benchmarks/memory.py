@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from collect_throughput import machine_info
+from collect_throughput import loadavg, machine_info
 from demo_seeds import MLMT, ROOT, _run, run_measured
 
 RESULTS = Path(__file__).parent / "results"
@@ -116,7 +116,7 @@ def main() -> None:
     from tosca_mlmt.runtime import git_sha
 
     sha = git_sha()  # before the first run: a commit may land while variants run
-    machine = machine_info() | {"load_before": os.getloadavg()}
+    machine = machine_info() | {"load_before": loadavg()}
     rows = []
     for name in args.variants:
         r = run_variant(name, overrides[name], Path(args.work), args.seed)
@@ -130,7 +130,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / args.results).write_text(json.dumps({
         "benchmark": "memory", "date": dt.datetime.now().isoformat(timespec="seconds"), "commit": sha,
-        "machine": machine | {"load_after": os.getloadavg()}, "seed": args.seed,
+        "machine": machine | {"load_after": loadavg()}, "seed": args.seed,
         "command": "mlmt train-joint --config configs/demo.yaml --seed S --set <variant>", "variants": rows,
         "ppo_iteration_threshold_timing": ppo},
         indent=1))

@@ -58,6 +58,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from collect_throughput import loadavg, machine_info as base_info
+
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
@@ -128,8 +130,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ------------------------------------------------------------------ machine
 def machine_info() -> dict:
-    from collect_throughput import machine_info as base_info
-
     versions = {"python": platform.python_version()}
     for p in PACKAGES:
         try:
@@ -143,10 +143,6 @@ def machine_info() -> dict:
         # DeepSpeed JIT-builds its CPU comm op on first use (~30 s of the first ZeRO start-up)
         "deepspeed_cpu_op_prebuilt": any(ext.glob("deepspeed_shm_comm*/*.so")), "versions": versions,
         "omp": {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "set per configuration (see configs)"}}
-
-
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def _cpu_ticks() -> tuple[int, int]:
