@@ -92,8 +92,9 @@ class EngineConfig(Section):
                                      "PyTorch's freed activations stay in the heap and RSS ratchets up: `make demo`'s "
                                      "train-joint drifted from 3.7 to 8.6 GiB between steps (peak 11 GiB), and held "
                                      "~4 GiB at 64. The price is page faults: an offline PPO iteration took 1.31x the "
-                                     "wall time (benchmarks/results/memory.json), the demo's training steps 1.56x "
-                                     "their time at 2048 (5.88 GiB; memory-threshold.json). The demo sets 64. "
+                                     "wall time (benchmarks/results/memory.json); at 64 the demo's training steps took "
+                                     "1.56x their time at 2048, which peaked at 5.88 GiB (memory-threshold.json). "
+                                     "The demo sets 64. "
                                      "Process-wide: once "
                                      "set, a later 0 in the same process does not bring the adaptive one back.", min=0, max=32768)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
