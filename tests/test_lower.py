@@ -371,6 +371,53 @@ def test_zero_kl_coef_skips_the_reference_pass_and_changes_nothing(debug_cfg, de
     assert all(torch.equal(w0[k], w1[k]) for k in w0), "skipping the reference pass changed the update"
 
 
+def test_trainer_forwards_run_the_head_on_action_tokens_only_and_change_no_number(debug_cfg, debug_policies,
+                                                                                    monkeypatch):
+    """Every trainer forward of an update (pi_old with entropy, the reference, the refines with g cut
+    out, the training forward) computes log-probs on the action tokens alone, and the update is the
+    one a dense head over every position gives: no loss, KL, bonus or diagnostic reads a position
+    outside the loss mask. fp32 on the random debug model."""
+    from peft import set_peft_model_state_dict
+
+    from tosca_mlmt.lower import scoring
+    from tosca_mlmt.lower.learner import LowerLearner
+    from tosca_mlmt.lower.scoring import SolverScorer
+
+    policies = debug_policies
+    cfg, trajs = _lower_setup(debug_cfg, policies)  # kl_coef > 0 and the trainer-scored bonus: all four passes
+    state = copy.deepcopy(policies.adapter_state("solver"))
+    heads, forward, dense = [], SolverScorer.forward, scoring.token_logprobs_from_hidden
+
+    def counting_head(hidden, head, ids, chunk, with_entropy=False, keep=None):
+        heads.append((hidden.shape[0] * (hidden.shape[1] - 1), None if keep is None else int(keep[:, 1:].sum()),
+                      torch.is_grad_enabled()))
+        return dense(hidden, head, ids, chunk, with_entropy=with_entropy, keep=keep)
+
+    def dense_forward(self, *args, keep=None, **kw):
+        return forward(self, *args, **kw)
+
+    monkeypatch.setattr(scoring, "token_logprobs_from_hidden", counting_head)
+    runs = {}
+    for name in ("kept", "dense"):
+        if name == "dense":
+            monkeypatch.setattr(SolverScorer, "forward", dense_forward)
+        heads.clear()
+        torch.manual_seed(0)  # the value head's init
+        metrics = LowerLearner(cfg, policies).update(trajs, step=0)
+        runs[name] = (metrics, list(heads), copy.deepcopy(policies.adapter_state("solver")))
+        set_peft_model_state_dict(policies.model("solver"), state, adapter_name="solver")
+    (m0, h0, w0), (m1, h1, w1) = runs["kept"], runs["dense"]
+    assert all(k is not None and 0 < k < n for n, k, _ in h0), h0  # every pass ran on part of its positions
+    assert {g for *_, g in h0} == {False, True}  # no-grad scoring and the training forward both
+    assert sum(k for _, k, _ in h0) < 0.5 * sum(n for n, _, _ in h1)
+    for k in ("policy_loss", "kl", "bonus/mean", "entropy", "grad_norm", "approx_kl"):
+        assert m0[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-7), (k, m0[k], m1[k])
+    moved = max(float((w0[k] - state[k]).abs().max()) for k in state)
+    assert moved > 0, "the update did not move the adapter: the comparison is vacuous"
+    for k in w0:
+        torch.testing.assert_close(w0[k], w1[k], rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.slow
 def test_auto_old_logprobs_skip_the_pass_only_where_pi_old_is_pi_theta(debug_cfg, debug_policies, monkeypatch):
     """lower.old_logprobs=auto on a batch that is one optimizer step and has no reader of pi_old

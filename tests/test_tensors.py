@@ -1,4 +1,4 @@
-"""tensors.token_logprobs_from_hidden: the chunked LM head against the full logits."""
+"""tensors.token_logprobs_from_hidden: the chunked LM head (all positions, or the kept ones) against the full logits."""
 
 import pytest
 import torch
@@ -31,6 +31,48 @@ def test_chunked_logprobs_entropy_and_gradient_equal_the_full_logits(chunk):
     torch.testing.assert_close(grad, want_grad)
     plain = token_logprobs_from_hidden(hidden, head, ids, chunk=chunk)
     torch.testing.assert_close(plain, lp)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_kept_positions_equal_the_full_logits_there_and_are_zero_elsewhere(chunk):
+    """keep= (the loss mask): the head runs on the kept positions alone. Their log-probs, entropy and
+    gradient equal one log_softmax over all positions; every other position is 0 with no gradient
+    into its hidden state; position 0 is 0 even when kept (it has no context); a mask that keeps
+    nothing gives zeros. fp32, any CPU."""
+    gen = torch.Generator().manual_seed(1)
+    B, T, H, V = 3, 9, 5, 13
+    head = torch.nn.Linear(H, V, bias=False, dtype=torch.float32)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, H, generator=gen, dtype=torch.float32))
+    hidden = torch.randn(B, T, H, generator=gen, dtype=torch.float32, requires_grad=True)
+    ids = torch.randint(0, V, (B, T), generator=gen)
+    keep = torch.zeros(B, T)
+    keep[0, 0:4] = 1.0  # position 0 kept: still 0
+    keep[1, 5:9] = 1.0
+    keep[2, 2:3] = 1.0
+    full = torch.log_softmax(head(hidden), -1)  # [B, T, V]
+    want = torch.zeros(B, T)
+    want[:, 1:] = full[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    want = want * keep
+    want[:, 0] = 0.0
+    want_ent = torch.zeros(B, T)
+    want_ent[:, 1:] = -(full.exp() * full).sum(-1)[:, :-1].detach()
+    want_ent = want_ent * keep
+    want_ent[:, 0] = 0.0
+    want_grad, = torch.autograd.grad(want.sum(), hidden)
+    lp, ent = token_logprobs_from_hidden(hidden, head, ids, chunk=chunk, with_entropy=True, keep=keep)
+    torch.testing.assert_close(lp, want)
+    torch.testing.assert_close(ent, want_ent)
+    dense = token_logprobs_from_hidden(hidden, head, ids, chunk=chunk)
+    torch.testing.assert_close(lp[keep > 0], dense[keep > 0])
+    grad, = torch.autograd.grad(lp.sum(), hidden)
+    torch.testing.assert_close(grad, want_grad)
+    # the hidden state before each unkept position gets no gradient at all
+    unread = torch.ones(B, T, dtype=torch.bool)
+    unread[:, :-1] = keep[:, 1:] == 0
+    assert bool((grad[unread] == 0).all()) and bool((grad[~unread].abs().sum(-1) > 0).all())
+    none = token_logprobs_from_hidden(hidden, head, ids, chunk=chunk, keep=torch.zeros(B, T))
+    assert none.shape == (B, T) and bool((none == 0).all())
 
 
 def test_onto_moves_inputs_to_the_module_device_and_leaves_host_tensors_alone():

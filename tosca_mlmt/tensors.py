@@ -68,21 +68,26 @@ def fp32_logits(hidden: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:
 
 
 def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, input_ids: torch.Tensor,
-                               chunk: int = 256, with_entropy: bool = False):
+                               chunk: int = 256, with_entropy: bool = False, keep: torch.Tensor | None = None):
     """log pi(x_t | x_<t) for t >= 1, computed from hidden states in chunks of positions.
 
     hidden [B, T, H] -> logprobs [B, T] (position 0 is 0: it has no context), and with
-    ``with_entropy`` also the entropy [B, T] of pi(. | x_<t). Only one [B, chunk, V] logits
-    block exists at a time, so memory does not scale with T x V; under grad each chunk is
-    checkpointed so the backward pass keeps the same bound.
+    ``with_entropy`` also the entropy [B, T] of pi(. | x_<t). With ``keep`` [B, T] (bool or 0/1)
+    only the kept positions are computed and the others are 0: a PPO batch reads its action tokens
+    alone (the loss mask), 10-20 % of a three-turn sequence, whose prompts, attempt and feedback
+    then cost no LM head, log-softmax or entropy over the vocabulary (TRL keeps only completion
+    logits for the same reason). At most B x ``chunk`` positions' logits exist at a time, so memory
+    does not scale with T x V; under grad each chunk is checkpointed so the backward pass keeps the
+    same bound.
     """
     B, T, _ = hidden.shape
-    lps = [hidden.new_zeros(B, 1, dtype=torch.float32)]
-    ents = [hidden.new_zeros(B, 1, dtype=torch.float32)]
-    targets = input_ids[:, 1:]
-    for s in range(0, T - 1, chunk):
-        e = min(s + chunk, T - 1)
-        h, tgt = hidden[:, s:e], targets[:, s:e]
+    sel = (torch.ones(B, T - 1, dtype=torch.bool, device=hidden.device) if keep is None
+           else keep[:, 1:].to(device=hidden.device, dtype=torch.bool))  # [B, T-1]
+    h_all, tgt_all = hidden[:, :-1][sel], input_ids[:, 1:].to(hidden.device)[sel]  # [N, H], [N]
+    rows = max(1, B * chunk)
+    lps, ents = [], []
+    for s in range(0, h_all.shape[0], rows):
+        h, tgt = h_all[s: s + rows], tgt_all[s: s + rows]
         out: list | None = [] if with_entropy else None
         fn = functools.partial(_chunk_logprobs, entropy_out=out)
         if torch.is_grad_enabled() and h.requires_grad:
@@ -91,18 +96,22 @@ def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, i
             lps.append(fn(h, tgt, lm_head))
         if with_entropy:
             ents.append(out[0])
-    lp = torch.cat(lps, dim=1)
-    if with_entropy:
-        return lp, (torch.cat(ents, dim=1) if len(ents) > 1 else torch.zeros_like(lp))
-    return lp
+
+    def place(parts: list[torch.Tensor]) -> torch.Tensor:  # [N] -> [B, T], 0 where not computed
+        flat = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+        body = hidden.new_zeros(B, T - 1, dtype=torch.float32).masked_scatter(sel, flat)
+        return torch.cat([hidden.new_zeros(B, 1, dtype=torch.float32), body], dim=1)
+
+    lp = place(lps)
+    return (lp, place(ents)) if with_entropy else lp
 
 
 def _chunk_logprobs(h: torch.Tensor, tgt: torch.Tensor, lm_head: torch.nn.Module,
                     entropy_out: list | None = None) -> torch.Tensor:
-    """Log-probs [B, c] of the targets (with grad). With ``entropy_out``, the first call also appends
-    the entropy [B, c] of pi, without grad: a diagnostic. A checkpointed chunk runs again in the
+    """Log-probs [N] of the targets of N positions (with grad). With ``entropy_out``, the first call
+    also appends the entropy [N] of pi, without grad: a diagnostic. A checkpointed chunk runs again in the
     backward pass, and that run skips it (two more passes over [B, c, V] that nothing reads)."""
-    logp = torch.log_softmax(fp32_logits(h, lm_head), dim=-1)  # [B, c, V]
+    logp = torch.log_softmax(fp32_logits(h, lm_head), dim=-1)  # [N, V]
     if entropy_out is not None and not entropy_out:
         with torch.no_grad():
             entropy_out.append(-(logp.exp() * logp).sum(-1))

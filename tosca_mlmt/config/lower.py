@@ -125,7 +125,9 @@ class LowerConfig(Section):
                                      "behaviour = the engine's logged sampling logprobs (needed for off-policy "
                                      "snapshots).",
                              choices=("auto", "recompute", "behaviour"))
-    logprob_chunk: int = knob(256, "Positions per LM-head chunk (memory ~ chunk x vocab, not length x vocab).", min=1)
+    logprob_chunk: int = knob(256, "Positions per row in one LM-head chunk: at most rows x chunk positions' fp32 logits "
+                               "exist at a time (memory ~ chunk x vocab per row, not length x vocab). The head runs only "
+                               "on the positions the loss reads (the action tokens).", min=1)
     score_batch: int = knob(0, "Rows per no-grad scoring forward (old/ref/bonus log-probs); 0 = a rank's whole "
                                   "share at once. Bounds memory, and with a value that divides every rank's share "
                                   "the forwards have the same shapes at any world size (bf16 results depend on "

@@ -232,7 +232,7 @@ class LowerLearner:
     def loss(self, mb: UpdateBatch) -> tuple[torch.Tensor, dict]:
         """One micro-batch's loss; runs inside the engine, so DDP sees the forward."""
         fwd = self.scorer.forward(mb.tt.input_ids, mb.tt.attention_mask, values=mb.old_values is not None,
-                                  entropy=mb.old_logprobs is None)
+                                  entropy=mb.old_logprobs is None, keep=mb.tt.mask)
         return objective.ppo_loss(self.lo, fwd, mb, self.critic)
 
     def save(self, folder: Path) -> None:

@@ -68,9 +68,11 @@ class SolverScorer:
         return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
 
     def forward(self, ids: torch.Tensor, attn: torch.Tensor, values: bool = False, reference: bool = False,
-                entropy: bool = False) -> Forward:
-        """Under the solver, or with ``reference`` the same base with every adapter disabled. Takes
-        and returns host tensors, except ``hidden``; the forwards run on the model's device (tensors.onto)."""
+                entropy: bool = False, keep: torch.Tensor | None = None) -> Forward:
+        """Under the solver, or with ``reference`` the same base with every adapter disabled; with
+        ``keep`` [B, T] log-probs and entropy only where it is nonzero (0 elsewhere): the action
+        tokens, all that the loss, the KL and the bonus read. Takes and returns host tensors, except
+        ``hidden``; the forwards run on the model's device (tensors.onto)."""
         ctx = self.model.disable_adapter() if reference else self.policies.use("solver")
         ids, attn = onto(self.model, ids, attn)
         with ctx, self._autocast():
@@ -78,7 +80,8 @@ class SolverScorer:
             out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1)
             hidden = out.hidden_states[-1]
             head = OutputHead(self.model)
-            res = token_logprobs_from_hidden(hidden, head, ids, self.lo.logprob_chunk, with_entropy=entropy)
+            res = token_logprobs_from_hidden(hidden, head, ids, self.lo.logprob_chunk, with_entropy=entropy,
+                                              keep=keep)
         lp, ent = res if entropy else (res, None)
         v = None
         if values:
@@ -98,7 +101,7 @@ class SolverScorer:
         chunks = []
         for c in self._chunks(dist.shard(tt.input_ids.shape[0])):
             f = self.forward(tt.input_ids[c], tt.attention_mask[c], values=values, reference=reference,
-                             entropy=entropy)
+                             entropy=entropy, keep=tt.mask[c])
             # the hidden states are dropped chunk by chunk: only the K turn positions are kept
             hs, ha = (tuple(x.cpu() for x in archer.turn_features(f.hidden, [trajs[i].turn_spans for i in c],
                                                                     tt.n_turns))
@@ -140,7 +143,8 @@ class SolverScorer:
         local = []
         for c in self._chunks(dist.shard(len(where))):
             batch = build_batch([prompts[i] for i in c], [responses[i] for i in c], self.pad_id)
-            lp = self.forward(batch.input_ids, batch.attention_mask, reference=reference).logprobs
+            lp = self.forward(batch.input_ids, batch.attention_mask, reference=reference,
+                              keep=batch.loss_mask).logprobs
             local += [lp[j, p: p + len(responses[i])] for j, (i, p) in enumerate(zip(c, batch.prompt_lens))]
         return RefineScores(where, dist.gather_sharded(local, len(where)))
 

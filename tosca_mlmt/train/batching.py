@@ -40,12 +40,13 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: in
 
 
 def forward_logprobs(model, batch: TokenBatch, chunk: int = 256, return_hidden: bool = False):
-    """Per-token log-probs [B, T] of ``batch`` under ``model`` (a causal LM, possibly peft-wrapped).
+    """Log-probs [B, T] of ``batch``'s response tokens under ``model`` (a causal LM, possibly
+    peft-wrapped); 0 on every other position (the loss mask's zeros).
 
-    Runs the trunk once, then the LM head in chunks (see token_logprobs_from_hidden), on the
-    model's device; takes and returns host tensors (tensors.onto)."""
+    Runs the trunk once, then the LM head in chunks on the response positions only (see
+    token_logprobs_from_hidden), on the model's device; takes and returns host tensors (tensors.onto)."""
     ids, attn = onto(model, batch.input_ids, batch.attention_mask)
     out = model(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1)
     hidden = out.hidden_states[-1]  # [B, T, H], final norm applied
-    lp = token_logprobs_from_hidden(hidden, OutputHead(model), ids, chunk).cpu()
+    lp = token_logprobs_from_hidden(hidden, OutputHead(model), ids, chunk, keep=batch.loss_mask).cpu()
     return (lp, hidden.cpu()) if return_hidden else lp

@@ -89,10 +89,13 @@ class HFEngine:
         for start in range(0, len(prompts), self.batch_size):
             ps, rs = prompts[start: start + self.batch_size], responses[start: start + self.batch_size]
             ids, attn = onto(model, *pad_batch([list(p) + list(r) for p, r in zip(ps, rs)], pad_id))  # right-padded
+            keep = torch.zeros_like(attn)  # the head runs on the response positions alone
+            for j, (p, r) in enumerate(zip(ps, rs)):
+                keep[j, len(p): len(p) + len(r)] = 1
             with self.policies.use(policy), full_parameters(model):
                 hidden = model(input_ids=ids, attention_mask=attn, output_hidden_states=True,
                                logits_to_keep=1).hidden_states[-1]
-                lp = token_logprobs_from_hidden(hidden, head, ids, 256).cpu()  # [B, T]; the head in chunks
+                lp = token_logprobs_from_hidden(hidden, head, ids, 256, keep=keep).cpu()  # [B, T]
             out += [lp[j, len(p): len(p) + len(r)].tolist() for j, (p, r) in enumerate(zip(ps, rs))]
         return out
 
