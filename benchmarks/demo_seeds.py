@@ -5,9 +5,9 @@ first N arith level-2 test problems, train-joint with configs/demo.yaml, eval ag
 --compare-to), then the seeds are pooled: paired-bootstrap 95 % intervals over seeds x problems
 for Acc@t1, Acc@final and the after - before difference, and an exact McNemar test per seed.
 Writes benchmarks/results/demo.json (date, machine with its CPU's bf16 flags, load, commit, seeds,
-per-seed numbers, and each command's peak RSS). A seed reproduces its numbers on the same code and
-the same kind of CPU only: bf16 kernels (AMX tiles or avx512_bf16) round differently, and 64 PPO
-episodes follow their samples.
+per-seed numbers, each command's peak RSS and each PPO stage's seconds summed over the run). A seed
+reproduces its numbers on the same code and the same kind of CPU only: bf16 kernels (AMX tiles or
+avx512_bf16) round differently, and 64 PPO episodes follow their samples.
 
     python benchmarks/demo_seeds.py --seeds 0 1 2            # ~8 min per seed on 2 idle cores
     python benchmarks/demo_seeds.py --seeds 0 1 2 --reuse    # pool seeds whose folders are complete
@@ -126,6 +126,7 @@ def main() -> None:
                 lo, hi = wilson(sum(o[k]), n)
                 row[f"{name}_acc_{k}"] = {"mean": sum(o[k]) / n, "lo": lo, "hi": hi}
         row["final_mcnemar"] = mcnemar(np.array(after["final"]), np.array(before["final"]))
+        row["ppo_stage_seconds"] = ppo_stage_seconds(work / f"seed{seed}" / "run")
         seeds.append(row)
         print(f"seed {seed}: Acc@t1 {row['before_acc_t1']['mean']:.2f} -> {row['after_acc_t1']['mean']:.2f}, "
               f"Acc@final {row['before_acc_final']['mean']:.2f} -> {row['after_acc_final']['mean']:.2f}, "
@@ -151,6 +152,22 @@ def main() -> None:
                    f"{args.config}{''.join(f', --set {s}' for s in args.sets)}, --seed S)",
         "machine": machine | {"load_after": loadavg()}, "problems": args.problems, "seeds": seeds, "pooled": pooled,
         "against": against}, indent=1))
+
+
+def ppo_stage_seconds(run: Path) -> dict[str, float]:
+    """Seconds of each train-lower stage (``lower/time/*``: generate, old_ref_logprobs, bonus, update,
+    ...) summed over the run's PPO iterations, with their count: where a seed's training time went."""
+    out: dict[str, float] = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "lower/iteration_seconds" not in rec:
+            continue
+        out["iterations"] = out.get("iterations", 0) + 1
+        for k, v in rec.items():
+            if k.startswith("lower/time/") or k == "lower/iteration_seconds":
+                name = k.rsplit("/", 1)[1]
+                out[name] = round(out.get(name, 0.0) + v, 2)
+    return out
 
 
 def _sha_of(work: Path) -> str | None:

@@ -35,6 +35,21 @@ def test_demo_seeds_passes_every_override_to_all_three_commands(scripts, monkeyp
     assert ran[2][ran[2].index("--compare-to") + 1] == str(tmp_path / "eval-before")
 
 
+def test_demo_seeds_sums_each_ppo_stage_over_the_iterations_of_a_run(scripts, tmp_path):
+    """Only train-lower iterations count (the rows with lower/iteration_seconds), not the writer's or
+    the joint step's rows, and a stage one iteration lacks adds nothing there."""
+    import json
+
+    demo_seeds, _ = scripts
+    rows = [{"upper/time/step": 9.0, "step": 1},
+            {"lower/iteration_seconds": 10.0, "lower/time/update": 4.0, "lower/time/bonus": 2.5, "lower/kl": 0.1},
+            {"joint/time/lower": 99.0},
+            {"lower/iteration_seconds": 12.5, "lower/time/update": 5.25}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert demo_seeds.ppo_stage_seconds(tmp_path) == {"iterations": 2, "iteration_seconds": 22.5, "update": 9.25,
+                                                      "bonus": 2.5}
+
+
 def test_machine_info_names_the_bf16_flags_the_dtype_decision_reads(scripts):
     from tosca_mlmt.precision import native_bf16
 
