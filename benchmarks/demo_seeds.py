@@ -65,11 +65,13 @@ def _run(cmd: list[str]) -> float:
     return round(run_measured(cmd).ru_maxrss / 1024, 1)  # Linux: KiB
 
 
-def run_measured(cmd: list[str], quiet: bool = False):
+def run_measured(cmd: list[str], quiet: bool = False, pythonpath: Path | None = None):
     """Runs one command to the end under ENV; the child's own resource usage (os.wait4): its ru_maxrss
-    is the command's peak, vLLM included (it runs inside the process on CPU)."""
+    is the command's peak, vLLM included (it runs inside the process on CPU). ``pythonpath``: run
+    another checkout's code (memory.baseline_tree)."""
     out = subprocess.DEVNULL if quiet else None
-    p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=out, stderr=out)
+    env = ENV if pythonpath is None else dict(ENV, PYTHONPATH=str(pythonpath))
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=out)
     _, status, usage = os.wait4(p.pid, 0)
     p.returncode = os.waitstatus_to_exitcode(status)
     if p.returncode:

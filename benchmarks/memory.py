@@ -15,11 +15,15 @@ each step's seconds and the load average. Variants undo the demo's memory settin
 The fixed mmap threshold is paid for in page faults. --ppo-pairs N times that: N pairs of offline
 train-lower runs (one PPO iteration: scoring, bonus and update of 16 demo episodes from the first
 variant's first collect snapshot), threshold 64 and 0 in turn, each a process of its own; wall, user
-and system seconds and peak RSS from os.wait4, the ratio taken pair by pair.
+and system seconds and peak RSS from os.wait4, the ratio taken pair by pair. With --ppo-baseline REV
+the pairs are this checkout against commit REV instead (the same runs, both at the demo's threshold):
+what a code change does to the trainer's time and memory.
 
     python benchmarks/memory.py                      # ~5 min per variant on 2 idle cores
     python benchmarks/memory.py --variants before demo --ppo-pairs 3
     python benchmarks/memory.py --variants demo demo-kb2048 demo-kb8192 demo-fp32 demo-fp32-kb2048
+    python benchmarks/memory.py --variants --ppo-pairs 3 --ppo-iterations 2 --ppo-baseline 0ea28b8 \
+        --ppo-snapshots RUN/snapshots --results memory-head-ab.json
 
 Writes benchmarks/results/memory.json. Peak RSS does not depend on machine load; the seconds do.
 """
@@ -32,6 +36,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -77,34 +82,59 @@ def run_variant(name: str, sets: dict, work: Path, seed: int) -> dict:
             "load_before": load0, "load_after": os.getloadavg(), "steps": steps}
 
 
-def ppo_pairs(snapshots: Path, n: int, work: Path) -> dict:
-    """n pairs of one offline PPO iteration at mmap_threshold_kb 64 and 0, in turn."""
+def baseline_tree(rev: str, work: Path) -> Path:
+    """A checkout of ``rev`` under ``work`` that runs as a whole from PYTHONPATH: the package gets
+    links to its cli/, pipelines/ and configs/, which the editable install would otherwise take from
+    this checkout."""
+    tree = work / f"baseline-{rev}"
+    if not tree.exists():
+        subprocess.run(["git", "worktree", "add", "--detach", "-f", str(tree), rev], cwd=ROOT, check=True,
+                       capture_output=True)
+        for sub in ("cli", "pipelines", "configs"):
+            (tree / "tosca_mlmt" / sub).symlink_to(Path("..") / sub)
+    return tree
+
+
+def ppo_pairs(snapshots: Path, n: int, work: Path, iterations: int = 1, baseline: str | None = None) -> dict:
+    """n pairs of an offline train-lower (``iterations`` PPO iterations on the first snapshot), in
+    turn: mmap_threshold_kb 64 and 0, or with ``baseline`` this checkout's code and that commit's."""
     snap = sorted(p.name for p in snapshots.glob("snap-*"))[0]
+    tree = baseline_tree(baseline, work) if baseline else None
+    arms = ([("this", {}, None), (baseline, {}, tree)] if baseline
+            else [(64, {"engine.mmap_threshold_kb": 64}, None), (0, {"engine.mmap_threshold_kb": 0}, None)])
     runs = []
     for i in range(n):
-        for kb in (64, 0):
-            out = work / f"ppo-{kb}-{i}"
+        for name, sets, code in arms:
+            out = work / f"ppo-{name}-{i}"
             shutil.rmtree(out, ignore_errors=True)
             cmd = MLMT + ["train-lower", "--config", "configs/demo.yaml", "--snapshot", snap, "--root", str(snapshots),
-                          "--iterations", "1", "--out", str(out), "--no-wandb", "--no-progress", "--set",
-                          f"engine.mmap_threshold_kb={kb}", "--set", "lower.keep_snapshots=false"]
+                          "--iterations", str(iterations), "--out", str(out), "--no-wandb", "--no-progress", "--set",
+                          "lower.keep_snapshots=false"] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
             t0 = time.monotonic()
-            ru = run_measured(cmd, quiet=True)
-            runs.append({"pair": i, "mmap_threshold_kb": kb, "wall_s": round(time.monotonic() - t0, 2),
+            ru = run_measured(cmd, quiet=True, pythonpath=code)
+            runs.append({"pair": i, "arm": name, "wall_s": round(time.monotonic() - t0, 2),
                          "user_s": round(ru.ru_utime, 2), "sys_s": round(ru.ru_stime, 2),
                          "peak_rss_mib": round(ru.ru_maxrss / 1024, 1), "load": os.getloadavg()})
     ratio = [a["wall_s"] / b["wall_s"] for a, b in zip(runs[::2], runs[1::2])]
-    return {"snapshot": snap, "runs": runs, "wall_ratio_64_over_0_per_pair": [round(r, 3) for r in ratio],
+    return {"command": f"mlmt train-lower --config configs/demo.yaml --snapshot {snap} --iterations {iterations} "
+                       "--set lower.keep_snapshots=false, each arm its own process, in turn",
+            "snapshot": snap, "iterations": iterations, "arms": [str(a[0]) for a in arms], "runs": runs,
+            "wall_ratio_first_over_second_per_pair": [round(r, 3) for r in ratio],
             "wall_ratio_median": round(float(statistics.median(ratio)), 3)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), help=f"{', '.join(VARIANTS)}, demo-kbN or "
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), help=f"{', '.join(VARIANTS)}, demo-kbN or "
                                                                           "demo-fp32-kbN (threshold N KiB)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ppo-pairs", type=int, default=0, help="time the threshold on N pairs of offline PPO "
                                                                    "iterations (0 = skip)")
+    ap.add_argument("--ppo-iterations", type=int, default=1, help="PPO iterations per offline run")
+    ap.add_argument("--ppo-baseline", metavar="REV", help="time this checkout against commit REV instead of the "
+                                                          "threshold (a worktree of REV under --work)")
+    ap.add_argument("--ppo-snapshots", metavar="DIR", help="the snapshots to train on (default: the first "
+                                                           "variant's run)")
     ap.add_argument("--work", default="/tmp/tosca-bench-memory")
     ap.add_argument("--results", default="memory.json", help="file name under benchmarks/results/")
     args = ap.parse_args()
@@ -125,8 +155,11 @@ def main() -> None:
               f"per step {[s['peak_rss_gib'] for s in r['steps']]}", flush=True)
     ppo = None
     if args.ppo_pairs:
-        ppo = ppo_pairs(Path(args.work) / args.variants[0] / "snapshots", args.ppo_pairs, Path(args.work))
-        print(f"offline PPO iteration, wall 64 KiB / adaptive per pair: {ppo['wall_ratio_64_over_0_per_pair']}")
+        if not (args.ppo_snapshots or args.variants):
+            ap.error("--ppo-pairs without a variant needs --ppo-snapshots")
+        snaps = Path(args.ppo_snapshots) if args.ppo_snapshots else Path(args.work) / args.variants[0] / "snapshots"
+        ppo = ppo_pairs(snaps, args.ppo_pairs, Path(args.work), args.ppo_iterations, args.ppo_baseline)
+        print(f"offline PPO, wall {' / '.join(ppo['arms'])} per pair: {ppo['wall_ratio_first_over_second_per_pair']}")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / args.results).write_text(json.dumps({
         "benchmark": "memory", "date": dt.datetime.now().isoformat(timespec="seconds"), "commit": sha,
