@@ -74,11 +74,11 @@ def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, i
     hidden [B, T, H] -> logprobs [B, T] (position 0 is 0: it has no context), and with
     ``with_entropy`` also the entropy [B, T] of pi(. | x_<t). With ``keep`` [B, T] (bool or 0/1)
     only the kept positions are computed and the others are 0: a PPO batch reads its action tokens
-    alone (the loss mask), 10-20 % of a three-turn sequence, whose prompts, attempt and feedback
-    then cost no LM head, log-softmax or entropy over the vocabulary (TRL keeps only completion
-    logits for the same reason). At most B x ``chunk`` positions' logits exist at a time, so memory
-    does not scale with T x V; under grad each chunk is checkpointed so the backward pass keeps the
-    same bound.
+    alone (the loss mask), a minority of a three-turn sequence's positions, whose prompts and
+    feedback then cost no LM head, log-softmax or entropy over the vocabulary (TRL keeps only
+    completion logits for the same reason). At most B x ``chunk`` positions' logits exist at a time,
+    so memory does not scale with T x V; under grad each chunk is checkpointed so the backward pass
+    keeps the same bound.
     """
     B, T, _ = hidden.shape
     sel = (torch.ones(B, T - 1, dtype=torch.bool, device=hidden.device) if keep is None
