@@ -53,6 +53,18 @@ def pad_batch(seqs: list[list[int]], pad_id: int, left: bool = False) -> tuple[t
     return ids, attn
 
 
+def pad_pairs(prompts: list[list[int]], responses: list[list[int]],
+              pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompt + response rows, right-padded: (ids [B, T], attention mask [B, T], response mask [B, T]),
+    the last float32 and 1 on exactly the response tokens (prompt, feedback and template ids sit in
+    the prompt part)."""
+    ids, attn = pad_batch([list(p) + list(r) for p, r in zip(prompts, responses)], pad_id)
+    mask = torch.zeros_like(ids, dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        mask[i, len(p): len(p) + len(r)] = 1.0
+    return ids, attn, mask
+
+
 def fp32_logits(hidden: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:
     """LM-head logits [..., V] computed in fp32 whatever the model or autocast dtype.
 
@@ -110,7 +122,7 @@ def _chunk_logprobs(h: torch.Tensor, tgt: torch.Tensor, lm_head: torch.nn.Module
                     entropy_out: list | None = None) -> torch.Tensor:
     """Log-probs [N] of the targets of N positions (with grad). With ``entropy_out``, the first call
     also appends the entropy [N] of pi, without grad: a diagnostic. A checkpointed chunk runs again in the
-    backward pass, and that run skips it (two more passes over [B, c, V] that nothing reads)."""
+    backward pass, and that run skips it (two more passes over [N, V] that nothing reads)."""
     logp = torch.log_softmax(fp32_logits(h, lm_head), dim=-1)  # [N, V]
     if entropy_out is not None and not entropy_out:
         with torch.no_grad():

@@ -94,9 +94,8 @@ class EngineConfig(Section):
                                      "~4 GiB at 64. The price is page faults: an offline PPO iteration took 1.31x the "
                                      "wall time (benchmarks/results/memory.json); at 64 the demo's training steps took "
                                      "1.56x their time at 2048, which peaked at 5.88 GiB (memory-threshold.json). "
-                                     "The demo sets 64. "
-                                     "Process-wide: once "
-                                     "set, a later 0 in the same process does not bring the adaptive one back.", min=0, max=32768)
+                                     "The demo sets 64. Process-wide: once set, a later 0 in the same process does "
+                                     "not bring the adaptive one back.", min=0, max=32768)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 

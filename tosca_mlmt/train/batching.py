@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from tosca_mlmt.models.head import OutputHead
-from tosca_mlmt.tensors import onto, pad_batch, token_logprobs_from_hidden
+from tosca_mlmt.tensors import onto, pad_pairs, token_logprobs_from_hidden
 
 
 @dataclass
@@ -31,11 +31,7 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: in
 
     Only response ids are ever trained: prompt, feedback and template tokens sit in the
     prompt part and get mask 0 by construction."""
-    seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
-    ids, attn = pad_batch(seqs, pad_id)
-    mask = torch.zeros_like(ids, dtype=torch.float32)
-    for i, (p, s) in enumerate(zip(prompts, seqs)):
-        mask[i, len(p) : len(s)] = 1.0
+    ids, attn, mask = pad_pairs(prompts, responses, pad_id)
     return TokenBatch(ids, attn, mask, [len(p) for p in prompts], [len(r) for r in responses])
 
 

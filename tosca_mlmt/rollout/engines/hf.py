@@ -11,7 +11,7 @@ from tosca_mlmt.parallel import full_parameters
 from tosca_mlmt.rollout.engines.base import Generation, SamplingParams
 from tosca_mlmt.rollout.engines.stop import AnswerLine, apply_stop
 from tosca_mlmt.seeds import seeded
-from tosca_mlmt.tensors import onto, pad_batch, token_logprobs_from_hidden
+from tosca_mlmt.tensors import onto, pad_batch, pad_pairs, token_logprobs_from_hidden
 
 
 class _RawLogprobRecorder(LogitsProcessor):
@@ -88,10 +88,8 @@ class HFEngine:
         out: list[list[float]] = []
         for start in range(0, len(prompts), self.batch_size):
             ps, rs = prompts[start: start + self.batch_size], responses[start: start + self.batch_size]
-            ids, attn = onto(model, *pad_batch([list(p) + list(r) for p, r in zip(ps, rs)], pad_id))  # right-padded
-            keep = torch.zeros_like(attn)  # the head runs on the response positions alone
-            for j, (p, r) in enumerate(zip(ps, rs)):
-                keep[j, len(p): len(p) + len(r)] = 1
+            # right-padded; the head runs on the response positions alone
+            ids, attn, keep = onto(model, *pad_pairs(ps, rs, pad_id))
             with self.policies.use(policy), full_parameters(model):
                 hidden = model(input_ids=ids, attention_mask=attn, output_hidden_states=True,
                                logits_to_keep=1).hidden_states[-1]
