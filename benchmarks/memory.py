@@ -5,12 +5,14 @@ other, and records the process's peak RSS (os.wait4: vLLM runs inside it on CPU)
 after each joint step (`joint/peak_rss_gib/<step>` in metrics.jsonl: the step where it rises set it),
 each step's seconds and the load average. Variants undo the demo's memory settings one at a time:
 
-  before      glibc's adaptive mmap threshold, 2 GiB KV cache, whole-batch scoring, one micro-batch
+  before      glibc's malloc with its adaptive mmap threshold, 2 GiB KV cache, whole-batch scoring,
+              one micro-batch
   allocator   + engine.mmap_threshold_kb 64
-  demo        + kv_cache_gb 1, score_batch 4, grad_accum 2 (configs/demo.yaml as shipped)
+  demo        + kv_cache_gb 1, score_batch 4, grad_accum 2, engine.allocator auto (configs/demo.yaml
+              as shipped: tcmalloc where installed, else glibc at threshold 64)
   demo-fp32   the demo in fp32, as a CPU without native bf16 runs it
-  demo-kbN, demo-fp32-kbN   the demo (in fp32) with the mmap threshold at N KiB instead of the
-              shipped one: where the threshold sits between page faults and the heap's growth
+  demo[-fp32][-kbN][-glibc|-jemalloc|-tcmalloc]   the demo (in fp32) with the mmap threshold at N
+              KiB (glibc: where it sits between page faults and the heap's growth) and on that malloc
 
 The fixed mmap threshold is paid for in page faults. --ppo-pairs N times that: N pairs of offline
 train-lower runs (one PPO iteration: scoring, bonus and update of 16 demo episodes from the first
@@ -22,6 +24,8 @@ what a code change does to the trainer's time and memory.
     python benchmarks/memory.py                      # ~5 min per variant on 2 idle cores
     python benchmarks/memory.py --variants before demo --ppo-pairs 3
     python benchmarks/memory.py --variants demo demo-kb2048 demo-kb8192 demo-fp32 demo-fp32-kb2048
+    python benchmarks/memory.py --variants demo-glibc demo-jemalloc demo-tcmalloc demo-fp32-glibc \
+        demo-fp32-tcmalloc --results memory-allocator.json
     python benchmarks/memory.py --variants --ppo-pairs 3 --ppo-iterations 2 --ppo-baseline 0ea28b8 \
         --ppo-snapshots RUN/snapshots --results memory-head-ab.json
 
@@ -45,22 +49,34 @@ from collect_throughput import loadavg, machine_info
 from demo_seeds import MLMT, ROOT, _run, run_measured
 
 RESULTS = Path(__file__).parent / "results"
-BEFORE = {"engine.mmap_threshold_kb": 0, "engine.vllm.kv_cache_gb": 2, "lower.score_batch": 0, "lower.grad_accum": 1}
+BEFORE = {"engine.allocator": "glibc", "engine.mmap_threshold_kb": 0, "engine.vllm.kv_cache_gb": 2,
+          "lower.score_batch": 0, "lower.grad_accum": 1}
 # what a CPU without native bf16 runs (model.dtype and lower.autocast "auto" pick fp32 there)
 FP32 = {"model.dtype": "float32", "lower.autocast": "none"}
+ALLOCATORS = ("glibc", "jemalloc", "tcmalloc")
 VARIANTS = {"before": BEFORE, "allocator": {**BEFORE, "engine.mmap_threshold_kb": 64}, "demo": {},
             "demo-fp32": FP32}
 
 
 def variant(name: str) -> dict:
-    """A named variant's overrides, or ``demo[-fp32]-kb<N>``'s: the demo with the threshold at N KiB."""
+    """A named variant's overrides, or those of ``demo[-fp32][-kbN][-ALLOCATOR]``: the demo (in fp32),
+    with the mmap threshold at N KiB, on malloc ALLOCATOR (engine.allocator)."""
     if name in VARIANTS:
         return VARIANTS[name]
-    base, sep, kb = name.rpartition("-kb")
-    if not sep or base not in ("demo", "demo-fp32") or not kb.isdigit():
-        raise argparse.ArgumentTypeError(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}, "
-                                         "demo-kbN or demo-fp32-kbN")
-    return {**VARIANTS[base], "engine.mmap_threshold_kb": int(kb)}
+    base, *rest = name.split("-")
+    sets = dict(FP32) if rest[:1] == ["fp32"] else {}
+    rest = rest[1:] if sets else rest
+    for part in rest:
+        if part.startswith("kb") and part[2:].isdigit():
+            sets["engine.mmap_threshold_kb"] = int(part[2:])
+        elif part in ALLOCATORS:
+            sets["engine.allocator"] = part
+        else:
+            base = ""
+    if base != "demo":
+        raise argparse.ArgumentTypeError(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}, or "
+                                         f"demo[-fp32][-kbN][-{'|-'.join(ALLOCATORS)}]")
+    return sets
 
 
 def run_variant(name: str, sets: dict, work: Path, seed: int) -> dict:
@@ -78,7 +94,8 @@ def run_variant(name: str, sets: dict, work: Path, seed: int) -> dict:
                 step = key.rsplit("/", 1)[1]
                 steps.append({"round": rec["joint/round"], "step": step, "peak_rss_gib": v,
                               "seconds": round(rec[f"joint/time/{step}"], 1)})
-    return {"variant": name, "overrides": sets, "peak_rss_mib": peak, "wall_seconds": round(time.time() - t0, 1),
+    malloc = json.loads((out / "manifest.json").read_text())["packages"].get("malloc")
+    return {"variant": name, "overrides": sets, "malloc": malloc, "peak_rss_mib": peak, "wall_seconds": round(time.time() - t0, 1),
             "load_before": load0, "load_after": os.getloadavg(), "steps": steps}
 
 
@@ -125,8 +142,8 @@ def ppo_pairs(snapshots: Path, n: int, work: Path, iterations: int = 1, baseline
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), help=f"{', '.join(VARIANTS)}, demo-kbN or "
-                                                                          "demo-fp32-kbN (threshold N KiB)")
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), help=f"{', '.join(VARIANTS)}, or demo[-fp32][-kbN]"
+                                                                          f"[-{'|-'.join(ALLOCATORS)}]")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ppo-pairs", type=int, default=0, help="time the threshold on N pairs of offline PPO "
                                                                    "iterations (0 = skip)")
@@ -151,7 +168,7 @@ def main() -> None:
     for name in args.variants:
         r = run_variant(name, overrides[name], Path(args.work), args.seed)
         rows.append(r)
-        print(f"{name:>10}: peak RSS {r['peak_rss_mib'] / 1024:.2f} GiB, {r['wall_seconds']:.0f} s, "
+        print(f"{name:>10} ({r['malloc']}): peak RSS {r['peak_rss_mib'] / 1024:.2f} GiB, {r['wall_seconds']:.0f} s, "
               f"per step {[s['peak_rss_gib'] for s in r['steps']]}", flush=True)
     ppo = None
     if args.ppo_pairs:

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from tosca_mlmt.cli.common import CONFIG, DATA, SEED, SET, common_overrides, err, parse_sets
+from tosca_mlmt.cli.common import CONFIG, DATA, SEED, SET, command_config, common_overrides, err, parse_sets
 
 out = Console(soft_wrap=True, highlight=False)
 
@@ -38,7 +38,6 @@ def chat(
 ):
     """Play solve -> feedback -> refine on typed problems: prints each attempt, the writer's strategy
     table (Q-values, selection probabilities, the pick) and feedback, and verdicts given a gold answer."""
-    from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.chat import ChatSession, chat_config
     from tosca_mlmt.pipelines.evaluate import adapters_from_run
 
@@ -48,7 +47,7 @@ def chat(
         ov.update(adapters_from_run(run))
     ov.update(common_overrides(seed, data, no_wandb=True, no_progress=True))  # a terminal session: no logs
     ov.update(parse_sets(set_))
-    session = ChatSession(chat_config(load_config(config, ov), greedy=not sample), strategy=strategy, console=err)
+    session = ChatSession(chat_config(command_config(config, ov), greedy=not sample), strategy=strategy, console=err)
     try:
         for question, gold in _problems(problem, answer):
             _show(session.play(question, gold))

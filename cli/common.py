@@ -18,6 +18,22 @@ from rich.table import Table
 from tosca_mlmt.errors import MlmtError
 
 err = Console(stderr=True, soft_wrap=True)  # soft_wrap: never break paths in error lines
+# True in the `mlmt` process itself (cli.main.main), not where a test or notebook calls the app:
+# only then may a command replace the process (command_config)
+STANDALONE = False
+
+
+def command_config(path, overrides: dict):
+    """A model command's config (load_config). In the `mlmt` process itself it first moves onto
+    engine.allocator's malloc, which re-executes the process (runtime.use_allocator): so this runs
+    before the command does anything else."""
+    from tosca_mlmt import runtime
+    from tosca_mlmt.config import load_config
+
+    cfg = load_config(path, overrides)
+    if STANDALONE:
+        runtime.use_allocator(cfg.engine.allocator)
+    return cfg
 
 
 def user_errors(fn):

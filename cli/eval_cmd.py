@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, TASK, common_overrides, err,
-                                  parse_sets, print_summary)
+from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, TASK, command_config,
+                                  common_overrides, err, parse_sets, print_summary)
 
 
 def eval_cmd(
@@ -34,7 +34,6 @@ def eval_cmd(
     Acc@t1, Acc@final, delta, wrong->right, right->wrong, strategy counts and lengths."""
     import json
 
-    from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.evaluate import adapters_from_run, evaluate
 
     ov = {k: v for k, v in {"task.name": task, "task.split": split, "task.limit": limit,
@@ -44,7 +43,7 @@ def eval_cmd(
         ov.update(adapters_from_run(run))
     ov.update(common_overrides(seed, data, no_wandb, no_progress))
     ov.update(parse_sets(set_))
-    rep = evaluate(load_config(config, ov), out, console=err, compare_to=compare_to).report
+    rep = evaluate(command_config(config, ov), out, console=err, compare_to=compare_to).report
     if "compared_to" in rep:
         _print_comparison(rep["compared_to"])
     print_summary(f"eval on {rep['task']}/{rep['split']}", {k: v for k, v in rep.items() if isinstance(v, (int, float))})

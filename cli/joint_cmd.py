@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, common_overrides, err, parse_sets,
-                                  print_rows)
+from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, command_config, common_overrides,
+                                  err, parse_sets, print_rows)
 
 
 def train_joint(
@@ -28,14 +28,13 @@ def train_joint(
 ):
     """Hierarchical RL: each round collects a snapshot, fits the writer offline on it (plus a replay
     window), then runs online PPO iterations of the solver."""
-    from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.timeline import summary_rows
     from tosca_mlmt.pipelines.train_joint import train_joint as run
 
     ov = {k: v for k, v in {"joint.rounds": rounds, "engine.name": engine}.items() if v is not None}
     ov.update(common_overrides(seed, data, no_wandb, no_progress))
     ov.update(parse_sets(set_))
-    res = run(load_config(config, ov), out, resume=resume, console=err, allow_drift=tuple(allow_drift))
+    res = run(command_config(config, ov), out, resume=resume, console=err, allow_drift=tuple(allow_drift))
     # each round already had its line as it finished; the end repeats only one row per round
     print_rows("train-joint rounds", summary_rows(res.manifest))
     print(res.run_dir)

@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, TASK, common_overrides, err,
-                                  parse_sets, print_summary)
+from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, TASK, command_config,
+                                  common_overrides, err, parse_sets, print_summary)
 
 
 def train_lower(
@@ -32,14 +32,13 @@ def train_lower(
     no_progress: bool = NO_PROGRESS,
 ):
     """Train the solver (turn 1 and every refine) with PPO; online unless --snapshot is given."""
-    from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.train_lower import train_lower as run
 
     ov = {k: v for k, v in {"lower.iterations": iterations, "task.name": task, "engine.name": engine}.items()
           if v is not None}
     ov.update(common_overrides(seed, data, no_wandb, no_progress))
     ov.update(parse_sets(set_))
-    cfg = load_config(config, ov)
+    cfg = command_config(config, ov)
     res = run(cfg, out, snapshot_ids=list(snapshot) or None, snapshot_root=root, resume=resume, console=err,
               allow_drift=tuple(allow_drift), verify=not no_verify)
     keys = ("lower/acc_t1", "lower/acc_final", "lower/kl", "lower/bonus/mean", "lower/entropy", "lower/clipfrac",

@@ -15,10 +15,11 @@ import typer
 
 from tosca_mlmt import runtime
 from tosca_mlmt.errors import ConfigError
+from tosca_mlmt.cli import common
 from tosca_mlmt.cli.analyze_cmd import analyze
 from tosca_mlmt.cli.chat_cmd import chat
-from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, TASK, common_overrides, err,
-                                  parse_sets, print_summary, user_errors)
+from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, TASK, command_config,
+                                  common_overrides, err, parse_sets, print_summary, user_errors)
 from tosca_mlmt.cli.eval_cmd import eval_cmd
 from tosca_mlmt.cli.export_cmd import export
 from tosca_mlmt.cli.joint_cmd import train_joint
@@ -62,8 +63,6 @@ def collect(
     """Run episodes with the current solver and writer, verify them, and write a snapshot.
 
     Prints the snapshot id as the last line of stdout."""
-    from tosca_mlmt.config import load_config
-
     ov = {k: v for k, v in {
         "task.name": task, "task.limit": limit, "task.split": split, "engine.name": engine,
         "collect.out": str(out) if out else None, "episode.n_samples": n_samples,
@@ -77,7 +76,7 @@ def collect(
         ov["collect.parents"] = list(parent)
     ov.update(common_overrides(seed, data, no_wandb, no_progress))
     ov.update(parse_sets(set_))
-    cfg = load_config(config, ov)
+    cfg = command_config(config, ov)
     from tosca_mlmt.pipelines.collect import collect as run_collect
 
     res = run_collect(cfg, console=err)
@@ -145,8 +144,9 @@ app.command("chat")(user_errors(chat))
 
 
 def main() -> None:  # pragma: no cover - console entry point
+    common.STANDALONE = True
     app()
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(app())
+    main()

@@ -12,8 +12,8 @@ from typing import Optional
 
 import typer
 
-from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, common_overrides, err, parse_sets,
-                                  print_summary)
+from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, command_config, common_overrides,
+                                  err, parse_sets, print_summary)
 
 
 def train_upper(
@@ -37,7 +37,6 @@ def train_upper(
     """Fit the feedback writer's strategy Q-values and feedback text from logged snapshots (no rollouts).
 
     Prints the trained writer's folder as the last line of stdout."""
-    from tosca_mlmt.config import load_config
 
     ov: dict = {"upper.snapshots": list(snapshot)}
     if root is not None:
@@ -46,7 +45,7 @@ def train_upper(
         ov["deterministic"] = True
     ov.update(common_overrides(seed, data, no_wandb, no_progress))
     ov.update(parse_sets(set_))
-    cfg = load_config(config, ov)
+    cfg = command_config(config, ov)
     from tosca_mlmt.pipelines.train_upper import train_upper as run
 
     res = run(cfg, out, resume=resume, console=err, allow_drift=tuple(allow_drift), verify=not no_verify)

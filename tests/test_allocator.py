@@ -6,6 +6,7 @@ own heap history must not decide the outcome.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -71,3 +72,77 @@ def test_setup_applies_the_configured_threshold(monkeypatch):
 def test_threshold_outside_glibcs_range_names_the_field(value):
     with pytest.raises(ConfigError, match="engine.mmap_threshold_kb"):
         load_config(None, {"engine.mmap_threshold_kb": value})
+
+
+# --- engine.allocator: the process's malloc (runtime.use_allocator) ---
+
+TCMALLOC = runtime.allocator_library("tcmalloc")
+needs_tcmalloc = pytest.mark.skipif(TCMALLOC is None, reason="tcmalloc is not installed (make install adds "
+                                                             "libtcmalloc-minimal4 on Debian/Ubuntu as root)")
+
+# Prints the malloc it runs on, then asks for argv[1]'s; where that re-executes, the script runs again
+# from the top in the same process, so the output holds one line per run.
+REEXEC = textwrap.dedent("""
+    import os, sys
+    from tosca_mlmt import runtime
+    print(runtime.allocator_in_use(), runtime.configure_allocator(64), os.environ.get("MLMT_ALLOCATOR_EXEC"),
+          flush=True)
+    runtime.use_allocator(sys.argv[1])
+    print("done", runtime.allocator_in_use(), os.environ.get("MLMT_ALLOCATOR_EXEC"), flush=True)
+""")
+
+
+def _reexec(choice: str, preload: str = "") -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MLMT_ALLOCATOR_EXEC")}
+    if preload:
+        env["LD_PRELOAD"] = preload
+    out = subprocess.run([sys.executable, "-c", REEXEC, choice], capture_output=True, text=True, timeout=120,
+                         check=True, env=env)
+    return out.stdout.splitlines()
+
+
+@needs_tcmalloc
+def test_auto_restarts_the_process_on_tcmalloc_once():
+    first, second, last = _reexec("auto")
+    # glibc at first, where the mmap threshold applies; after the restart tcmalloc, where it does not
+    assert first == "glibc True None"
+    assert second == "tcmalloc False 1"  # the re-executed run, marked
+    assert last == "done tcmalloc None"  # no second restart, and the mark is gone for children
+
+
+@needs_tcmalloc
+def test_glibc_takes_a_preloaded_tcmalloc_away_and_a_matching_choice_restarts_nothing():
+    assert _reexec("glibc", preload=TCMALLOC) == ["tcmalloc False None", "glibc True 1", "done glibc None"]
+    assert _reexec("tcmalloc", preload=TCMALLOC) == ["tcmalloc False None", "done tcmalloc None"]
+
+
+def test_a_preload_that_does_not_take_warns_instead_of_looping(monkeypatch):
+    monkeypatch.setattr(runtime, "wanted_allocator", lambda choice: ("tcmalloc", "libtcmalloc_minimal.so.4"))
+    monkeypatch.setattr(runtime, "allocator_in_use", lambda: "glibc")
+    monkeypatch.setenv("MLMT_ALLOCATOR_EXEC", "1")
+    monkeypatch.setattr(os, "execve", lambda *a: pytest.fail("re-executed a second time"))
+    with pytest.warns(UserWarning, match="still runs on glibc"):
+        runtime.use_allocator("tcmalloc")
+    assert "MLMT_ALLOCATOR_EXEC" not in os.environ
+
+
+def test_an_allocator_that_is_not_installed_names_the_field_and_the_package(monkeypatch):
+    monkeypatch.setattr(runtime, "allocator_library", lambda name: None)
+    monkeypatch.setattr(sys, "platform", "linux")
+    with pytest.raises(ConfigError, match=r"engine.allocator=jemalloc: .*libjemalloc2"):
+        runtime.wanted_allocator("jemalloc")
+    assert runtime.wanted_allocator("auto") == ("glibc", None)  # auto falls back
+
+
+def test_only_the_mlmt_process_itself_restarts(monkeypatch):
+    from tosca_mlmt.cli import common
+
+    seen = []
+    monkeypatch.setattr(runtime, "use_allocator", seen.append)
+    common.command_config(None, {"engine.allocator": "glibc"})
+    assert seen == []  # a caller of the app (this test, a notebook) keeps its malloc
+    monkeypatch.setattr(common, "STANDALONE", True)
+    common.command_config(None, {"engine.allocator": "glibc"})
+    assert seen == ["glibc"]
+    with pytest.raises(ConfigError, match="engine.allocator"):
+        load_config(None, {"engine.allocator": "mimalloc"})

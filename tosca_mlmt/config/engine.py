@@ -86,7 +86,17 @@ class EngineConfig(Section):
                                "CPU; on a GPU use one call per turn (problems x n_samples): a 64 x 4 collect on an "
                                "H100 took 56 s at 256 and over 150 s at 32.", min=1)
     threads: int = knob(0, "torch CPU threads (0 = all cores).", min=0)
-    mmap_threshold_kb: int = knob(0, "Host memory (Linux/glibc): allocations of at least this many KiB get a "
+    allocator: str = knob("auto", "The process's malloc (runtime.use_allocator): the mlmt command restarts itself once "
+                                  "with the library preloaded (LD_PRELOAD), after reading the config. auto = tcmalloc "
+                                  "where installed (make install adds it on Debian/Ubuntu as root), else glibc. "
+                                  "glibc either keeps PyTorch's freed activations in its heap (RSS ratchets up) or, "
+                                  "with mmap_threshold_kb, pays a page fault per page for every buffer; tcmalloc "
+                                  "reuses them: make demo's train-joint ran in 145 s at a 5.4 GiB peak against 288 s "
+                                  "at 4.6 GiB (glibc, threshold 64), jemalloc 175 s at 4.8 GiB "
+                                  "(benchmarks/results/memory-allocator.json). Linux only; a library caller keeps "
+                                  "its own malloc.", choices=("auto", "tcmalloc", "jemalloc", "glibc"))
+    mmap_threshold_kb: int = knob(0, "Host memory (Linux, on glibc's malloc: engine.allocator glibc, or auto where "
+                                     "tcmalloc is not installed): allocations of at least this many KiB get a "
                                      "mapping of their own, returned to the OS when freed (mallopt "
                                      "M_MMAP_THRESHOLD). 0 = glibc's adaptive threshold, which climbs to 32 MiB, so "
                                      "PyTorch's freed activations stay in the heap and RSS ratchets up: `make demo`'s "
