@@ -76,9 +76,9 @@ def test_threshold_outside_glibcs_range_names_the_field(value):
 
 # --- engine.allocator: the process's malloc (runtime.use_allocator) ---
 
-TCMALLOC = runtime.allocator_library("tcmalloc")
-needs_tcmalloc = pytest.mark.skipif(TCMALLOC is None, reason="tcmalloc is not installed (make install adds "
-                                                             "libtcmalloc-minimal4 on Debian/Ubuntu as root)")
+AUTO, AUTO_LIB = runtime.wanted_allocator("auto")
+needs_preload = pytest.mark.skipif(AUTO == "glibc", reason="neither jemalloc nor tcmalloc is installed (make install "
+                                                           "adds libjemalloc2 on Debian/Ubuntu as root)")
 
 # Prints the malloc it runs on, then asks for argv[1]'s; where that re-executes, the script runs again
 # from the top in the same process, so the output holds one line per run.
@@ -101,19 +101,26 @@ def _reexec(choice: str, preload: str = "") -> list[str]:
     return out.stdout.splitlines()
 
 
-@needs_tcmalloc
-def test_auto_restarts_the_process_on_tcmalloc_once():
+@needs_preload
+def test_auto_restarts_the_process_on_its_malloc_once():
     first, second, last = _reexec("auto")
-    # glibc at first, where the mmap threshold applies; after the restart tcmalloc, where it does not
+    # glibc at first, where the mmap threshold applies; after the restart the preloaded one, where it does not
     assert first == "glibc True None"
-    assert second == "tcmalloc False 1"  # the re-executed run, marked
-    assert last == "done tcmalloc None"  # no second restart, and the mark is gone for children
+    assert second == f"{AUTO} False 1"  # the re-executed run, marked
+    assert last == f"done {AUTO} None"  # no second restart, and the mark is gone for children
 
 
-@needs_tcmalloc
-def test_glibc_takes_a_preloaded_tcmalloc_away_and_a_matching_choice_restarts_nothing():
-    assert _reexec("glibc", preload=TCMALLOC) == ["tcmalloc False None", "glibc True 1", "done glibc None"]
-    assert _reexec("tcmalloc", preload=TCMALLOC) == ["tcmalloc False None", "done tcmalloc None"]
+@needs_preload
+def test_glibc_takes_a_preloaded_malloc_away_and_a_matching_choice_restarts_nothing():
+    assert _reexec("glibc", preload=AUTO_LIB) == [f"{AUTO} False None", "glibc True 1", "done glibc None"]
+    assert _reexec(AUTO, preload=AUTO_LIB) == [f"{AUTO} False None", f"done {AUTO} None"]
+
+
+def test_auto_takes_the_first_installed_of_jemalloc_and_tcmalloc(monkeypatch):
+    monkeypatch.setattr(sys, "platform", "linux")
+    for installed, picked in ((("jemalloc", "tcmalloc"), "jemalloc"), (("tcmalloc",), "tcmalloc"), ((), "glibc")):
+        monkeypatch.setattr(runtime, "allocator_library", lambda name: f"lib{name}.so" if name in installed else None)
+        assert runtime.wanted_allocator("auto")[0] == picked
 
 
 def test_a_preload_that_does_not_take_warns_instead_of_looping(monkeypatch):

@@ -135,13 +135,16 @@ def peak_rss_mb() -> dict[str, float]:
 # forward and backward. glibc either keeps the freed ones in its heap (its adaptive mmap threshold:
 # RSS ratchets up, `make demo`'s train-joint to 11 GiB) or, with the threshold fixed
 # (configure_allocator), maps and unmaps each one and pays a page fault for every 4 KiB page it
-# touches again: 119 M faults and 218 s of kernel time in a demo train-joint of 288 s. tcmalloc keeps
-# freed spans by size class and hands them out again: the same train-joint in 145 s at a 5.4 GiB peak
-# (benchmarks/memory.py; vLLM's CPU backend asks for tcmalloc too). A running process cannot change
-# its malloc, the dynamic loader must place it ahead of glibc (LD_PRELOAD): so the mlmt command
-# re-executes itself once, after loading the config and before any work (use_allocator). A library
-# caller (tests, a notebook) keeps the malloc it started with.
+# touches again: 119 M faults and 218 s of kernel time in a demo train-joint of 288 s. jemalloc and
+# tcmalloc keep freed memory by size class and hand it out again: the same train-joint in 179 s and
+# 149 s (benchmarks/memory.py; vLLM's CPU backend asks for tcmalloc too). A running process cannot
+# change its malloc, the dynamic loader must place it ahead of glibc (LD_PRELOAD): so the mlmt
+# command re-executes itself once, after loading the config and before any work (use_allocator). A
+# library caller (tests, a notebook) keeps the malloc it started with.
 
+# auto's order. jemalloc first: on the demo's train-joint tcmalloc was faster still (149 s against
+# 179 s), but its peak RSS varied from 5.4 to 5.9 GiB against jemalloc's 4.8 (memory-allocator.json)
+AUTO = ("jemalloc", "tcmalloc")
 # the libraries (ctypes.util.find_library names) and a symbol only each one exports
 LIBRARIES = {"tcmalloc": ("tcmalloc_minimal", "tcmalloc"), "jemalloc": ("jemalloc",)}
 _SYMBOLS = {"tcmalloc": "tc_malloc", "jemalloc": "mallctl"}
@@ -171,19 +174,19 @@ def allocator_library(name: str) -> str | None:
 
 
 def wanted_allocator(choice: str) -> tuple[str, str | None]:
-    """(allocator, its library) that engine.allocator ``choice`` asks for here. auto: tcmalloc
-    where it is installed (Linux), else the system's own. An explicit tcmalloc or jemalloc that
-    is not installed is an error that says what to install."""
+    """(allocator, its library) that engine.allocator ``choice`` asks for here. auto: the first of
+    AUTO installed (Linux), else the system's own. An explicit tcmalloc or jemalloc that is not
+    installed is an error that says what to install."""
     linux = sys.platform.startswith("linux")
-    if choice == "glibc" or (choice == "auto" and not linux):
+    if choice == "glibc" or not linux and choice == "auto":
         return ("glibc" if linux else "system"), None
-    name = "tcmalloc" if choice == "auto" else choice
-    lib = allocator_library(name) if linux else None
+    if choice == "auto":
+        found = [(name, allocator_library(name)) for name in AUTO]
+        return next(((n, lib) for n, lib in found if lib), ("glibc", None))
+    name, lib = choice, allocator_library(choice) if linux else None
     if lib is None:
-        if choice == "auto":
-            return "glibc", None
         raise ConfigError(f"engine.allocator={choice}: its library is not installed on this machine (install "
-                          f"{INSTALL[name]}), or set engine.allocator=auto to use it where present")
+                          f"{INSTALL[name]}), or set engine.allocator=auto")
     return name, lib
 
 

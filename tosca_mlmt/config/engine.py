@@ -87,16 +87,17 @@ class EngineConfig(Section):
                                "H100 took 56 s at 256 and over 150 s at 32.", min=1)
     threads: int = knob(0, "torch CPU threads (0 = all cores).", min=0)
     allocator: str = knob("auto", "The process's malloc (runtime.use_allocator): the mlmt command restarts itself once "
-                                  "with the library preloaded (LD_PRELOAD), after reading the config. auto = tcmalloc "
-                                  "where installed (make install adds it on Debian/Ubuntu as root), else glibc. "
-                                  "glibc either keeps PyTorch's freed activations in its heap (RSS ratchets up) or, "
-                                  "with mmap_threshold_kb, pays a page fault per page for every buffer; tcmalloc "
-                                  "reuses them: make demo's train-joint ran in 145 s at a 5.4 GiB peak against 288 s "
-                                  "at 4.6 GiB (glibc, threshold 64), jemalloc 175 s at 4.8 GiB "
-                                  "(benchmarks/results/memory-allocator.json). Linux only; a library caller keeps "
-                                  "its own malloc.", choices=("auto", "tcmalloc", "jemalloc", "glibc"))
+                                  "with the library preloaded (LD_PRELOAD), after reading the config. auto = jemalloc "
+                                  "where installed (make install adds it on Debian/Ubuntu as root), else tcmalloc, "
+                                  "else glibc. glibc either keeps PyTorch's freed activations in its heap (RSS "
+                                  "ratchets up) or, with mmap_threshold_kb, pays a page fault per page for every "
+                                  "buffer; jemalloc and tcmalloc reuse them: make demo's train-joint took 179 s at a "
+                                  "4.8 GiB peak on jemalloc, 149 s at 5.4-5.9 GiB on tcmalloc and 290 s at 4.6 GiB on "
+                                  "glibc with threshold 64 (benchmarks/results/memory-allocator*.json). The same "
+                                  "numbers on each (the demo trained to bit-identical weights). Linux only; a library "
+                                  "caller keeps its own malloc.", choices=("auto", "tcmalloc", "jemalloc", "glibc"))
     mmap_threshold_kb: int = knob(0, "Host memory (Linux, on glibc's malloc: engine.allocator glibc, or auto where "
-                                     "tcmalloc is not installed): allocations of at least this many KiB get a "
+                                     "neither jemalloc nor tcmalloc is installed): allocations of at least this many KiB get a "
                                      "mapping of their own, returned to the OS when freed (mallopt "
                                      "M_MMAP_THRESHOLD). 0 = glibc's adaptive threshold, which climbs to 32 MiB, so "
                                      "PyTorch's freed activations stay in the heap and RSS ratchets up: `make demo`'s "
