@@ -187,6 +187,9 @@ def identity(preset: Path, extra: dict | None, common: dict, train: dict) -> tup
     # engine.vllm.direct_sync serves, bit for bit, the weights vLLM's reload serves (tests/test_vllm_engine.py):
     # it too defines speed, so units from before it count either way
     cfg["engine"]["vllm"].pop("direct_sync")
+    # engine.allocator picks the process's malloc: the demo trained to bit-identical weights on glibc, jemalloc
+    # and tcmalloc (memory-allocator*.json), so it defines time and memory, and units count under any
+    cfg["engine"].pop("allocator")
     # lower.bonus.scorer=trainer is how every unit before the knob was scored; engine scoring is
     # another numerics path (bf16: ~0.03 nats per token), so it defines units of its own
     if cfg["lower"]["bonus"]["scorer"] == "trainer":

@@ -83,6 +83,7 @@ def test_ending_turns_inside_vllm_does_not_define_a_unit(bench):
     h = bench.identity(preset, extra, common, train)[0]
     assert bench.identity(preset, extra, {**common, "engine.vllm.stop_in_engine": False}, train)[0] == h
     assert bench.identity(preset, extra, {**common, "engine.vllm.direct_sync": False}, train)[0] == h
+    assert bench.identity(preset, extra, {**common, "engine.allocator": "glibc"}, train)[0] == h  # malloc
     # with one base there is no second engine to share memory with
     assert bench.identity(preset, extra, {**common, "engine.vllm.writer_share": 0.3}, train)[0] == h
     assert bench.identity(preset, extra, {**common, "engine.vllm.block_size": 64}, train)[0] != h

@@ -143,7 +143,7 @@ def peak_rss_mb() -> dict[str, float]:
 # library caller (tests, a notebook) keeps the malloc it started with.
 
 # auto's order. jemalloc first: on the demo's train-joint tcmalloc was faster still (149 s against
-# 179 s), but its peak RSS varied from 5.4 to 5.9 GiB against jemalloc's 4.8 (memory-allocator.json)
+# 179 s), but its peak RSS varied from 5.4 to 5.8 GiB against jemalloc's 4.8 (memory-allocator.json)
 AUTO = ("jemalloc", "tcmalloc")
 # the libraries (ctypes.util.find_library names) and a symbol only each one exports
 LIBRARIES = {"tcmalloc": ("tcmalloc_minimal", "tcmalloc"), "jemalloc": ("jemalloc",)}

@@ -92,7 +92,7 @@ class EngineConfig(Section):
                                   "else glibc. glibc either keeps PyTorch's freed activations in its heap (RSS "
                                   "ratchets up) or, with mmap_threshold_kb, pays a page fault per page for every "
                                   "buffer; jemalloc and tcmalloc reuse them: make demo's train-joint took 179 s at a "
-                                  "4.8 GiB peak on jemalloc, 149 s at 5.4-5.9 GiB on tcmalloc and 290 s at 4.6 GiB on "
+                                  "4.8 GiB peak on jemalloc, 149 s at 5.4-5.8 GiB on tcmalloc and 290 s at 4.6 GiB on "
                                   "glibc with threshold 64 (benchmarks/results/memory-allocator*.json). The same "
                                   "numbers on each (the demo trained to bit-identical weights). Linux only; a library "
                                   "caller keeps its own malloc.", choices=("auto", "tcmalloc", "jemalloc", "glibc"))
