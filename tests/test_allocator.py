@@ -133,6 +133,18 @@ def test_a_preload_that_does_not_take_warns_instead_of_looping(monkeypatch):
     assert "MLMT_ALLOCATOR_EXEC" not in os.environ
 
 
+def test_auto_keeps_a_malloc_preloaded_on_purpose_and_an_explicit_choice_replaces_it(monkeypatch):
+    monkeypatch.setattr(runtime, "wanted_allocator", lambda choice: ("jemalloc", "libjemalloc.so.2"))
+    monkeypatch.setattr(runtime, "allocator_in_use", lambda: "tcmalloc")
+    calls = []
+    monkeypatch.setattr(os, "execve", lambda exe, argv, env: calls.append(env["LD_PRELOAD"]))
+    monkeypatch.setenv("LD_PRELOAD", "/opt/libtcmalloc_minimal.so.4:/opt/libother.so")
+    runtime.use_allocator("auto")
+    assert calls == []
+    runtime.use_allocator("jemalloc")
+    assert calls == ["libjemalloc.so.2:/opt/libother.so"]  # the other malloc out, other preloads kept
+
+
 def test_an_allocator_that_is_not_installed_names_the_field_and_the_package(monkeypatch):
     monkeypatch.setattr(runtime, "allocator_library", lambda name: None)
     monkeypatch.setattr(sys, "platform", "linux")

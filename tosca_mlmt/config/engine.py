@@ -97,8 +97,8 @@ class EngineConfig(Section):
                                   "numbers on each (the demo trained to bit-identical weights). Linux only; a library "
                                   "caller keeps its own malloc.", choices=("auto", "tcmalloc", "jemalloc", "glibc"))
     mmap_threshold_kb: int = knob(0, "Host memory (Linux, on glibc's malloc: engine.allocator glibc, or auto where "
-                                     "neither jemalloc nor tcmalloc is installed): allocations of at least this many KiB get a "
-                                     "mapping of their own, returned to the OS when freed (mallopt "
+                                     "neither jemalloc nor tcmalloc is installed): allocations of at least this many "
+                                     "KiB get a mapping of their own, returned to the OS when freed (mallopt "
                                      "M_MMAP_THRESHOLD). 0 = glibc's adaptive threshold, which climbs to 32 MiB, so "
                                      "PyTorch's freed activations stay in the heap and RSS ratchets up: `make demo`'s "
                                      "train-joint drifted from 3.7 to 8.6 GiB between steps (peak 11 GiB), and held "
