@@ -196,7 +196,7 @@ def use_allocator(choice: str) -> None:
     not take, warns once and goes on (never re-executes twice)."""
     name, lib = wanted_allocator(choice)
     now, retried = allocator_in_use(), os.environ.pop(_MARK, None)
-    # auto also keeps a malloc someone preloaded on purpose (the user, or vLLM for its CPU workers)
+    # auto also keeps a jemalloc or tcmalloc the user preloaded on purpose
     if now == name or name == "system" or (choice == "auto" and now in LIBRARIES):
         return
     if retried:
