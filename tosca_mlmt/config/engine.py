@@ -95,7 +95,7 @@ class EngineConfig(Section):
                                    "at 5.4-5.8 GiB on tcmalloc, 290 s at 4.6 GiB on glibc at threshold 64 "
                                    "(benchmarks/results/memory-allocator*.json), so configs/demo.yaml sets auto. Not "
                                    "the default: at 16 rows per forward jemalloc ran a PPO iteration 1.6x slower than "
-                                   "glibc's adaptive heap (its arena for buffers over 8 MiB returns them at once; "
+                                   "glibc's adaptive heap (likely its arena for buffers over 8 MiB, which returns them at once; "
                                    "train_lower_throughput-jemalloc-run*.json). The same numbers on each (the demo "
                                    "trained to bit-identical weights). Linux only; a library caller keeps its own "
                                    "malloc.", choices=("auto", "tcmalloc", "jemalloc", "glibc"))
