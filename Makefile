@@ -17,7 +17,7 @@ export WANDB_SILENT := true
 install: $(STAMP)
 
 # bubblewrap isolates model-written code (tosca_mlmt/tasks/sandbox.py); chromium renders the analyze
-# report in tests/test_report_html.py; jemalloc is the malloc mlmt runs on (engine.allocator=auto).
+# report in tests/test_report_html.py; jemalloc is the malloc engine.allocator=auto (the demo) picks.
 # As root with apt, install whichever is missing (one by one when the archive lacks one, as some lack
 # chromium); elsewhere the sandbox falls back to in-process guards and says so loudly, the rendering
 # test skips, saying why, and mlmt stays on glibc's malloc.

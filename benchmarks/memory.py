@@ -9,7 +9,7 @@ each step's seconds and the load average. Variants undo the demo's memory settin
               one micro-batch
   allocator   + engine.mmap_threshold_kb 64
   demo        + kv_cache_gb 1, score_batch 4, grad_accum 2, engine.allocator auto (configs/demo.yaml
-              as shipped: tcmalloc where installed, else glibc at threshold 64)
+              as shipped: jemalloc where installed, else tcmalloc, else glibc at threshold 64)
   demo-fp32   the demo in fp32, as a CPU without native bf16 runs it
   demo[-fp32][-kbN][-glibc|-jemalloc|-tcmalloc]   the demo (in fp32) with the mmap threshold at N
               KiB (glibc: where it sits between page faults and the heap's growth) and on that malloc
@@ -95,8 +95,9 @@ def run_variant(name: str, sets: dict, work: Path, seed: int) -> dict:
                 steps.append({"round": rec["joint/round"], "step": step, "peak_rss_gib": v,
                               "seconds": round(rec[f"joint/time/{step}"], 1)})
     malloc = json.loads((out / "manifest.json").read_text())["packages"].get("malloc")
-    return {"variant": name, "overrides": sets, "malloc": malloc, "peak_rss_mib": peak, "wall_seconds": round(time.time() - t0, 1),
-            "load_before": load0, "load_after": os.getloadavg(), "steps": steps}
+    return {"variant": name, "overrides": sets, "malloc": malloc, "peak_rss_mib": peak,
+            "wall_seconds": round(time.time() - t0, 1), "load_before": load0, "load_after": os.getloadavg(),
+            "steps": steps}
 
 
 def baseline_tree(rev: str, work: Path) -> Path:
@@ -168,8 +169,8 @@ def main() -> None:
     for name in args.variants:
         r = run_variant(name, overrides[name], Path(args.work), args.seed)
         rows.append(r)
-        print(f"{name:>10} ({r['malloc']}): peak RSS {r['peak_rss_mib'] / 1024:.2f} GiB, {r['wall_seconds']:.0f} s, "
-              f"per step {[s['peak_rss_gib'] for s in r['steps']]}", flush=True)
+        print(f"{name:>10} ({r['malloc']}): peak RSS {r['peak_rss_mib'] / 1024:.2f} GiB, "
+              f"{r['wall_seconds']:.0f} s, per step {[s['peak_rss_gib'] for s in r['steps']]}", flush=True)
     ppo = None
     if args.ppo_pairs:
         if not (args.ppo_snapshots or args.variants):

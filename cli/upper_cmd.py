@@ -37,7 +37,6 @@ def train_upper(
     """Fit the feedback writer's strategy Q-values and feedback text from logged snapshots (no rollouts).
 
     Prints the trained writer's folder as the last line of stdout."""
-
     ov: dict = {"upper.snapshots": list(snapshot)}
     if root is not None:
         ov["upper.snapshot_root"] = str(root)

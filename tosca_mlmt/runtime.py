@@ -180,9 +180,8 @@ def wanted_allocator(choice: str) -> tuple[str, str | None]:
     linux = sys.platform.startswith("linux")
     if choice == "glibc" or not linux and choice == "auto":
         return ("glibc" if linux else "system"), None
-    if choice == "auto":
-        found = [(name, allocator_library(name)) for name in AUTO]
-        return next(((n, lib) for n, lib in found if lib), ("glibc", None))
+    if choice == "auto":  # stops at the first found: each lookup runs ldconfig
+        return next(((n, lib) for n in AUTO if (lib := allocator_library(n))), ("glibc", None))
     name, lib = choice, allocator_library(choice) if linux else None
     if lib is None:
         raise ConfigError(f"engine.allocator={choice}: its library is not installed on this machine (install "

@@ -95,10 +95,10 @@ class EngineConfig(Section):
                                    "at 5.4-5.8 GiB on tcmalloc, 290 s at 4.6 GiB on glibc at threshold 64 "
                                    "(benchmarks/results/memory-allocator*.json), so configs/demo.yaml sets auto. Not "
                                    "the default: at 16 rows per forward jemalloc ran a PPO iteration 1.6x slower than "
-                                   "glibc's adaptive heap (likely its arena for buffers over 8 MiB, which returns them at once; "
-                                   "train_lower_throughput-jemalloc-run*.json). The same numbers on each (the demo "
-                                   "trained to bit-identical weights). Linux only; a library caller keeps its own "
-                                   "malloc.", choices=("auto", "tcmalloc", "jemalloc", "glibc"))
+                                   "glibc's adaptive heap (likely its arena for buffers over 8 MiB, which returns them "
+                                   "at once; train_lower_throughput-jemalloc-run*.json). The same numbers on each "
+                                   "(the demo trained to bit-identical weights). Linux only; a library caller keeps "
+                                   "its own malloc.", choices=("auto", "tcmalloc", "jemalloc", "glibc"))
     mmap_threshold_kb: int = knob(0, "Host memory (Linux, on glibc's malloc: engine.allocator glibc, or auto where "
                                      "neither jemalloc nor tcmalloc is installed): allocations of at least this many "
                                      "KiB get a mapping of their own, returned to the OS when freed (mallopt "
