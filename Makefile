@@ -17,7 +17,8 @@ export WANDB_SILENT := true
 install: $(STAMP)
 
 # bubblewrap isolates model-written code (tosca_mlmt/tasks/sandbox.py); chromium renders the analyze
-# report in tests/test_report_html.py; jemalloc is the malloc engine.allocator=auto (the demo) picks.
+# report in tests/test_report_html.py; tcmalloc and jemalloc are the mallocs engine.allocator auto (the
+# default) and lean (the demo) pick.
 # As root with apt, install whichever is missing (one by one when the archive lacks one, as some lack
 # chromium); elsewhere the sandbox falls back to in-process guards and says so loudly, the rendering
 # test skips, saying why, and mlmt stays on glibc's malloc.
@@ -27,6 +28,7 @@ $(STAMP): pyproject.toml
 	@missing=""; command -v bwrap >/dev/null 2>&1 || missing="bubblewrap"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	/sbin/ldconfig -p 2>/dev/null | grep -q libjemalloc || missing="$$missing libjemalloc2"; \
+	/sbin/ldconfig -p 2>/dev/null | grep -q libtcmalloc || missing="$$missing libtcmalloc-minimal4"; \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		apt-get update -qq; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null \
 		|| for p in $$missing; do DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$p >/dev/null 2>&1; done; \
@@ -35,8 +37,8 @@ $(STAMP): pyproject.toml
 		|| echo "warning: bubblewrap (bwrap) could not be installed; the code sandbox will use its weaker fallback" >&2; \
 	command -v chromium >/dev/null 2>&1 \
 		|| echo "warning: chromium could not be installed; tests/test_report_html.py will skip rendering the report" >&2; \
-	/sbin/ldconfig -p 2>/dev/null | grep -q libjemalloc \
-		|| echo "warning: jemalloc could not be installed; mlmt runs on glibc's malloc (engine.allocator)" >&2
+	/sbin/ldconfig -p 2>/dev/null | grep -q "libjemalloc\|libtcmalloc" \
+		|| echo "warning: neither tcmalloc nor jemalloc could be installed; mlmt runs on glibc's malloc (engine.allocator)" >&2
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0

@@ -8,7 +8,7 @@ each step's seconds and the load average. Variants undo the demo's memory settin
   before      glibc's malloc with its adaptive mmap threshold, 2 GiB KV cache, whole-batch scoring,
               one micro-batch
   allocator   + engine.mmap_threshold_kb 64
-  demo        + kv_cache_gb 1, score_batch 4, grad_accum 2, engine.allocator auto (configs/demo.yaml
+  demo        + kv_cache_gb 1, score_batch 4, grad_accum 2, engine.allocator lean (configs/demo.yaml
               as shipped: jemalloc where installed, else tcmalloc, else glibc at threshold 64)
   demo-fp32   the demo in fp32, as a CPU without native bf16 runs it
   demo[-fp32][-kbN][-glibc|-jemalloc|-tcmalloc]   the demo (in fp32) with the mmap threshold at N

@@ -29,6 +29,14 @@ natively (``lower.autocast=auto``); TRL's ``bf16`` flag follows the same decisio
     python benchmarks/train_lower_throughput.py --engines vllm --single-turn
     python benchmarks/train_lower_throughput.py --engines vllm --bonus-scorers trainer engine
     python benchmarks/train_lower_throughput.py --engines vllm --syncs direct delta file --out results/train_lower_throughput-sync.json
+    python benchmarks/train_lower_throughput.py --allocators glibc tcmalloc jemalloc --rounds 2
+
+``--allocators`` times ours alone (vLLM, no TRL run) once per malloc and round, the arms alternating
+(reversed every other round): each child starts with the library in ``LD_PRELOAD`` (``glibc``: none),
+as ``engine.allocator`` makes the mlmt command do; ``NAME@CONF`` also sets ``MALLOC_CONF`` (jemalloc's
+options, e.g. ``jemalloc@oversize_threshold:0,dirty_decay_ms:-1``). Each run records its wall, user
+and system seconds and minor page faults (os.wait4) and the malloc it ran on; results go to
+train_lower_throughput-allocators.json.
 """
 
 from __future__ import annotations
@@ -150,16 +158,17 @@ def trl_bf16(args) -> bool:
 
 def child(args) -> None:
     """One run in this process; its result (with this process's peak RSS) goes to ``args.child_out``."""
-    from tosca_mlmt.runtime import git_sha, peak_rss_mb
+    from tosca_mlmt.runtime import allocator_in_use, git_sha, peak_rss_mb
 
     kind, engine, scorer, sync = (args.child.split(":") + ["", "", ""])[:4]
     res = run_ours(args, engine, scorer, sync or "direct") if kind == "ours" else run_trl(args)
     res["peak_rss_mb"] = peak_rss_mb()  # this run alone: model load(s), engine and iterations
+    res["malloc"] = allocator_in_use()
     res["code"] = git_sha()  # each child's own: a run spans minutes, the tree may change between children
     Path(args.child_out).write_text(json.dumps(res))
 
 
-def spawn(args, what: str) -> dict:
+def spawn(args, what: str, env: dict | None = None) -> dict:
     out = Path(args.workdir) / f"result-{what.replace(':', '-')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
@@ -169,11 +178,64 @@ def spawn(args, what: str) -> dict:
         ["--single-turn"] if args.single_turn else [])
     before = os.getloadavg()
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True)
+    p = subprocess.Popen(cmd, env=env)
+    _, status, usage = os.wait4(p.pid, 0)
+    if os.waitstatus_to_exitcode(status):
+        raise subprocess.CalledProcessError(os.waitstatus_to_exitcode(status), cmd)
     res = json.loads(out.read_text())
     res["process_wall_s"] = round(time.perf_counter() - t0, 1)
+    res["process_user_s"], res["process_sys_s"] = round(usage.ru_utime, 1), round(usage.ru_stime, 1)
+    res["minor_page_faults"] = usage.ru_minflt
     res["load_avg_before"], res["load_avg_after"] = list(before), list(os.getloadavg())
     return res
+
+
+def allocator_ab(args) -> None:
+    """``--allocators``: ours on vLLM under each malloc, ``--rounds`` rounds, the order reversed every
+    other round; medians and ratios to the first arm."""
+    import statistics
+
+    from tosca_mlmt.runtime import allocator_library
+
+    arms = {}
+    for arm in args.allocators:
+        name, _, conf = arm.partition("@")
+        if name not in ("glibc", "tcmalloc", "jemalloc"):
+            raise SystemExit(f"--allocators {arm}: the malloc is one of glibc, tcmalloc, jemalloc")
+        lib = None if name == "glibc" else allocator_library(name)
+        if name != "glibc" and lib is None:
+            raise SystemExit(f"--allocators {arm}: {name} is not installed")
+        env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF")}
+        arms[arm] = dict(env, **({"LD_PRELOAD": lib} if lib else {}), **({"MALLOC_CONF": conf} if conf else {}),
+                         TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD=str(1 << 40))
+    path = Path(args.out) if args.out else RESULTS / "train_lower_throughput-allocators.json"
+    res = {"date": dt.datetime.now().isoformat(timespec="seconds"), "machine": platform.processor() or platform.machine(),
+           "cores": os.cpu_count(), "args": {k: v for k, v in vars(args).items() if not k.startswith("child")},
+           "notes": "ours on vLLM alone (no TRL run), one process per run, arms alternating; tokens_per_s and "
+                    "time_breakdown (seconds summed over the timed iterations) as in the TRL comparison; "
+                    "process_* and minor_page_faults from os.wait4", "runs": []}
+    for r in range(args.rounds):
+        for arm in (args.allocators if r % 2 == 0 else args.allocators[::-1]):
+            run = spawn(args, "ours:vllm:auto:direct", env=arms[arm])
+            res["runs"].append({"arm": arm, "round": r, **run})
+            print(f"{arm:<28} round {r}: {run['tokens_per_s']:.1f} tok/s, update {run['time_breakdown']['update']:.1f} s, "
+                  f"{run['minor_page_faults'] / 1e6:.1f} M faults, peak {run['peak_rss_mb']['self'] / 1024:.2f} GiB "
+                  f"({run['malloc']})", flush=True)
+            path.write_text(json.dumps(res, indent=2))
+
+    def median(arm, get):
+        return statistics.median(get(x) for x in res["runs"] if x["arm"] == arm)
+
+    first = args.allocators[0]
+    res["summary"] = {arm: {
+        "tokens_per_s_median": round(median(arm, lambda x: x["tokens_per_s"]), 2),
+        "ratio_to_" + first: round(median(arm, lambda x: x["tokens_per_s"]) / median(first, lambda x: x["tokens_per_s"]), 3),
+        "update_s_median": round(median(arm, lambda x: x["time_breakdown"]["update"]), 2),
+        "minor_faults_median": median(arm, lambda x: x["minor_page_faults"]),
+        "peak_rss_gib_median": round(median(arm, lambda x: x["peak_rss_mb"]["self"]) / 1024, 2),
+    } for arm in args.allocators}
+    path.write_text(json.dumps(res, indent=2))
+    print(json.dumps(res["summary"], indent=1))
 
 
 def main() -> None:
@@ -191,6 +253,9 @@ def main() -> None:
                          "auto: the engine on vLLM, the trainer on HF)")
     ap.add_argument("--syncs", nargs="+", choices=tuple(SYNCS), default=["direct"],
                     help="vLLM weight-sync settings to run ours with (hf: the first only)")
+    ap.add_argument("--allocators", nargs="+", metavar="NAME[@MALLOC_CONF]",
+                    help="time ours alone on vLLM under each malloc (glibc, tcmalloc, jemalloc), alternating")
+    ap.add_argument("--rounds", type=int, default=2, help="--allocators: runs per arm")
     ap.add_argument("--workdir", default="/tmp/tosca-bench-lower")
     ap.add_argument("--trl-bf16", choices=("auto", "on", "off"), default="auto",
                     help="TRL's bf16 autocast; auto = what our lower.autocast=auto picks here")
@@ -200,6 +265,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return child(args)
+    if args.allocators:
+        return allocator_ab(args)
     if args.engine and args.engines:
         ap.error("give --engine or --engines, not both")
     engines = args.engines or [args.engine or "hf"]

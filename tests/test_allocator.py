@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -78,7 +79,7 @@ def test_threshold_outside_glibcs_range_names_the_field(value):
 
 AUTO, AUTO_LIB = runtime.wanted_allocator("auto")
 needs_preload = pytest.mark.skipif(AUTO == "glibc", reason="neither jemalloc nor tcmalloc is installed (make install "
-                                                           "adds libjemalloc2 on Debian/Ubuntu as root)")
+                                                           "adds both on Debian/Ubuntu as root)")
 
 # Prints the malloc it runs on, then asks for argv[1]'s; where that re-executes, the script runs again
 # from the top in the same process, so the output holds one line per run.
@@ -116,11 +117,21 @@ def test_glibc_takes_a_preloaded_malloc_away_and_a_matching_choice_restarts_noth
     assert _reexec(AUTO, preload=AUTO_LIB) == [f"{AUTO} False None", f"done {AUTO} None"]
 
 
-def test_auto_takes_the_first_installed_of_jemalloc_and_tcmalloc(monkeypatch):
+@pytest.mark.parametrize("choice, both, one_each", [("auto", "tcmalloc", ("tcmalloc", "jemalloc")),
+                                                   ("lean", "jemalloc", ("tcmalloc", "jemalloc"))])
+def test_auto_and_lean_take_the_first_installed_of_their_order(monkeypatch, choice, both, one_each):
     monkeypatch.setattr(sys, "platform", "linux")
-    for installed, picked in ((("jemalloc", "tcmalloc"), "jemalloc"), (("tcmalloc",), "tcmalloc"), ((), "glibc")):
+    cases = [(("jemalloc", "tcmalloc"), both), (("tcmalloc",), one_each[0]), (("jemalloc",), one_each[1]), ((), "glibc")]
+    for installed, picked in cases:
         monkeypatch.setattr(runtime, "allocator_library", lambda name: f"lib{name}.so" if name in installed else None)
-        assert runtime.wanted_allocator("auto")[0] == picked
+        assert runtime.wanted_allocator(choice) == (picked, f"lib{picked}.so" if installed else None)
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert runtime.wanted_allocator(choice) == ("system", None)
+
+
+def test_the_default_is_auto_and_the_demo_asks_for_lean():
+    assert load_config(None, {}).engine.allocator == "auto"
+    assert load_config(str(Path(__file__).resolve().parents[1] / "configs/demo.yaml"), {}).engine.allocator == "lean"
 
 
 def test_a_preload_that_does_not_take_warns_instead_of_looping(monkeypatch):
@@ -140,6 +151,7 @@ def test_auto_keeps_a_malloc_preloaded_on_purpose_and_an_explicit_choice_replace
     monkeypatch.setattr(os, "execve", lambda exe, argv, env: calls.append(env["LD_PRELOAD"]))
     monkeypatch.setenv("LD_PRELOAD", "/opt/libtcmalloc_minimal.so.4:/opt/libother.so")
     runtime.use_allocator("auto")
+    runtime.use_allocator("lean")
     assert calls == []
     runtime.use_allocator("jemalloc")
     assert calls == ["libjemalloc.so.2:/opt/libother.so"]  # the other malloc out, other preloads kept
@@ -150,7 +162,8 @@ def test_an_allocator_that_is_not_installed_names_the_field_and_the_package(monk
     monkeypatch.setattr(sys, "platform", "linux")
     with pytest.raises(ConfigError, match=r"engine.allocator=jemalloc: .*libjemalloc2"):
         runtime.wanted_allocator("jemalloc")
-    assert runtime.wanted_allocator("auto") == ("glibc", None)  # auto falls back
+    assert runtime.wanted_allocator("auto") == ("glibc", None)  # auto and lean fall back
+    assert runtime.wanted_allocator("lean") == ("glibc", None)
 
 
 def test_only_the_mlmt_process_itself_restarts(monkeypatch):

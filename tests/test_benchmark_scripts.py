@@ -1,6 +1,7 @@
 """What the benchmark scripts record about a run: the demo's seeds run the commands a reader can
 repeat from the JSON, and the machine line names the CPU flags that decide bf16 numerics."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -64,3 +65,48 @@ def test_machine_info_names_the_bf16_flags_the_dtype_decision_reads(scripts):
 
     if not torch.cuda.is_available():
         assert native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+
+
+def test_allocator_ab_preloads_each_arms_malloc_alternates_and_takes_medians(monkeypatch, tmp_path):
+    """--allocators: every run's child gets its arm's library and MALLOC_CONF and nothing inherited
+    (a glibc arm must not run on the caller's preload), the order reverses every other round, and the
+    summary is the median of each arm's runs."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("train_lower_throughput", None)
+    import train_lower_throughput as tlt
+
+    from tosca_mlmt import runtime
+
+    monkeypatch.setattr(runtime, "allocator_library", lambda name: f"/lib/lib{name}.so")
+    monkeypatch.setenv("LD_PRELOAD", "/opt/libcaller.so")
+    monkeypatch.setenv("MALLOC_CONF", "narenas:1")
+    speed = {"glibc": [60.0, 70.0, 80.0], "jemalloc@dirty_decay_ms:-1": [30.0, 50.0, 40.0]}
+    seen = []
+
+    def spawn(args, what, env=None):
+        arm = "glibc" if "LD_PRELOAD" not in env else "jemalloc@dirty_decay_ms:-1"
+        seen.append((arm, env.get("LD_PRELOAD"), env.get("MALLOC_CONF")))
+        tok = speed[arm][sum(a == arm for a, *_ in seen) - 1]
+        return {"tokens_per_s": tok, "time_breakdown": {"update": 100 / tok}, "minor_page_faults": int(tok),
+                "peak_rss_mb": {"self": 1024 * tok}, "malloc": arm.split("@")[0]}
+
+    monkeypatch.setattr(tlt, "spawn", spawn)
+    out = tmp_path / "ab.json"
+    monkeypatch.setattr(sys, "argv", ["x", "--allocators", "glibc", "jemalloc@dirty_decay_ms:-1", "--rounds", "3",
+                                      "--out", str(out)])
+    tlt.main()
+    assert [s[0] for s in seen] == [
+        "glibc", "jemalloc@dirty_decay_ms:-1", "jemalloc@dirty_decay_ms:-1", "glibc", "glibc",
+        "jemalloc@dirty_decay_ms:-1"]
+    assert {s for s in seen if s[0] == "glibc"} == {("glibc", None, None)}
+    assert {s for s in seen if s[0] != "glibc"} == {("jemalloc@dirty_decay_ms:-1", "/lib/libjemalloc.so",
+                                                     "dirty_decay_ms:-1")}
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["glibc"]["tokens_per_s_median"] == 70.0
+    assert summary["jemalloc@dirty_decay_ms:-1"]["tokens_per_s_median"] == 40.0
+    assert summary["jemalloc@dirty_decay_ms:-1"]["ratio_to_glibc"] == round(40 / 70, 3)
+    assert summary["jemalloc@dirty_decay_ms:-1"]["update_s_median"] == 2.5
+    assert summary["glibc"]["peak_rss_gib_median"] == 70.0
+    with pytest.raises(SystemExit, match="mimalloc"):
+        monkeypatch.setattr(sys, "argv", ["x", "--allocators", "mimalloc", "--out", str(out)])
+        tlt.main()

@@ -142,9 +142,15 @@ def peak_rss_mb() -> dict[str, float]:
 # command re-executes itself once, after loading the config and before any work (use_allocator). A
 # library caller (tests, a notebook) keeps the malloc it started with.
 
-# auto's order. jemalloc first: on the demo's train-joint tcmalloc was faster still (149 s against
-# 179 s), but its peak RSS varied from 5.4 to 5.8 GiB against jemalloc's 4.8 (memory-allocator.json)
-AUTO = ("jemalloc", "tcmalloc")
+# The two automatic choices, each the first of its order installed. auto: tcmalloc first, the fastest
+# malloc measured at both batch sizes benchmarked: 1.95x glibc at 64 KiB on the demo's micro-batched
+# train-joint, and 1.10x glibc's adaptive heap at 16 rows per forward, with a lower peak (9.7 against
+# 11.1 GiB). lean: jemalloc first, the lowest peak with micro-batches (the demo 4.8 GiB against
+# tcmalloc's 5.4-5.8), but at 16 rows per forward it gives freed pages back to the OS and faults them
+# in again (its dirty-page decay, at 10 s or 120 s alike; with none at all the demo's RSS grew past
+# 20 GiB), so its update there took 2.2x tcmalloc's (benchmarks/train_lower_throughput.py
+# --allocators, memory.py).
+ORDERS = {"auto": ("tcmalloc", "jemalloc"), "lean": ("jemalloc", "tcmalloc")}
 # the libraries (ctypes.util.find_library names) and a symbol only each one exports
 LIBRARIES = {"tcmalloc": ("tcmalloc_minimal", "tcmalloc"), "jemalloc": ("jemalloc",)}
 _SYMBOLS = {"tcmalloc": "tc_malloc", "jemalloc": "mallctl"}
@@ -174,14 +180,14 @@ def allocator_library(name: str) -> str | None:
 
 
 def wanted_allocator(choice: str) -> tuple[str, str | None]:
-    """(allocator, its library) that engine.allocator ``choice`` asks for here. auto: the first of
-    AUTO installed (Linux), else the system's own. An explicit tcmalloc or jemalloc that is not
-    installed is an error that says what to install."""
+    """(allocator, its library) that engine.allocator ``choice`` asks for here. auto and lean: the
+    first of their ORDERS installed (Linux), else the system's own. An explicit tcmalloc or jemalloc
+    that is not installed is an error that says what to install."""
     linux = sys.platform.startswith("linux")
-    if choice == "glibc" or not linux and choice == "auto":
+    if choice == "glibc" or not linux and choice in ORDERS:
         return ("glibc" if linux else "system"), None
-    if choice == "auto":  # stops at the first found: each lookup runs ldconfig
-        return next(((n, lib) for n in AUTO if (lib := allocator_library(n))), ("glibc", None))
+    if choice in ORDERS:  # stops at the first found: each lookup runs ldconfig
+        return next(((n, lib) for n in ORDERS[choice] if (lib := allocator_library(n))), ("glibc", None))
     name, lib = choice, allocator_library(choice) if linux else None
     if lib is None:
         raise ConfigError(f"engine.allocator={choice}: its library is not installed on this machine (install "
@@ -195,8 +201,8 @@ def use_allocator(choice: str) -> None:
     not take, warns once and goes on (never re-executes twice)."""
     name, lib = wanted_allocator(choice)
     now, retried = allocator_in_use(), os.environ.pop(_MARK, None)
-    # auto also keeps a jemalloc or tcmalloc the user preloaded on purpose
-    if now == name or name == "system" or (choice == "auto" and now in LIBRARIES):
+    # auto and lean also keep a jemalloc or tcmalloc the user preloaded on purpose
+    if now == name or name == "system" or (choice in ORDERS and now in LIBRARIES):
         return
     if retried:
         warnings.warn(f"engine.allocator={choice}: started again with {lib or 'no preload'} but the process still "
