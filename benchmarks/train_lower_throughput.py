@@ -195,16 +195,18 @@ def allocator_ab(args) -> None:
     other round; medians and ratios to the first arm."""
     import statistics
 
-    from tosca_mlmt.runtime import allocator_library
+    from tosca_mlmt.errors import ConfigError
+    from tosca_mlmt.runtime import LIBRARIES, wanted_allocator
 
     arms = {}
     for arm in args.allocators:
         name, _, conf = arm.partition("@")
-        if name not in ("glibc", "tcmalloc", "jemalloc"):
-            raise SystemExit(f"--allocators {arm}: the malloc is one of glibc, tcmalloc, jemalloc")
-        lib = None if name == "glibc" else allocator_library(name)
-        if name != "glibc" and lib is None:
-            raise SystemExit(f"--allocators {arm}: {name} is not installed")
+        if name not in ("glibc", *LIBRARIES):
+            raise SystemExit(f"--allocators {arm}: the malloc is one of glibc, {', '.join(LIBRARIES)}")
+        try:
+            lib = wanted_allocator(name)[1]  # an explicit malloc that is not installed says what to install
+        except ConfigError as e:
+            raise SystemExit(f"--allocators {arm}: {e}") from None
         env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF")}
         arms[arm] = dict(env, **({"LD_PRELOAD": lib} if lib else {}), **({"MALLOC_CONF": conf} if conf else {}),
                          TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD=str(1 << 40))
@@ -227,9 +229,10 @@ def allocator_ab(args) -> None:
         return statistics.median(get(x) for x in res["runs"] if x["arm"] == arm)
 
     first = args.allocators[0]
+    tok = {arm: median(arm, lambda x: x["tokens_per_s"]) for arm in args.allocators}
     res["summary"] = {arm: {
-        "tokens_per_s_median": round(median(arm, lambda x: x["tokens_per_s"]), 2),
-        "ratio_to_" + first: round(median(arm, lambda x: x["tokens_per_s"]) / median(first, lambda x: x["tokens_per_s"]), 3),
+        "tokens_per_s_median": round(tok[arm], 2),
+        "ratio_to_" + first: round(tok[arm] / tok[first], 3),
         "update_s_median": round(median(arm, lambda x: x["time_breakdown"]["update"]), 2),
         "minor_faults_median": median(arm, lambda x: x["minor_page_faults"]),
         "peak_rss_gib_median": round(median(arm, lambda x: x["peak_rss_mb"]["self"]) / 1024, 2),
