@@ -32,7 +32,7 @@ natively (``lower.autocast=auto``); TRL's ``bf16`` flag follows the same decisio
     python benchmarks/train_lower_throughput.py --allocators glibc tcmalloc jemalloc --rounds 2
 
 ``--allocators`` times ours alone (vLLM, no TRL run) once per malloc and round, the arms alternating
-(reversed every other round): each child starts with the library in ``LD_PRELOAD`` (``glibc``: none),
+(reversed every other round): each child starts with the library in ``LD_PRELOAD`` (``glibc``: none; other preloads kept),
 as ``engine.allocator`` makes the mlmt command do; ``NAME@CONF`` also sets ``MALLOC_CONF`` (jemalloc's
 options, e.g. ``jemalloc@oversize_threshold:0,dirty_decay_ms:-1``). Each run records its wall, user
 and system seconds and minor page faults (os.wait4) and the malloc it ran on; results go to
@@ -196,7 +196,7 @@ def allocator_ab(args) -> None:
     import statistics
 
     from tosca_mlmt.errors import ConfigError
-    from tosca_mlmt.runtime import LIBRARIES, wanted_allocator
+    from tosca_mlmt.runtime import LIBRARIES, preload_env, wanted_allocator
 
     arms = {}
     for arm in args.allocators:
@@ -207,9 +207,8 @@ def allocator_ab(args) -> None:
             lib = wanted_allocator(name)[1]  # an explicit malloc that is not installed says what to install
         except ConfigError as e:
             raise SystemExit(f"--allocators {arm}: {e}") from None
-        env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF")}
-        arms[arm] = dict(env, **({"LD_PRELOAD": lib} if lib else {}), **({"MALLOC_CONF": conf} if conf else {}),
-                         TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD=str(1 << 40))
+        env = preload_env(lib, {k: v for k, v in os.environ.items() if k != "MALLOC_CONF"})
+        arms[arm] = dict(env, **({"MALLOC_CONF": conf} if conf else {}))
     path = Path(args.out) if args.out else RESULTS / "train_lower_throughput-allocators.json"
     res = {"date": dt.datetime.now().isoformat(timespec="seconds"), "machine": platform.processor() or platform.machine(),
            "cores": os.cpu_count(), "args": {k: v for k, v in vars(args).items() if not k.startswith("child")},

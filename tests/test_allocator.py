@@ -157,6 +157,18 @@ def test_auto_keeps_a_malloc_preloaded_on_purpose_and_an_explicit_choice_replace
     assert calls == ["libjemalloc.so.2:/opt/libother.so"]  # the other malloc out, other preloads kept
 
 
+def test_preload_env_swaps_only_the_malloc_and_glibc_leaves_no_empty_preload():
+    env = {"LD_PRELOAD": "/opt/libjemalloc.so.2:/opt/libother.so", "PATH": "/bin"}
+    assert runtime.preload_env("libtcmalloc_minimal.so.4", env)["LD_PRELOAD"] == \
+        "libtcmalloc_minimal.so.4:/opt/libother.so"
+    assert runtime.preload_env(None, env)["LD_PRELOAD"] == "/opt/libother.so"
+    bare = runtime.preload_env(None, {"LD_PRELOAD": "/opt/libtcmalloc.so.4", "PATH": "/bin"})
+    assert "LD_PRELOAD" not in bare and bare["PATH"] == "/bin"
+    assert env["LD_PRELOAD"] == "/opt/libjemalloc.so.2:/opt/libother.so"  # the caller's mapping untouched
+    mine = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "1024"}
+    assert runtime.preload_env(None, mine)["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] == "1024"
+
+
 def test_an_allocator_that_is_not_installed_names_the_field_and_the_package(monkeypatch):
     monkeypatch.setattr(runtime, "allocator_library", lambda name: None)
     monkeypatch.setattr(sys, "platform", "linux")

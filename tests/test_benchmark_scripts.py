@@ -68,9 +68,10 @@ def test_machine_info_names_the_bf16_flags_the_dtype_decision_reads(scripts):
 
 
 def test_allocator_ab_preloads_each_arms_malloc_alternates_and_takes_medians(monkeypatch, tmp_path):
-    """--allocators: every run's child gets its arm's library and MALLOC_CONF and nothing inherited
-    (a glibc arm must not run on the caller's preload), the order reverses every other round, and the
-    summary is the median of each arm's runs."""
+    """--allocators: every run's child gets its arm's library and MALLOC_CONF, no malloc or
+    MALLOC_CONF inherited (a glibc arm must not run on the caller's malloc) but other preloads kept, as
+    the mlmt command does; the order reverses every other round, and the summary is the median of
+    each arm's runs."""
     monkeypatch.syspath_prepend(str(BENCH))
     sys.modules.pop("train_lower_throughput", None)
     import train_lower_throughput as tlt
@@ -78,13 +79,13 @@ def test_allocator_ab_preloads_each_arms_malloc_alternates_and_takes_medians(mon
     from tosca_mlmt import runtime
 
     monkeypatch.setattr(runtime, "allocator_library", lambda name: f"/lib/lib{name}.so")
-    monkeypatch.setenv("LD_PRELOAD", "/opt/libcaller.so")
+    monkeypatch.setenv("LD_PRELOAD", "/opt/libtcmalloc.so.4:/opt/libcaller.so")
     monkeypatch.setenv("MALLOC_CONF", "narenas:1")
     speed = {"glibc": [60.0, 70.0, 80.0], "jemalloc@dirty_decay_ms:-1": [30.0, 50.0, 40.0]}
     seen = []
 
     def spawn(args, what, env=None):
-        arm = "glibc" if "LD_PRELOAD" not in env else "jemalloc@dirty_decay_ms:-1"
+        arm = "jemalloc@dirty_decay_ms:-1" if "libjemalloc" in env["LD_PRELOAD"] else "glibc"
         seen.append((arm, env.get("LD_PRELOAD"), env.get("MALLOC_CONF")))
         tok = speed[arm][sum(a == arm for a, *_ in seen) - 1]
         return {"tokens_per_s": tok, "time_breakdown": {"update": 100 / tok}, "minor_page_faults": int(tok),
@@ -98,8 +99,8 @@ def test_allocator_ab_preloads_each_arms_malloc_alternates_and_takes_medians(mon
     assert [s[0] for s in seen] == [
         "glibc", "jemalloc@dirty_decay_ms:-1", "jemalloc@dirty_decay_ms:-1", "glibc", "glibc",
         "jemalloc@dirty_decay_ms:-1"]
-    assert {s for s in seen if s[0] == "glibc"} == {("glibc", None, None)}
-    assert {s for s in seen if s[0] != "glibc"} == {("jemalloc@dirty_decay_ms:-1", "/lib/libjemalloc.so",
+    assert {s for s in seen if s[0] == "glibc"} == {("glibc", "/opt/libcaller.so", None)}
+    assert {s for s in seen if s[0] != "glibc"} == {("jemalloc@dirty_decay_ms:-1", "/lib/libjemalloc.so:/opt/libcaller.so",
                                                      "dirty_decay_ms:-1")}
     summary = json.loads(out.read_text())["summary"]
     assert summary["glibc"]["tokens_per_s_median"] == 70.0

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import warnings
 from importlib import metadata
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -208,11 +209,20 @@ def use_allocator(choice: str) -> None:
         warnings.warn(f"engine.allocator={choice}: started again with {lib or 'no preload'} but the process still "
                       f"runs on {now}; going on with it", stacklevel=2)
         return
-    others = [p for p in os.environ.get("LD_PRELOAD", "").split(":")
-              if p and not any(f"lib{n}" in os.path.basename(p) for n in LIBRARIES)]
-    env = dict(os.environ, **{_MARK: "1", "LD_PRELOAD": ":".join(([lib] if lib else []) + others)})
-    # tcmalloc reports every allocation over 1 GiB on stderr (vLLM's KV cache is one)
-    env.setdefault("TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD", str(1 << 40))
+    env = dict(preload_env(lib, os.environ), **{_MARK: "1"})
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def preload_env(lib: str | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` with ``lib`` (None: glibc's own) as the one malloc in LD_PRELOAD: a jemalloc or
+    tcmalloc already there is dropped, any other preload is kept after it."""
+    others = [p for p in environ.get("LD_PRELOAD", "").split(":")
+              if p and not any(f"lib{n}" in os.path.basename(p) for n in LIBRARIES)]
+    env = {k: v for k, v in environ.items() if k != "LD_PRELOAD"}
+    if preload := ":".join(([lib] if lib else []) + others):
+        env["LD_PRELOAD"] = preload
+    # tcmalloc reports every allocation over 1 GiB on stderr (vLLM's KV cache is one)
+    env.setdefault("TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD", str(1 << 40))
+    return env
