@@ -325,6 +325,68 @@ def test_training_from_an_off_policy_snapshot_warns_and_uses_behaviour_logprobs(
 
 
 @pytest.mark.slow
+def test_behaviour_old_logprobs_feed_the_ratio_but_the_bonus_reads_one_policy(lower_setup, policies, monkeypatch):
+    """lower.old_logprobs=behaviour: PPO's pi_old is the logged sampling log-probs, but the trainer-
+    scored bonus compares log pi(y|x,z,g) and log pi(y|x,z) under the same weights: logged
+    log-probs of another policy (here shifted by -0.7 nats a token) change no bonus term."""
+    from tosca_mlmt.lower.learner import LowerLearner
+
+    cfg, trajs = lower_setup
+    trajs = [replace(t, turn_rewards=[float(i % 2), float((i + 1) % 2)]) for i, t in enumerate(trajs)]
+    other = [replace(t, behaviour_logprobs=[[x - 0.7 for x in turn] for turn in t.behaviour_logprobs]) for t in trajs]
+    seen = {}
+    monkeypatch.setattr(LowerLearner, "_epochs", lambda self, batch, step: seen.update(batch=batch) or {})
+    out = {}
+    for mode, data in (("recompute", trajs), ("behaviour", other)):
+        lo = replace(cfg.lower, old_logprobs=mode, bonus=replace(cfg.lower.bonus, scorer="trainer"))
+        trainer = LowerLearner(replace(cfg, lower=lo), policies)
+        trainer.update(data, step=0)
+        out[mode] = (trainer.refine_bonus, seen["batch"])
+    (rows_r, batch_r), (rows_b, batch_b) = out["recompute"], out["behaviour"]
+    assert rows_r and len(rows_r) == len(rows_b)
+    for a, b in zip(rows_r, rows_b):
+        assert a[:2] == b[:2] and a[2] == pytest.approx(b[2], abs=1e-5) and a[3] == pytest.approx(b[3], abs=1e-6)
+    m = batch_b.tt.mask > 0
+    assert torch.equal(batch_b.old_logprobs[m], batch_b.tt.behaviour_logprobs[m])  # the ratio's pi_old is logged
+    assert (batch_r.old_logprobs[m] - batch_b.old_logprobs[m]).mean() == pytest.approx(0.7, abs=0.05)
+
+
+@pytest.mark.slow
+def test_grad_accum_gives_the_gradient_of_the_whole_minibatch(debug_cfg, debug_policies):
+    """token-mean over micro-batches of unequal token counts (one row each, every row a different
+    length) takes the same gradient as the minibatch in one forward (fp32): each micro-batch's mean
+    is scaled by its share of the tokens. A mean of micro-batch means, 1/grad_accum each, would
+    weigh a token of the shortest row several times one of the longest."""
+    from tosca_mlmt.lower.learner import LowerLearner
+
+    policies = debug_policies
+    cfg, trajs = _lower_setup(debug_cfg, policies)
+    trajs = trajs[:4]
+    for i in range(1, 4):  # the random model writes every turn to max_new_tokens: cut the refines unequally
+        t = trajs[i]
+        s, e = t.turn_spans[-1]
+        k = min(e - s - 1, 5 * i)
+        trajs[i] = replace(t, ids=t.ids[: e - k], turn_spans=[*t.turn_spans[:-1], (s, e - k)],
+                           behaviour_logprobs=[*t.behaviour_logprobs[:-1], t.behaviour_logprobs[-1][: e - k - s]])
+    tokens = [sum(e - s for s, e in t.turn_spans) for t in trajs]
+    assert len(set(tokens)) == 4, tokens
+    model = policies.model("solver")
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    grads = {}
+    for accum in (1, 4):
+        lo = replace(cfg.lower, minibatch_size=4, grad_accum=accum, epochs=1, max_grad_norm=1e9, bonus=replace(
+            cfg.lower.bonus, coef=0.0))
+        with restored(params):
+            trainer = LowerLearner(replace(cfg, lower=lo), policies)
+            trainer.update(trajs, step=0)
+            grads[accum] = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
+            grads[accum]["value_head"] = trainer.value_head.weight.grad.clone()
+    assert grads[1].keys() == grads[4].keys() and any(g.abs().sum() > 0 for g in grads[1].values())
+    for n in grads[1]:
+        assert torch.allclose(grads[1][n], grads[4][n], rtol=1e-4, atol=1e-7), n
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kl_mode", ["reward", "loss"])
 def test_zero_kl_coef_skips_the_reference_pass_and_changes_nothing(debug_cfg, debug_policies, monkeypatch, kl_mode):
     """With lower.kl_coef = 0 (and no SCoRe, no reference bonus) the adapters-off forward is

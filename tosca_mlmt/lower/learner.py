@@ -116,7 +116,7 @@ class LowerLearner:
                 rewards = objective.token_rewards(trajs, tt, scores, lo, step)
                 adv, returns, critic_targets = self._advantages(trajs, tt, rewards, scores)
             with timer("bonus"):
-                with_g = tt.behaviour_logprobs if by_engine else scores.old_logprobs
+                with_g = tt.behaviour_logprobs if by_engine else scores.trainer_logprobs
                 bonus, terms = self._bonus(trajs, with_g, scores.ref_logprobs, adv, engine if by_engine else None)
                 bstats = stats.bonus_stats(terms)
                 self.refine_bonus = stats.refine_bonus_rows(terms)
@@ -197,7 +197,9 @@ class LowerLearner:
     def _epochs(self, batch: UpdateBatch, step: int) -> dict:
         """Minibatches of a shared permutation; each is ``grad_accum`` micro-batch slots of
         minibatch_size / grad_accum rows, spread over the ranks. Slots past the end of a short
-        last minibatch run a zero-weight forward so every rank steps in lockstep."""
+        last minibatch run a zero-weight forward so every rank steps in lockstep. Each micro-batch's
+        losses are scaled by its share of the minibatch (objective.Share), so the step's gradient
+        is the minibatch's own mean at any grad_accum or world size."""
         lo, eng = self.lo, self.engine
         micro = lo.minibatch_size // lo.grad_accum
         mine = range(dist.rank() * eng.local_slots, (dist.rank() + 1) * eng.local_slots)
@@ -207,14 +209,16 @@ class LowerLearner:
             order = stream(self.cfg.seed, "minibatch", step, epoch).permutation(len(batch))
             for mb_start in range(0, len(batch), lo.minibatch_size):
                 mb = order[mb_start: mb_start + lo.minibatch_size]
-                n_micro = (len(mb) + micro - 1) // micro
+                tokens = float(batch.tt.mask[torch.as_tensor(mb)].sum())
                 eng.zero_grad()
                 for slot in mine:
                     rows = torch.as_tensor(mb[slot * micro: (slot + 1) * micro])
-                    weight = 1.0 / n_micro
+                    weight = 1.0
                     if len(rows) == 0:
                         rows, weight = torch.as_tensor(mb[:1]), 0.0
-                    loss, info = eng(self.loss, batch.select(rows))
+                    part = batch.select(rows)
+                    share = objective.Share(float(part.tt.mask.sum()) / max(tokens, 1.0), len(rows) / len(mb))
+                    loss, info = eng(self.loss, part, share)
                     eng.backward(loss, weight)
                     means.add(info, real=weight > 0)
                 norms.append(eng.step(at=f"iteration {step + 1}, optimizer step {self.optimizer_steps + 1}"))
@@ -229,11 +233,11 @@ class LowerLearner:
         out["optimizer_steps"] = self.optimizer_steps
         return out
 
-    def loss(self, mb: UpdateBatch) -> tuple[torch.Tensor, dict]:
+    def loss(self, mb: UpdateBatch, share: objective.Share = objective.WHOLE) -> tuple[torch.Tensor, dict]:
         """One micro-batch's loss; runs inside the engine, so DDP sees the forward."""
         fwd = self.scorer.forward(mb.tt.input_ids, mb.tt.attention_mask, values=mb.old_values is not None,
                                   entropy=mb.old_logprobs is None, keep=mb.tt.mask)
-        return objective.ppo_loss(self.lo, fwd, mb, self.critic)
+        return objective.ppo_loss(self.lo, fwd, mb, self.critic, share)
 
     def save(self, folder: Path) -> None:
         """Collective (every rank calls it); rank 0 writes the adapter and value head."""

@@ -117,28 +117,44 @@ class UpdateBatch:
                            None if self.critic is None else self.critic.select(rows))
 
 
-def ppo_loss(lo: "LowerConfig", fwd: Forward, mb: UpdateBatch, critic: archer.UtteranceCritic
-             ) -> tuple[torch.Tensor, dict]:
-    """(loss, diagnostics) of a micro-batch from the training forward ``fwd`` of its rows."""
+@dataclass(frozen=True)
+class Share:
+    """A micro-batch's part of its minibatch: of the action tokens and of the rows. Its losses are
+    means over its own tokens (rows); scaled by these they sum, over the minibatch's micro-batches,
+    to the minibatch's own means: a token-mean weighs every token of the minibatch alike whatever
+    lower.grad_accum cuts it into (a mean of micro-batch means would weigh a token of a short
+    micro-batch more)."""
+    tokens: float
+    rows: float
+
+
+WHOLE = Share(1.0, 1.0)
+
+
+def ppo_loss(lo: "LowerConfig", fwd: Forward, mb: UpdateBatch, critic: archer.UtteranceCritic,
+             share: Share = WHOLE) -> tuple[torch.Tensor, dict]:
+    """(loss, diagnostics) of a micro-batch from the training forward ``fwd`` of its rows; the loss is
+    scaled by ``share`` (the policy loss by the unit lower.loss_agg averages over, the token-mean value
+    and KL terms by tokens, the critic's by rows), the diagnostics are the micro-batch's own means."""
     m = mb.tt.mask
     # no pi_old pass: this forward runs with the weights that sampled, so pi_old is its own detached value
     old = mb.old_logprobs if mb.old_logprobs is not None else fwd.logprobs.detach()
     pg, info = POLICY_LOSSES[lo.policy_loss](fwd.logprobs, old, mb.advantages, m, agg=lo.loss_agg,
                                              clip_low=lo.clip_low, clip_high=lo.clip_high)
-    loss = pg
+    loss = pg * (share.rows if lo.loss_agg == "seq-mean-token-mean" else share.tokens)
     info = {"policy_loss": float(pg.detach()), **info}
     if fwd.entropy is not None:  # the skipped pass's diagnostic, from this forward (mean over micro-batches)
         info["entropy"] = float(masked_mean(fwd.entropy, m))
     if fwd.values is not None:
         vl, vinfo = value_loss(fwd.values, mb.old_values, mb.returns, m, lo.value_clip)
-        loss = loss + lo.vf_coef * vl
+        loss = loss + lo.vf_coef * vl * share.tokens
         info.update(value_loss=float(vl.detach()), **vinfo)
     if mb.critic is not None:
         cl = archer.loss_on(critic, fwd.hidden, mb.critic, mb.tt.n_turns)
-        loss = loss + cl
+        loss = loss + cl * share.rows
         info["critic_loss"] = float(cl.detach())
     if lo.kl_mode == "loss" and mb.ref_logprobs is not None:
         kl = masked_mean(mb.kl_weight * kl_estimate(fwd.logprobs, mb.ref_logprobs, lo.kl_estimator), m)
-        loss = loss + kl
+        loss = loss + kl * share.tokens
         info["kl_loss"] = float(kl.detach())
     return loss, info

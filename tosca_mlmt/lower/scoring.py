@@ -46,6 +46,10 @@ class Scores:
     old_values: torch.Tensor | None  # [B, T] value head, for estimators that need values
     ref_logprobs: torch.Tensor | None  # [B, T] adapters off; when KL, SCoRe or a reference bonus needs them
     turn_features: tuple[torch.Tensor, torch.Tensor] | None  # (state, action) [B, K, H] for the critic
+    # [B, T] the trainer's own forward: old_logprobs but for old_logprobs=behaviour. The trainer-scored
+    # bonus reads it, since its no-feedback term is the trainer's too: log pi_b(y|x,z,g) - log pi(y|x,z)
+    # would measure how far the policy drifted since sampling, not what g changed.
+    trainer_logprobs: torch.Tensor | None = None
 
 
 @dataclass
@@ -123,11 +127,10 @@ class SolverScorer:
         lo = self.lo
         if skip_old:
             return Scores(None, None, None, None, None)
-        lp, v, ent, hs, ha = self._sharded(tt, trajs, values=values, entropy=True, features=features)
-        if lo.old_logprobs == "behaviour":
-            lp = torch.where(tt.mask > 0, tt.behaviour_logprobs, lp)
+        own, v, ent, hs, ha = self._sharded(tt, trajs, values=values, entropy=True, features=features)
+        lp = torch.where(tt.mask > 0, tt.behaviour_logprobs, own) if lo.old_logprobs == "behaviour" else own
         ref = self._sharded(tt, trajs, reference=True)[0] if self.needs_reference() else None
-        return Scores(lp, ent, v, ref, (hs, ha) if features else None)
+        return Scores(lp, ent, v, ref, (hs, ha) if features else None, own)
 
     @torch.no_grad()
     def without_feedback(self, trajs: list[SolverTrajectory], reference: bool, engine=None) -> RefineScores:
