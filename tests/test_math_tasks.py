@@ -47,6 +47,20 @@ needs_data = pytest.mark.skipif(
         ("The slope is -2/3 here", "-2/3"),
         ("it costs 0.75 dollars", "0.75"),
         ("10-3 gives 7", "7"),
+        # an answer line's number alone: what follows is the solver's comment or a piece of the
+        # next word the stop rule kept (math_verify read "12. Then 13" as 13)
+        ("The answer is 12. Then 13", "12"),
+        ("The answer is: 12. I hope it is correct.", "12"),
+        ("The answer is: 12 (since 3 + 4 = 7)", "12"),
+        ("The answer is: 25, but", "25"),
+        ("The answer is 21 x", "21"),
+        ("The answer is: **12**", "12"),
+        ("The answer is 50%.", "50%"),
+        # not a lone number: the whole line, as before
+        ("The answer is 7 + 5 = 12", "7 + 5 = 12"),
+        ("The answer is: 3, 4", "3, 4"),
+        ("The answer is: 2\\sqrt{3}.", "2\\sqrt{3}"),
+        ("The answer is: 3x+1", "3x+1"),
         ("no digits here at all", None),
         ("", None),
     ],

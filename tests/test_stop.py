@@ -1,5 +1,7 @@
 """Solver turns end at the first complete answer line, on both engines, token-exactly."""
 
+from dataclasses import replace
+
 import pytest
 
 from tosca_mlmt.rollout.engines.base import Generation
@@ -24,6 +26,30 @@ def test_cut_right_after_the_token_that_completes_the_answer_line(text, kept):
     assert decode(ids[:n]) == kept
     g = apply_stop(Generation(tuple(ids), tuple(float(i) for i in range(len(ids))), "length"), decode, ANSWER_LINE)
     assert g.finish_reason == "answer" and g.token_ids == tuple(ids[:n]) and g.logprobs == tuple(map(float, range(n)))
+
+
+@pytest.mark.parametrize("text, number", [
+    ("3 + 4 = 7.\nThe answer is: 7\nThen more text", "7"),
+    ("the answer is 3.5. And", "3.5"),
+    ("The answer is: 1,200 apples in all", "1200"),
+    ("The answer is 12. So Ana has 12.", "12"),
+    ("The answer is: 25, but I am not sure", "25"),
+    ("The answer is 12 Kofi keeps", "12"),
+    ("**The answer is: 12** because", "12"),
+    ("The answer is: 5 because 7 + 5 = 12", "5"),
+])
+def test_the_verifier_reads_the_number_the_stop_rule_cut_after(text, number):
+    """The cut keeps the first piece of the word after the answer ("12. So", "12 K"): the verifier
+    must read the number the rule ended the line at, not the line with that piece (which math_verify
+    read as "12 K" or as the last number of "5 because 7 + 5 = 12")."""
+    ids, decode = _chars(text)
+    cut = decode(ids[:stop_index(ids, decode, ANSWER_LINE)])
+    task = ArithTask(1)
+    problem = task.load("train", 1).problems[0]
+    for seen in (cut, text):
+        for gold, right in ((number, True), ("13", False)):
+            v = task.verify(replace(problem, answer=gold), seen)
+            assert (v.extracted, v.correct) == (number, right), (seen, gold)
 
 
 @pytest.mark.parametrize("text", ["The answer is: 12", "The answer is: <number>", "I think 12.", "",

@@ -453,6 +453,22 @@ def test_n_samples_logprobs_and_eos(env):
     assert stops["vllm"] >= 1 and stops["hf"] >= 1, stops
 
 
+def test_each_prompt_of_a_call_is_seeded_on_its_own(env):
+    """Identical prompts in one call are separate, reproducible draws: prompt i's request is seeded
+    seed + i * n (its samples + k, as vLLM seeds n children) or seeds[i]. One seed for the whole call
+    made an episode group's writer and refine requests with the same attempt and strategy (the same
+    prompt) come out identical."""
+    _, _, engine, _, fmt = env
+    prompt = _prompts(fmt, PROMPTS[2:3])[0]
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, n=2, seed=11)
+    out = [g.token_ids for gens in engine.generate([prompt] * 3, params, "solver") for g in gens]
+    assert len(set(out)) >= 5, out  # six seeds 11..16; two draws of 16 tokens at T = 1 all but never meet
+    assert out == [g.token_ids for gens in engine.generate([prompt] * 3, params, "solver") for g in gens]
+    one = replace(params, n=1)
+    assert engine.generate([prompt], replace(one, seed=13), "solver")[0][0].token_ids == out[2]  # prompt 1, k 0
+    assert engine.generate([prompt, prompt], replace(one, seeds=(16, 11)), "solver")[0][0].token_ids == out[5]
+
+
 def test_greedy_with_n_samples_gives_n_copies_like_hf(env):
     """episode.n_samples > 1 with temperature 0: vLLM itself refuses n > 1 for greedy sampling;
     the engine returns n copies of the one greedy decode, as many as the HF engine returns."""

@@ -15,7 +15,8 @@ with batched turns at 128 x 4 and slower at small batches (README), so it is off
 It needs an engine whose batch can hold both roles at once (VLLMEngine.mixes_roles: vLLM serves
 the adapters, or the two policies' weights are equal) unless no writer model writes (fixed
 feedback). It plays the same episodes as the batched runner: every request carries the seed the
-batched call gives it (turn 1's sample k: the call's seed + k, as vLLM seeds its n children),
+batched call gives it (episode j's turn: the call's seed + j; turn 1's problem i sample k is episode
+i * n + k, as vLLM seeds a request's n children seed + k),
 the strategies come from the same draws (each round's ``rng.random(B)``, drawn up front in the
 batched order), and the turns are recorded by the same methods. What differs is which requests
 share a decode step, which moves floating-point sums (bf16: a token's log-prob by ~0.03, so a
@@ -60,6 +61,11 @@ def applies(runner) -> bool:
     return not _writer_writes(runner.cfg) or eng.mixes_roles()
 
 
+def _own(params, j: int):
+    """Episode j's request of a turn: the seed its row gets in the batched call (n = 1 there)."""
+    return replace(params, seed=params.prompt_seed(j))
+
+
 def run(runner, problems, batch_index: int) -> list[Episode]:
     cfg, eng = runner.cfg, runner.engine
     n, rounds = cfg.episode.n_samples, cfg.episode.rounds
@@ -84,7 +90,7 @@ def run(runner, problems, batch_index: int) -> list[Episode]:
         seen = runner.cut_prompt(prompt)
         # greedy: one decode serves all n samples, as the batched engines hand out n copies
         for k in range(1 if solve.greedy else n):
-            submit(("solve", i, k), seen, replace(solve, seed=solve.seed + k), "solver")
+            submit(("solve", i, k), seen, replace(solve, seed=solve.prompt_seed(i * n) + k), "solver")
         first[i] = (prompt, seen)
 
     def feedback(batch: list[tuple[int, int]]) -> None:
@@ -96,7 +102,7 @@ def run(runner, problems, batch_index: int) -> list[Episode]:
             for j, plan in zip(idx, plans):
                 if plan.fixed is None:
                     seen = runner.cut_prompt(plan.prompt)
-                    submit(("feedback", j, rnd), seen, runner.feedback_params(rnd, batch_index), "writer")
+                    submit(("feedback", j, rnd), seen, _own(runner.feedback_params(rnd, batch_index), j), "writer")
                     waiting[j] = (plan, seen)
                 else:
                     runner.record_feedback(episodes[j], rnd, plan, plan.fixed, plan.prompt)
@@ -106,7 +112,7 @@ def run(runner, problems, batch_index: int) -> list[Episode]:
     def refine(j: int, rnd: int) -> None:
         prompt, span = runner.refine_prompt(episodes[j], contexts[j])
         seen = runner.cut_prompt(prompt)
-        submit(("refine", j, rnd), seen, runner.refine_params(rnd, batch_index), "solver")
+        submit(("refine", j, rnd), seen, _own(runner.refine_params(rnd, batch_index), j), "solver")
         waiting[j] = (prompt, seen, span)
 
     def handle(tag, g) -> None:
@@ -133,7 +139,7 @@ def run(runner, problems, batch_index: int) -> list[Episode]:
             if cfg.episode.counterfactual:
                 # the g-less twin of this refine; the episode's next round need not wait for it
                 submit(("counterfactual", j, episodes[j].turns[-1]), runner.cut_prompt(span.cut(prompt)),
-                       runner.refine_params(r, batch_index, "counterfactual"), "solver")
+                       _own(runner.refine_params(r, batch_index, "counterfactual"), j), "solver")
             if r < rounds:
                 ready.append((j, r + 1))
         else:  # counterfactual: r is the refine turn it belongs to

@@ -313,8 +313,10 @@ class EpisodeRunner:
         written = {}
         write = [i for i, pl in enumerate(plans) if pl.fixed is None]
         if write:
-            gens, seen = self._gen([plans[i].prompt for i in write], self.feedback_params(rnd, batch_index),
-                                   "writer", "feedback")
+            params = self.feedback_params(rnd, batch_index)
+            # each written feedback seeded by its episode's row, as the refines are (SamplingParams.seeds)
+            params = dataclasses.replace(params, seeds=tuple(params.seed + i for i in write))
+            gens, seen = self._gen([plans[i].prompt for i in write], params, "writer", "feedback")
             written = {i: (gs[0], sn) for i, gs, sn in zip(write, gens, seen)}
         if len(write) < len(episodes):
             self.on_turn("feedback", len(episodes) - len(write))

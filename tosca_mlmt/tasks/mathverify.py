@@ -12,7 +12,9 @@ import re
 import threading
 from functools import lru_cache
 
-VERIFIER_VERSION = "math-v2"  # v2: gsm8k scores an echo of its answer-format instruction wrong
+# v2: gsm8k scores an echo of its answer-format instruction wrong; v3: an answer line's number is
+# read alone (extract_answer), not with the words after it
+VERIFIER_VERSION = "math-v3"
 
 # math_verify bounds sympy with SIGALRM, which only works on the main thread; elsewhere
 # the alarm would raise, so off the main thread we run it without a timeout.
@@ -113,15 +115,34 @@ def last_boxed(text: str) -> str | None:
 
 
 def _clean_tail(text: str) -> str:
-    """Trim a free-text final answer: whitespace, math ``$`` delimiters, trailing periods.
+    """Trim a free-text final answer: whitespace, math ``$`` delimiters, markdown bold, trailing
+    periods.
 
     One pass from each end (stripping one layer per loop turn was quadratic on ".$.$.$")."""
     i, j = 0, len(text)
-    while i < j and (text[i].isspace() or text[i] == "$"):
+    while i < j and (text[i].isspace() or text[i] in "$*"):
         i += 1
-    while j > i and (text[j - 1].isspace() or text[j - 1] in "$."):
+    while j > i and (text[j - 1].isspace() or text[j - 1] in "$.*"):
         j -= 1
     return text[i:j]
+
+
+# A number that opens an answer line and ends it, as ANSWER_LINE (the turn's stop rule) reads its
+# end: the line's end, a full stop, a comma before a word, a bracket or other mark, a space and a
+# word ("12 apples", "12. So", "5 because ..."), bold or a "$". A number followed by an operator,
+# another number or LaTeX ("7 + 5 = 12", "3, 4", "2\sqrt{3}") is not matched: the whole line is
+# the answer then.
+_LEADING_NUMBER_RE = re.compile(
+    r"[ \t]*(?:\*\*)?[ \t]*\$?[ \t]*(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?(?:[ \t]*\\?%)?)"
+    r"(?=[ \t]*$|[ \t]*\n|\.(?!\d)|[ \t]*[;:!?)\]]|,[ \t]*(?:[A-Za-z]|$)|[ \t]+[A-Za-z(]|[ \t]*\*\*|[ \t]*\$)")
+
+
+def answer_line_value(tail: str) -> str:
+    """The answer of the rest of a "The answer is" line: its leading number where one opens and
+    ends the answer (what follows it is the solver's comment, or the first piece of a word the stop
+    rule kept: "12. So", "21 x"), else the whole line, trimmed."""
+    m = _LEADING_NUMBER_RE.match(tail)
+    return _strip_thousands_commas(m.group(1)) if m else _clean_tail(tail)
 
 
 def extract_gold(answer_field: str) -> str:
@@ -146,15 +167,16 @@ def extract_gold(answer_field: str) -> str:
 def extract_answer(response: str) -> str | None:
     """What the model answered, or None when the response contains no answer at all.
 
-    Tried in order: last balanced ``\\boxed{}``; the last "The answer is[:] x" line;
-    ``#### x``; the last number in the text.
+    Tried in order: last balanced ``\\boxed{}``; the last "The answer is[:] x" line (its leading
+    number alone where the number ends the answer: answer_line_value); ``#### x``; the last number
+    in the text.
     """
     boxed = last_boxed(response)
     if boxed:
         return boxed
     matches = list(_ANSWER_IS_RE.finditer(response))
     if matches:
-        tail = _clean_tail(response[matches[-1].end() :].split("\n", 1)[0])
+        tail = answer_line_value(response[matches[-1].end() :].split("\n", 1)[0])
         if tail:
             return tail
     if "####" in response:

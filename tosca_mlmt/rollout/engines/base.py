@@ -23,11 +23,21 @@ class SamplingParams:
     top_k: int = 0
     n: int = 1  # samples per prompt
     seed: int = 0
+    # Per-prompt seeds: prompt i's n samples take seeds[i] + k; None = seed + i * n. An engine that
+    # seeds each request (vLLM) must not give one seed to a whole call: identical prompts (samples of
+    # one problem with the same attempt and strategy) would then come out identical, and all others
+    # would share one noise sequence. The HF engine draws every row of a chunk from one generator,
+    # whose rows already differ, and reads only ``seed``.
+    seeds: tuple[int, ...] | None = None
     stop_regex: str | None = None  # end the turn at the first match (rollout/engines/stop.py), finish_reason "answer"
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def prompt_seed(self, i: int) -> int:
+        """The seed of prompt i's request (its sample k takes this + k, as vLLM seeds n children)."""
+        return self.seeds[i] if self.seeds is not None else self.seed + i * self.n
 
 
 @dataclass(frozen=True)

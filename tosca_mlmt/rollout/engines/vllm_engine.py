@@ -366,7 +366,9 @@ class VLLMEngine:
         # samples of one prompt are all the same, so decode once and hand out n copies, as many
         # as the HF engine returns for the same config.
         copies = params.n if params.greedy else 1
-        sp = self.sampling_params(replace(params, n=1) if copies > 1 else params, policy)
+        one = replace(params, n=1) if copies > 1 else params
+        # one request per prompt, each with its own seed (SamplingParams.seeds)
+        sp = [self.sampling_params(replace(one, seed=params.prompt_seed(i)), policy) for i in range(len(prompts))]
         outs = self.llm.generate(self.requests(prompts), sp, use_tqdm=False,
                                  lora_request=self.lora_request(policy))
         return [self._generations(o, policy, params.stop_regex) * copies for o in outs]
