@@ -37,7 +37,7 @@ from tosca_mlmt.pipelines.train_upper import train_upper
 from tosca_mlmt import runtime
 from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
-from tosca_mlmt.errors import MlmtError
+from tosca_mlmt.errors import ConfigError, MlmtError
 from tosca_mlmt.fsutil import atomic_dir
 from tosca_mlmt.metrics import StageTimer
 from tosca_mlmt.models.artefacts import repoint_base
@@ -78,6 +78,7 @@ def train_joint(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
     differ from the run's on resume (see ``rundir.SAFE_DRIFT``)."""
     runtime.setup(cfg)
     jc = cfg.joint
+    _check_writer_warmup(cfg)
     rd = RunDir(out, "train-joint", console)
     run = rd.path
     manifest = _read_manifest(run / "manifest.json") if rd.check(cfg, resume, allow_drift) else None
@@ -224,14 +225,33 @@ def _eval(cfg, rec, run, policies, engine, console, r) -> None:
                                                        "right_to_wrong") if k in res.summary}
 
 
+def _check_writer_warmup(cfg) -> None:
+    """upper.warmup_steps counts the writer's steps over the whole run (_upper): a run whose writer
+    takes no more steps than that never trains the feedback text, only Q, so it is refused."""
+    jc, uc = cfg.joint, cfg.upper
+    steps = 0 if jc.freeze_writer else len(range(0, jc.rounds, jc.upper_every)) * jc.upper_steps
+    if uc.text_loss != "none" and 0 < steps <= uc.warmup_steps:
+        raise ConfigError(f"invalid value {uc.warmup_steps} for field 'upper.warmup_steps': train-joint's writer "
+                          f"takes {steps} steps in all (joint.upper_steps x the rounds it updates in), all of them "
+                          "Q-only warm-up, so its feedback text never trains; lower upper.warmup_steps or raise "
+                          "joint.upper_steps")
+
+
 def _upper(cfg, rec, manifest, run, rdir, snap_root, policies, console, r, tee=None) -> None:
     jc = cfg.joint
     if jc.freeze_writer or r % jc.upper_every != 0:
         rec["upper"] = None
         return
-    first = 0 if jc.replay_window == 0 else max(0, r - jc.replay_window + 1)  # 0 = replay every round
-    window = [x["snapshot"] for x in manifest["rounds"][first: r + 1]]
-    ucfg = replace(cfg, upper=replace(cfg.upper, snapshots=window, snapshot_root=str(snap_root), steps=jc.upper_steps),
+    # joint.replay_window counts writer updates: every round's snapshot since the window's first
+    # update is read, so with upper_every > 1 no round between two updates is collected for nothing
+    first = 0 if jc.replay_window == 0 else max(0, r - jc.replay_window * jc.upper_every + 1)
+    window = [x["snapshot"] for x in manifest["rounds"][first: r + 1] if x.get("snapshot")]
+    # the Q head goes on from the last update, so its warm-up is the run's first warmup_steps writer
+    # steps, not each update's (a fresh count per round kept the text loss off in every round when
+    # joint.upper_steps <= upper.warmup_steps)
+    done = jc.upper_steps * sum(1 for x in manifest["rounds"][:r] if x.get("upper"))
+    ucfg = replace(cfg, upper=replace(cfg.upper, snapshots=window, snapshot_root=str(snap_root), steps=jc.upper_steps,
+                                      warmup_steps=max(0, cfg.upper.warmup_steps - done)),
                    logging=_inner_logging(cfg))
     out = rdir / "upper"
     # allow_drift=None: this run's own config was checked against the joint config.yaml

@@ -200,6 +200,25 @@ def test_a_cut_prompt_is_recorded_as_the_engine_saw_it(tiny_cfg, policies):
     assert episode_to_trajectory(ep) is None and episode_to_trajectory(full) is not None
 
 
+def test_a_problem_drawn_twice_in_a_batch_continues_its_sample_numbers(tiny_cfg, policies, tmp_path):
+    """A batch can hold one problem twice (an iteration crossing an epoch of the problem walk): its
+    episodes must keep unique ids, or a snapshot, which joins turns by episode id, reloads them with
+    each other's turns (train-upper then refused the snapshot)."""
+    from tosca_mlmt.snapshot import load_snapshot, write_snapshot
+
+    task = ArithTask(1)
+    p = task.load("train", 1).problems[0]
+    eos = policies.eos_ids("solver")[0]
+    replies = {"solver": policies.tokenizer("solver").encode("The answer is 3.") + [eos],
+               "writer": policies.tokenizer("writer").encode("Check the sum.") + [eos]}
+    cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=1, n_samples=2))
+    eps = EpisodeRunner(cfg, task, ScriptedEngine(replies), policies).run([p, p])
+    assert [(e.episode_id, e.sample) for e in eps] == [(f"{p.id}/s{k}", k) for k in range(4)]
+    sid, _ = write_snapshot(tmp_path, eps, {"task": {"name": "arith", "split": "train"}})
+    back = load_snapshot(tmp_path, sid).episodes()
+    assert [[t.kind for t in e.turns] for e in back] == [["solve", "feedback", "refine"]] * 4
+
+
 def test_a_collect_that_fails_closes_the_engine_it_started(tiny_cfg, policies, monkeypatch, tmp_path):
     """A caller running collect in a loop (a sweep, a notebook) must get an in-process vLLM engine's
     memory back when one collect raises, not only when it returns."""

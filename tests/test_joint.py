@@ -108,3 +108,50 @@ def test_a_frozen_writer_spends_no_collect_episodes(tmp_path):
     assert rec == {"snapshot": None} and not any(tmp_path.iterdir())
     tj._upper(cfg, rec, manifest, tmp_path, tmp_path, tmp_path, None, None, 1)
     assert rec["upper"] is None
+
+
+@pytest.mark.parametrize("every, window, want", [
+    (1, 1, {0: ["s0"], 1: ["s1"], 2: ["s2"], 3: ["s3"], 4: ["s4"]}),
+    (1, 2, {0: ["s0"], 1: ["s0", "s1"], 2: ["s1", "s2"], 3: ["s2", "s3"], 4: ["s3", "s4"]}),
+    (2, 1, {0: ["s0"], 2: ["s1", "s2"], 4: ["s3", "s4"]}),  # a window of rounds dropped s1 and s3
+    (2, 0, {0: ["s0"], 2: ["s0", "s1", "s2"], 4: ["s0", "s1", "s2", "s3", "s4"]}),
+])
+def test_writer_updates_read_every_round_of_their_window_and_warm_up_once(monkeypatch, tmp_path, every, window, want):
+    """joint.replay_window counts writer updates, so with upper_every > 1 every collected round is read;
+    upper.warmup_steps counts the writer's steps over the run (the Q head goes on between updates),
+    where each update used to start its own warm-up, so 20-step updates under a 50-step warm-up never
+    trained the text."""
+    from types import SimpleNamespace
+
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.pipelines import train_joint as tj
+
+    seen = {}
+
+    def train_upper(ucfg, out, **kw):
+        seen[int(out.parent.name)] = (list(ucfg.upper.snapshots), ucfg.upper.warmup_steps, ucfg.upper.steps)
+        return SimpleNamespace(writer_dir=tmp_path / "w", metrics={})
+
+    monkeypatch.setattr(tj, "train_upper", train_upper)
+    cfg = load_config(overrides={"joint.upper_every": every, "joint.replay_window": window, "joint.rounds": 5,
+                                 "joint.upper_steps": 3, "upper.warmup_steps": 7})
+    manifest = {"rounds": [], "writer": None}
+    for r in range(5):
+        manifest["rounds"].append({"round": r, "done": [], "snapshot": f"s{r}"})
+        tj._upper(cfg, manifest["rounds"][r], manifest, tmp_path, tmp_path / f"{r:03d}", None, None, None, r)
+    assert {r: w for r, (w, _, _) in seen.items()} == want
+    assert [warm for _, warm, _ in seen.values()] == [7, 4, 1, 0, 0][: len(seen)]
+    assert {steps for _, _, steps in seen.values()} == {3}
+
+
+def test_a_joint_run_whose_writer_never_passes_its_warm_up_is_refused(tmp_path):
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.errors import ConfigError
+    from tosca_mlmt.pipelines.train_joint import _check_writer_warmup, train_joint
+
+    over = {"joint.rounds": 4, "joint.upper_every": 2, "joint.upper_steps": 20, "upper.warmup_steps": 40}
+    with pytest.raises(ConfigError, match=r"upper\.warmup_steps.*40 steps in all"):
+        train_joint(load_config(overrides=over), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    for ok in ({"upper.warmup_steps": 39}, {"upper.text_loss": "none"}, {"joint.freeze_writer": True}):
+        _check_writer_warmup(load_config(overrides={**over, **ok}))  # no error

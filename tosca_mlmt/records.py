@@ -58,7 +58,7 @@ class Turn:
 class Episode:
     episode_id: str
     problem: Problem
-    sample: int  # index within the problem's group of n turn-1 samples
+    sample: int  # index within the problem's turn-1 samples of the batch (n, or a multiple of n when drawn twice)
     turns: list[Turn] = field(default_factory=list)
 
     @property

@@ -18,7 +18,9 @@ class JointConfig(Section):
     upper_steps: int = knob(20, "tH: writer gradient steps per writer update.", min=1)
     upper_every: int = knob(1, "Update the writer every N rounds (tL:tH = lower_iterations * N : 1 writer update).",
                             min=1)
-    replay_window: int = knob(0, "The writer learns from this round's snapshot and the previous window - 1 ones; "
+    replay_window: int = knob(0, "The writer learns from the snapshots of the rounds since its last window "
+                                 "updates (upper_every 1: this round's and the previous window - 1 ones; "
+                                 "upper_every N: window x N rounds, so no round is collected for nothing); "
                                  "0 = every round's snapshot so far (a few decisions per round are too few to fit).",
                               min=0)
     freeze_solver: bool = knob(False, "Never update the solver (e.g. writer-only ablations).")

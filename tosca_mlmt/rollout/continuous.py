@@ -31,6 +31,7 @@ from dataclasses import replace
 import numpy as np
 
 from tosca_mlmt.records import Episode
+from tosca_mlmt.rollout.runner import new_episodes
 from tosca_mlmt.seeds import stream
 
 
@@ -70,7 +71,7 @@ def run(runner, problems, batch_index: int) -> list[Episode]:
     cfg, eng = runner.cfg, runner.engine
     n, rounds = cfg.episode.n_samples, cfg.episode.rounds
     eng.open_stream(("solver", "writer") if _writer_writes(cfg) else ("solver",))
-    episodes = [Episode(f"{p.id}/s{k}", p, k) for p in problems for k in range(n)]
+    episodes = new_episodes(problems, n)
     rng = stream(cfg.seed, "strategy", batch_index)
     draws = [rng.random(len(episodes)) for _ in range(rounds)]  # the batched runner's order: round 1, 2, ...
     contexts: list[list[int]] = [[] for _ in episodes]  # solver context so far, per episode

@@ -41,6 +41,19 @@ def to_params(s: SamplingConfig, seed: int, n: int = 1, max_new_tokens: int | No
                           stop_regex=stop_regex)
 
 
+def new_episodes(problems: list[Problem], n: int) -> list[Episode]:
+    """n episodes per problem, in order. A problem drawn twice in one batch (an iteration that
+    crosses an epoch of the problem walk, or more problems than the pool holds) continues its
+    sample numbers, so every episode id stays unique: a snapshot joins turns by it."""
+    seen: dict[str, int] = {}
+    out = []
+    for p in problems:
+        first = seen.get(p.id, 0)
+        seen[p.id] = first + n
+        out += [Episode(f"{p.id}/s{k}", p, k) for k in range(first, first + n)]
+    return out
+
+
 @dataclasses.dataclass
 class FeedbackPlan:
     """One episode's writer decision before g is written (EpisodeRunner.plan_feedback)."""
@@ -294,11 +307,10 @@ class EpisodeRunner:
         gens, seen = self._gen(p1, self.solve_params(batch_index, n), "solver", "solve")
         episodes: list[Episode] = []
         contexts: list[list[int]] = []  # solver context so far (prompt + all turns), per episode
-        for p, prompt, cut, gs in zip(problems, p1, seen, gens):
-            for k, g in enumerate(gs):
-                ep = Episode(f"{p.id}/s{k}", p, k)
-                contexts.append(self.record_solve(ep, prompt, cut, g))
-                episodes.append(ep)
+        for ep, (prompt, cut, g) in zip(new_episodes(problems, n),
+                                        ((pr, c, g) for pr, c, gs in zip(p1, seen, gens) for g in gs)):
+            contexts.append(self.record_solve(ep, prompt, cut, g))
+            episodes.append(ep)
         rng = stream(cfg.seed, "strategy", batch_index)
         for rnd in range(1, cfg.episode.rounds + 1):
             self._feedback_round(episodes, contexts, rnd, batch_index, rng)
