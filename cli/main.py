@@ -49,7 +49,7 @@ def collect(
     out: Optional[Path] = typer.Option(None, help="Snapshot root folder."),
     n_samples: Optional[int] = typer.Option(None, help="Turn-1 samples per problem."),
     rounds: Optional[int] = typer.Option(None, help="Feedback + refine rounds (K)."),
-    level: Optional[int] = typer.Option(None, help="arith difficulty level 1-5."),
+    level: Optional[int] = typer.Option(None, help="arith difficulty level 1-6 (task.level)."),
     greedy: bool = typer.Option(False, help="Greedy decoding for solver and writer (deterministic snapshots)."),
     skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Drop malformed data rows (counted in the manifest)."),
     parent: list[str] = typer.Option([], help="Parent snapshot id(s) to record in provenance."),

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from tosca_mlmt.config import Config, describe_fields, load_config
@@ -46,6 +48,27 @@ def test_partial_section_merges_onto_that_sections_defaults(tmp_path):
     assert cfg.writer_sampling.temperature == 0.0
     assert cfg.writer_sampling.max_new_tokens == Config().writer_sampling.max_new_tokens == 64
     assert cfg.episode.rounds == 2 and cfg.episode.n_samples == Config().episode.n_samples
+
+
+def test_a_section_given_as_a_mapping_merges_onto_what_was_set_before(tmp_path):
+    """--set 'lower={kl_coef: 0.1}' sets kl_coef and keeps the file's and earlier overrides' lower.*
+    (it used to put every other lower field back to its default)."""
+    p = tmp_path / "c.yaml"
+    p.write_text("lower:\n  iterations: 50\n  lr: 0.00002\n")
+    cfg = load_config(p, {"lower.lr": 3e-5, "lower": {"kl_coef": 0.1, "score": {"alpha": 5.0}}})
+    assert (cfg.lower.iterations, cfg.lower.lr, cfg.lower.kl_coef, cfg.lower.score.alpha) == (50, 3e-5, 0.1, 5.0)
+    with pytest.raises(ConfigError, match="lower.no_such"):
+        load_config(p, {"lower": {"no_such": 1}})
+
+
+@pytest.mark.parametrize("override, field", [
+    ({"episode.prefix_only": [["confirm"]]}, "episode.prefix_only[0]"),
+    ({"episode.prefix_only": [{"a": 1}]}, "episode.prefix_only[0]"),
+    ({"upper.snapshots": ["snap-a", "snap-a"]}, "upper.snapshots"),
+])
+def test_unhashable_names_and_repeated_ids_name_their_field(override, field):
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        load_config(overrides=override)
 
 
 def test_include_and_overrides_layer_in_order(tmp_path):

@@ -40,3 +40,28 @@ def test_atomic_dir_appears_whole_or_not_at_all(tmp_path):
     with atomic_dir(target, overwrite=False) as tmp:  # someone else finished first: theirs stays
         (tmp / "b").write_text("2")
     assert sorted(os.listdir(target)) == ["a"]
+
+
+def test_fsync_tree_flushes_every_file_and_folder_under_it_or_one_folder(tmp_path, monkeypatch):
+    from tosca_mlmt import fsutil
+
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "f.bin").write_bytes(b"1")
+    (tmp_path / "a" / "g.txt").write_text("2")
+    opened = {}
+    real_open = os.open
+
+    def fake_open(p, flags):
+        fd = real_open(p, flags)
+        opened[fd] = str(p)  # a closed descriptor's number is reused: the latest open names it
+        return fd
+
+    monkeypatch.setattr(fsutil.os, "open", fake_open)
+    synced = []
+    monkeypatch.setattr(fsutil.os, "fsync", lambda fd: synced.append(opened[fd]))
+    fsutil.fsync_tree(tmp_path / "a")
+    names = {os.path.relpath(p, tmp_path) for p in synced}
+    assert names == {"a", os.path.join("a", "b"), os.path.join("a", "b", "f.bin"), os.path.join("a", "g.txt")}
+    synced.clear()
+    fsutil.fsync_tree(tmp_path / "a", recursive=False)
+    assert [os.path.relpath(p, tmp_path) for p in synced] == ["a"]

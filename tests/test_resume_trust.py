@@ -67,6 +67,31 @@ def test_a_gpu_checkpoint_keeps_and_restores_this_process_cuda_generator(tmp_pat
     ckm.load_state(ckm.latest())
 
 
+def test_pruning_keeps_the_newest_steps_by_number_past_six_digits(tmp_path):
+    """step-1000000 sorts before step-999999 as text: pruning by name deleted the newest checkpoint."""
+    ckm = CheckpointManager(tmp_path, keep=2)
+    for step in (999_998, 999_999, 1_000_000, 1_000_001):
+        ckm.save(step, lambda d: None, {"iteration": step})
+    assert sorted(d.name for d in ckm.dir.glob("step-*")) == ["step-1000000", "step-1000001"]
+    assert ckm.latest() == ckm.dir / "step-1000001"
+
+
+def test_a_checkpoint_is_on_disk_before_it_is_published(tmp_path, monkeypatch):
+    """Every file of the new checkpoint is flushed before its rename, so a power cut after the prune
+    that follows cannot leave only a checkpoint whose files never reached the disk."""
+    from tosca_mlmt.train import checkpoint
+
+    flushed = []
+
+    def fsync_tree(path, recursive=True):
+        flushed.append((path.name, sorted(p.name for p in path.iterdir()), (tmp_path / "checkpoints" /
+                                                                              "step-000001").exists()))
+    monkeypatch.setattr(checkpoint, "fsync_tree", fsync_tree)
+    CheckpointManager(tmp_path, keep=1).save(1, lambda d: (d / "adapter.safetensors").write_bytes(b"x"), {})
+    assert flushed[0] == (".step-000001.partial", ["adapter.safetensors", "complete.json", "rng.pt",
+                                                   "state.json"], False)
+
+
 def test_intact_checkpoints_resume_from_the_newest_without_a_warning(tmp_path, recwarn):
     ckm = _three_checkpoints(tmp_path)
     assert CheckpointManager(tmp_path).latest() == ckm.dir / "step-000003"

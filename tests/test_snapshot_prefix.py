@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from conftest import DEBUG_MODEL, TINY_OVERRIDES
 from test_snapshot_view import make_episodes
 from tosca_mlmt.cli.main import app
-from tosca_mlmt.errors import SnapshotError
+from tosca_mlmt.errors import ConfigError, SnapshotError
 from tosca_mlmt.snapshot import write_snapshot
 from tosca_mlmt.snapshot_index import full_ids, open_snapshot
 
@@ -36,7 +36,9 @@ def _unique(sid: str, other: str) -> str:
 def test_prefixes_resolve_to_full_ids_at_any_depth(two):
     run, a, b = two
     pa, pb = _unique(a, b), _unique(b, a)
-    assert full_ids(run, [pa, "snap-" + pb, a]) == [a, b, a]
+    assert full_ids(run, [pa, "snap-" + pb]) == [a, b] and full_ids(run, [a]) == [a]
+    with pytest.raises(ConfigError, match=f"snapshot {a} is given twice"):  # its decisions would count twice
+        full_ids(run, [pa, b, a])
     assert open_snapshot(run, pb).id == b and len(open_snapshot(run, pb).episodes()) == 2
     with pytest.raises(SnapshotError) as e:
         full_ids(run, ["snap-"])

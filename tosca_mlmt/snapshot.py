@@ -46,7 +46,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tosca_mlmt.errors import SnapshotError
-from tosca_mlmt.fsutil import sha256_file
+from tosca_mlmt.fsutil import fsync_tree, sha256_file
 from tosca_mlmt.records import Episode
 from tosca_mlmt.snapshot_tables import (SNAPSHOT_ID, canonical_bytes, episodes_to_tables, parquet_bytes, read_tables,
                                         tables_to_episodes, with_snapshot_id)
@@ -160,10 +160,10 @@ def write_snapshot(root: str | Path, episodes: list[Episode], manifest: dict) ->
         m["manifest_sha256"] = _manifest_sha(m)
         with open(tmp / "manifest.json", "w") as f:
             json.dump(m, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
+        fsync_tree(tmp)  # the data files too: a manifest that survives a power cut vouches for them
         final = root / sid
         if _publish(tmp, final):
+            fsync_tree(root, recursive=False)
             return sid, True
         problems = verify_snapshot(final)
         if problems:

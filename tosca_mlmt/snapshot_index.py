@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tosca_mlmt.errors import SnapshotError
+from tosca_mlmt.errors import ConfigError, SnapshotError
 from tosca_mlmt.snapshot import Snapshot, load_snapshot, read_manifest
 
 
@@ -83,11 +83,16 @@ def full_ids(root: str | Path, refs) -> list[str]:
     missing once the stage has checked its run folder and config."""
     found = None
     out = []
-    for ref in refs:
+    refs = list(refs)
+    for given in refs:
+        ref = given
         _check_ref(ref)
         if not _is_snapshot(Path(root) / ref):
             found = find_snapshot_dirs(root) if found is None else found
             ref = _unique(root, found, ref) or ref
+        if ref in out:  # an id and a prefix of it, or two prefixes: its episodes would count twice
+            raise ConfigError(f"snapshot {ref} is given twice (as '{refs[out.index(ref)]}' and '{given}'): its "
+                              "episodes would count twice; list each snapshot once")
         out.append(ref)
     return out
 

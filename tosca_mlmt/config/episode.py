@@ -129,5 +129,6 @@ class EpisodeConfig(Section):
         for i, name in enumerate(self.prefix_only):
             at = f"{prefix}prefix_only[{i}]"
             byname = {s["name"]: s for s in self.strategies if isinstance(s, dict)}
+            need(isinstance(name, str), at, f"must be a strategy's name, not {show(name)}")
             need(name in byname, at, f"{show(name)} is not a strategy (have: {', '.join(byname)})")
             need("prefix" in byname[name], at, f"strategy {show(name)} has no 'prefix' to send alone")

@@ -91,4 +91,6 @@ def path_is(kind: str, value: str) -> bool:
 NON_EMPTY = Rule("non-empty", lambda v: bool(str(v).strip()))
 EXISTING_DIR_OR_EMPTY = Rule("empty or an existing folder", lambda v: not v or path_is("dir", v))
 EXISTING_FILE_OR_EMPTY = Rule("empty or an existing file", lambda v: not v or path_is("file", v))
-ID_LIST = Rule("a list of non-empty strings", lambda v: all(isinstance(s, str) and s.strip() for s in v))
+# distinct: a snapshot listed twice would have its episodes (decisions) count twice
+ID_LIST = Rule("a list of distinct non-empty strings",
+               lambda v: all(isinstance(s, str) and s.strip() for s in v) and len(set(v)) == len(v))

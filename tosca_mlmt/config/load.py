@@ -73,7 +73,9 @@ def build(cls: type, data: dict, prefix: str = "") -> Any:
 
 
 def set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    """Apply ``a.b.c=value`` onto a nested dict (CLI overrides)."""
+    """Apply ``a.b.c=value`` onto a nested dict (CLI overrides). A mapping given for a section
+    (``--set 'lower={kl_coef: 0.1}'``) is merged into it field by field: the section's other fields
+    keep what the file and earlier overrides set, instead of going back to their defaults."""
     keys = dotted.split(".")
     if not all(k.strip() for k in keys):
         raise ConfigError(f"bad field name {show(dotted)}: expected dotted names such as lower.lr")
@@ -82,6 +84,10 @@ def set_dotted(tree: dict, dotted: str, value: Any) -> None:
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
             raise ConfigError(f"field '{dotted}': '{k}' is not a section")
+    if isinstance(value, dict) and isinstance(node.get(keys[-1]), dict):
+        for k, v in value.items():
+            set_dotted(node, f"{keys[-1]}.{k}", v)
+        return
     node[keys[-1]] = value
 
 

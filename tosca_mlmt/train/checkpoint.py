@@ -29,7 +29,7 @@ import torch
 
 from tosca_mlmt import parallel as dist
 from tosca_mlmt.errors import MlmtError
-from tosca_mlmt.fsutil import atomic_write_text, sha256_file
+from tosca_mlmt.fsutil import atomic_write_text, fsync_tree, sha256_file
 
 COMPLETE = "complete.json"
 CHECKPOINT_FORMAT = 1
@@ -132,6 +132,7 @@ class CheckpointManager:
                 # Last file in: its presence and table say every other file is whole.
                 (tmp / COMPLETE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": step,
                                                         "files": file_table(tmp)}, indent=1))
+                fsync_tree(tmp)  # on disk before the prune below may remove the last checkpoint
                 if final.exists():
                     shutil.rmtree(final)
                 os.replace(tmp, final)
@@ -187,7 +188,8 @@ class CheckpointManager:
         return json.loads((ck / "state.json").read_text())
 
     def _prune(self, newest: Path) -> None:
-        steps = sorted(d for d in self.dir.glob("step-*") if d.is_dir())
+        # by step number, not name: past step 999999 the names outgrow the zero padding
+        steps = sorted((d for d in self.dir.glob("step-*") if d.is_dir()), key=_step_of)
         for d in steps[: max(0, len(steps) - self.keep)]:
             if d != newest:
                 shutil.rmtree(d, ignore_errors=True)
