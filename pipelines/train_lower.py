@@ -187,6 +187,10 @@ def _train_lower(cfg: Config, out, *, console, resume, allow_drift, verify, snap
                 gen_tokens, sid, manifest = 0, None, None
             kept = [(i, t) for i, t in enumerate(map(episode_to_trajectory, episodes)) if t is not None]
             rows, trajs = [i for i, _ in kept], [t for _, t in kept]
+            if not trajs:
+                raise MlmtError(f"iteration {it + 1}: all {len(episodes)} episodes had a prompt cut to "
+                                f"episode.max_prompt_tokens={cfg.episode.max_prompt_tokens}, so none can be trained on "
+                                "(their log-probs are of another context); raise episode.max_prompt_tokens")
             if len(trajs) < len(episodes):
                 warnings.warn(f"{len(episodes) - len(trajs)} episodes had truncated prompts and were not trained on")
             upd = trainer.update(trajs, it, it_timer, engine=engine if offline is None else None)

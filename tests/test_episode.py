@@ -151,6 +151,27 @@ def test_verdict_feedback_is_labelled_and_counterfactual_refines_are_scored(tiny
     assert summarize(episodes)["environment"] == "privileged:verdict_feedback"
 
 
+def test_hf_sampling_ignores_a_checkpoints_own_generation_config(debug_policies):
+    """A base whose generation_config.json sets sampling fields (Qwen's set repetition_penalty, some
+    min_p) must still sample as configured: transformers fills every field our config leaves unset
+    from the checkpoint's, and the penalty would also change the recorded raw log-probs."""
+    from tosca_mlmt.rollout.engines.base import SamplingParams
+
+    inner = debug_policies.model("solver").get_base_model()
+    engine = HFEngine(debug_policies, batch_size=4)
+    prompts = [debug_policies.tokenizer("solver").encode(q) for q in ("What is 2 + 3?", "Say 7 7 7 7 7.")]
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=3)
+    clean = engine.generate(prompts, params, "solver")
+    saved = inner.generation_config
+    inner.generation_config = poisoned = type(saved).from_dict({**saved.to_dict(), "repetition_penalty": 50.0,
+                                                                      "min_p": 0.5})
+    try:
+        assert engine.generate(prompts, params, "solver") == clean
+        assert inner.generation_config is poisoned  # handed back untouched
+    finally:
+        inner.generation_config = saved
+
+
 class ScriptedEngine:
     """Answers every prompt with fixed tokens and keeps what it was given."""
 

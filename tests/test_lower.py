@@ -299,6 +299,18 @@ def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(debug_cfg, debu
 
 
 @pytest.mark.slow
+def test_an_iteration_with_nothing_to_train_on_names_the_prompt_limit(debug_cfg, debug_policies, tmp_path):
+    from tosca_mlmt.errors import MlmtError
+    from tosca_mlmt.pipelines.train_lower import train_lower
+
+    cfg = replace(debug_cfg, episode=replace(debug_cfg.episode, max_prompt_tokens=8),
+                  lower=replace(debug_cfg.lower, iterations=1, problems_per_iteration=1))
+    with restored({n: p for n, p in debug_policies.model("solver").named_parameters()}):
+        with pytest.raises(MlmtError, match=r"iteration 1: all 2 episodes .*episode\.max_prompt_tokens=8"):
+            train_lower(cfg, tmp_path / "run", policies=debug_policies)
+
+
+@pytest.mark.slow
 def test_training_from_an_off_policy_snapshot_warns_and_uses_behaviour_logprobs(lower_setup, policies, tmp_path):
     from tosca_mlmt.rollout.engines.hf import HFEngine
     from tosca_mlmt.rollout.runner import EpisodeRunner

@@ -8,7 +8,10 @@ inside ``seeded``, so it neither depends on nor disturbs the draws around it.
 Every other draw comes from a named stream: ``stream(seed, name, *ints)`` is a generator of
 its own, keyed by the run's seed, the purpose's name and the position (batch, step, epoch).
 Two purposes never share draws, so adding draws to one (more strategies, another epoch)
-never shifts another, and no key of one purpose can collide with a key of another.
+never shifts another, and no key of one purpose can collide with a key of another. Within a
+purpose, keep one number of positions, each below 2**32: numpy's SeedSequence pads a key with
+zeros and splits a larger int into 32-bit words, so (name) and (name, 0) are one stream, as are
+(name, 2**32) and (name, 0, 1). Every caller here keeps to that.
 """
 
 from __future__ import annotations

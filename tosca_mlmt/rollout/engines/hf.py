@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
@@ -127,7 +129,7 @@ class HFEngine:
         # transformers samples from torch's global generator: seed it for this call only, and hand
         # the caller's state back afterwards. ZeRO-3 partitions the weights: generation needs
         # them whole (a no-op otherwise).
-        with seeded(seed), self.policies.use(policy), full_parameters(model):
+        with seeded(seed), self.policies.use(policy), full_parameters(model), _only_ours(model):
             stops = StoppingCriteriaList([_AnswerLineStop(tok, width, params.stop_regex)] if params.stop_regex else [])
             seqs = model.generate(input_ids=ids, attention_mask=attn, generation_config=gc,
                                   logits_processor=LogitsProcessorList([rec]), stopping_criteria=stops)
@@ -145,3 +147,18 @@ class HFEngine:
             gen = Generation(tuple(toks[:n]), tuple(float(x) for x in lps[i, :n]), reason)
             results.append(apply_stop(gen, tok.decode, params.stop_regex))
         return results
+
+
+@contextlib.contextmanager
+def _only_ours(model):
+    """transformers fills every field a GenerationConfig leaves unset from the model's own
+    generation_config.json (a checkpoint's repetition_penalty, min_p, typical_p, ...): sampling would
+    then not be the configured one, and a repetition penalty, applied before _RawLogprobRecorder,
+    would change the recorded raw log-probs. Inside, the model's is a bare GenerationConfig."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    saved = inner.generation_config
+    inner.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        inner.generation_config = saved
