@@ -111,3 +111,34 @@ def test_allocator_ab_preloads_each_arms_malloc_alternates_and_takes_medians(mon
     with pytest.raises(SystemExit, match="mimalloc"):
         monkeypatch.setattr(sys, "argv", ["x", "--allocators", "mimalloc", "--out", str(out)])
         tlt.main()
+
+
+def test_rescore_finds_the_turns_a_verifier_change_moves(monkeypatch, tmp_path):
+    """benchmarks/rescore.py re-verifies stored turns from their text: a refine stored wrong under the
+    old reading of "The answer is 2. So" scores right now, the others keep their verdicts, and the
+    pooled difference over two snapshots of the same problems is the moved share."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("rescore", None)
+    import rescore
+
+    from test_snapshot import make_episodes
+    from tosca_mlmt.snapshot import write_snapshot
+
+    manifest = {"config": {"task": {"name": "arith", "level": 1}}, "task": {"verifier_version": "arith-v2"}}
+    folders = []
+    for k in range(2):
+        eps = make_episodes(4)
+        for i, ep in enumerate(eps):  # gold i + 1
+            solve, _, refine = ep.turns
+            solve.text, solve.correct = f"The answer is {i + 5}.", False
+            refine.text, refine.correct = f"The answer is {i + 1}.", True
+        eps[k].turns[2].text, eps[k].turns[2].correct = f"The answer is {k + 1}. So", False  # the old reading
+        sid, _ = write_snapshot(tmp_path / "s", eps, {**manifest, "seed": k})
+        folders.append(tmp_path / "s" / sid)
+    units = [rescore.rescore(f) for f in folders]
+    assert [(u["acc_final"]["stored"], u["acc_final"]["now"], u["turns_moved"]) for u in units] == [(0.75, 1.0, 1)] * 2
+    assert units[0]["moved"][0]["now"] == ["1", True] and units[0]["moved"][0]["turn"] == "refine"
+    assert units[0]["verifier_now"] == "arith-v3" and units[0]["acc_t1"] == {"stored": 0.0, "now": 0.0}
+    pooled = rescore.pooled(units)
+    assert pooled["acc_final"]["now_minus_stored"]["mean"] == 0.25 and pooled["bootstrap"] == "snapshots x problems"
+    assert pooled["turns_moved"] == 2
