@@ -104,6 +104,9 @@ def test_extract_gold_without_answer_raises():
         ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\frac{\\pi}{2})"),
         ("18 dollars", "18"),
         ("2\\sqrt{2}", "\\sqrt{8}"),
+        ("11 + 4 = 15", "15"),  # the result stated after the expression
+        ("3/4", "0.75"),
+        ("x+1", "x+1"),  # an expression gold: expressions still compare
     ],
 )
 def test_equivalent(pred, gold):
@@ -112,7 +115,10 @@ def test_equivalent(pred, gold):
 
 @pytest.mark.parametrize(
     ("pred", "gold"),
-    [("10", "11"), ("5x", "5"), ("2i", "2"), ("\\frac{1}{3}", "0.33"), ("", "1"), ("}{", "1")],
+    [("10", "11"), ("5x", "5"), ("2i", "2"), ("\\frac{1}{3}", "0.33"), ("", "1"), ("}{", "1"),
+     # an unevaluated expression is no answer to a numeric gold: math_verify computed "11 + 2" to 13, so
+     # restating the question's sum scored right, and it read "16 + 12 +" as 12
+     ("11 + 2", "13"), ("16 + 12 +", "12"), ("10 - 4", "6"), ("3 × 4", "12")],
 )
 def test_not_equivalent(pred, gold):
     assert not is_equivalent(pred, gold)

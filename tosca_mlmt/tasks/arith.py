@@ -29,7 +29,8 @@ from tosca_mlmt.tasks.base import LoadResult, Problem, Verdict, check_split
 from tosca_mlmt.tasks.mathverify import (ANSWER_FORMAT, ANSWER_LINE, answer_slot, echoes_format, extract_answer,
                                          is_equivalent)
 
-# v2: an echo of the answer-format instruction scores wrong; v3: an answer line's number is read alone
+# v2: an echo of the answer-format instruction scores wrong; v3: an answer line's number is read alone, and
+# an unevaluated expression ("11 + 2") is no answer
 VERIFIER_VERSION = "arith-v3"
 GENERATOR_VERSION = "arith-gen-v2"
 TEST_SIZE = 500

@@ -13,7 +13,8 @@ import threading
 from functools import lru_cache
 
 # v2: gsm8k scores an echo of its answer-format instruction wrong; v3: an answer line's number is
-# read alone (extract_answer), not with the words after it
+# read alone (extract_answer), not with the words after it, and an unevaluated expression is no
+# answer to a numeric gold (unevaluated)
 VERIFIER_VERSION = "math-v3"
 
 # math_verify bounds sympy with SIGALRM, which only works on the main thread; elsewhere
@@ -268,10 +269,25 @@ def _math_verify_equal(pred: str, gold: str) -> bool:
         return False
 
 
+# Numbers joined by an operator with no "=" ("11 + 2"), or an operator left hanging ("16 + 12 +").
+_UNEVALUATED_RE = re.compile(r"\d\s*[-+*×÷]\s*-?\d|[-+*×÷/]\s*$")
+
+
+def unevaluated(pred: str) -> bool:
+    """An arithmetic expression with no result: "11 + 2", "16 + 12 +" (not "3/4", "-3", "11 + 2 = 13").
+    math_verify evaluates "11 + 2" to 13, so a solver restating the question's own sum would be
+    scored right without computing anything (1.3 % of the right verdicts in the stored arith runs,
+    "16 + 12 +" for 12 among them)."""
+    return "=" not in pred and bool(_UNEVALUATED_RE.search(pred))
+
+
 def match_method(pred: str, gold: str) -> str | None:
     """The first check under which ``pred`` equals ``gold``: "string", "numeric",
-    "math_verify"; None when none matches."""
+    "math_verify"; None when none matches. Against a numeric gold, an unevaluated expression
+    never matches (unevaluated)."""
     if not pred or not gold:
+        return None
+    if unevaluated(pred) and _to_float(gold) is not None:
         return None
     checks = (
         ("string", lambda p, g: normalize_string(p) == normalize_string(g)),
