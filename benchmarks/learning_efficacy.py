@@ -15,6 +15,7 @@ environment; its results are labelled and never mixed with honest ones).
 
     python benchmarks/learning_efficacy.py --env verdict --seeds 0 1 2 --test-problems 300
     python benchmarks/learning_efficacy.py --smoke          # minutes: wiring only, decides nothing
+    python benchmarks/learning_efficacy.py --env confidence --methods mlmt --seeds 0 --tag fixes  # a grid apart
 
 Each (method, seed) is one *unit*, written as soon as it finishes to
 benchmarks/results/learning_efficacy/<env>-L<level>/<method>-seed<k>-<hash>.json with its git sha, the
@@ -376,7 +377,8 @@ class Units:
         self.hashes = {name: h for name, (h, _) in ids.items()}
         self.has_q = {name: q for name, (_, q) in ids.items()}
         self.key = _unit_key(args)
-        self.folder = RESULTS / "learning_efficacy" / (f"{args.env}-L{args.level}" + ("-smoke" if args.smoke else ""))
+        self.folder = RESULTS / "learning_efficacy" / (f"{args.env}-L{args.level}" + ("-smoke" if args.smoke else "")
+                                                      + (f"-{args.tag}" if getattr(args, "tag", "") else ""))
         self.stored = [json.loads(f.read_text()) for f in sorted(self.folder.glob("*.json"))]
 
     def finished(self, name: str, seed: int) -> dict | None:
@@ -435,6 +437,9 @@ def parser() -> argparse.ArgumentParser:
                          "records the folder)")
     ap.add_argument("--engine", default="vllm", choices=("hf", "vllm"))
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the wiring, decides nothing")
+    ap.add_argument("--tag", default="", help="a grid of its own: units under <env>-L<level>-<tag>/ and tables "
+                                              "named with it, e.g. the same protocol on other code, kept apart "
+                                              "from the units the README's tables pool")
     ap.add_argument("--force", action="store_true", help="redo units that already have results")
     ap.add_argument("--budget-minutes", type=float, default=0.0, help="start no unit after this (0 = none)")
     ap.add_argument("--table-only", action="store_true",
@@ -525,7 +530,8 @@ def main() -> None:
             + " (uniform without Q-values)." + (" Trained policies reused from earlier units' folders where recorded."
                                                  if args.reuse_runs else ""), ""]
     stem = (f"learning_efficacy-{args.env}" + ("" if args.primary == "mlmt" else f"-{args.primary}")
-            + ("" if default_rule else f"-{eval_tag}") + ("-smoke" if args.smoke else ""))
+            + ("" if default_rule else f"-{eval_tag}") + ("-smoke" if args.smoke else "")
+            + (f"-{args.tag}" if args.tag else ""))
     (RESULTS / f"{stem}.md").write_text("\n".join(head + lines) + "\n")
     (RESULTS / f"{stem}.json").write_text(json.dumps({
         "date": dt.datetime.now().isoformat(timespec="seconds"), "machine": f"{platform.machine()} {os.cpu_count()}",
