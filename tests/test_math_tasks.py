@@ -59,6 +59,7 @@ needs_data = pytest.mark.skipif(
         # not a lone number: the whole line, as before
         ("The answer is 7 + 5 = 12", "7 + 5 = 12"),
         ("The answer is: 3, 4", "3, 4"),
+        ("The answer is: 3:4", "3:4"),
         ("The answer is: 2\\sqrt{3}.", "2\\sqrt{3}"),
         ("The answer is: 3x+1", "3x+1"),
         ("no digits here at all", None),

@@ -131,11 +131,11 @@ def _clean_tail(text: str) -> str:
 # A number that opens an answer line and ends it, as ANSWER_LINE (the turn's stop rule) reads its
 # end: the line's end, a full stop, a comma before a word, a bracket or other mark, a space and a
 # word ("12 apples", "12. So", "5 because ..."), bold or a "$". A number followed by an operator,
-# another number or LaTeX ("7 + 5 = 12", "3, 4", "2\sqrt{3}") is not matched: the whole line is
-# the answer then.
+# another number, a colon or LaTeX ("7 + 5 = 12", "3, 4", "3:4", "2\sqrt{3}") is not matched: the
+# whole line is the answer then.
 _LEADING_NUMBER_RE = re.compile(
     r"[ \t]*(?:\*\*)?[ \t]*\$?[ \t]*(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?(?:[ \t]*\\?%)?)"
-    r"(?=[ \t]*$|[ \t]*\n|\.(?!\d)|[ \t]*[;:!?)\]]|,[ \t]*(?:[A-Za-z]|$)|[ \t]+[A-Za-z(]|[ \t]*\*\*|[ \t]*\$)")
+    r"(?=[ \t]*$|[ \t]*\n|\.(?!\d)|[ \t]*[;!?)\]]|,[ \t]*(?:[A-Za-z]|$)|[ \t]+[A-Za-z(]|[ \t]*\*\*|[ \t]*\$)")
 
 
 def answer_line_value(tail: str) -> str:
