@@ -635,6 +635,41 @@ def test_micro_batches_are_cut_to_their_longest_row_without_changing_the_loss(de
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(out[0][1], out[1][1]))
 
 
+def test_the_value_loss_moves_the_adapter_and_the_archer_critic_does_not(debug_cfg, debug_policies):
+    """gae's value head reads the trunk undetached (lower.vf_coef's help says so, as in TRL's value-head
+    models): its loss alone has a gradient on the solver's adapter. ArCHer's critic reads detached
+    features: its loss has none there, only on the critic."""
+    from tosca_mlmt.algos.losses import value_loss
+    from tosca_mlmt.lower import archer
+    from tosca_mlmt.lower.scoring import SolverScorer
+
+    policies = debug_policies
+    cfg, trajs = _lower_setup(debug_cfg, policies)
+    tt = to_tensors(trajs, policies.tokenizer("solver").pad_token_id or 0)
+    hidden_size = policies.model("solver").config.hidden_size
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hidden_size, 1)
+    scorer = SolverScorer(cfg.lower, policies, head)
+    adapter = [p for p in policies.model("solver").parameters() if p.requires_grad]
+    with policies.use("solver"):
+        fwd = scorer.forward(tt.input_ids, tt.attention_mask, values=True)
+    returns = torch.ones_like(fwd.values)
+    vl, _ = value_loss(fwd.values, fwd.values.detach(), returns, tt.mask)
+    grads = torch.autograd.grad(vl, adapter, allow_unused=True, retain_graph=True)
+    assert any(g is not None and g.abs().sum() > 0 for g in grads), "the value loss did not reach the adapter"
+
+    critic = archer.UtteranceCritic(hidden_size)
+    n_turns = max(len(t.turn_spans) for t in trajs)
+    spans = [list(t.turn_spans) for t in trajs]
+    y = torch.ones(len(trajs), n_turns)
+    valid = torch.tensor([[float(k < len(s)) for k in range(n_turns)] for s in spans])
+    targets = archer.CriticTargets(spans, y, y, valid)
+    closs = archer.loss_on(critic, fwd.hidden, targets, n_turns)
+    grads = torch.autograd.grad(closs, adapter + list(critic.parameters()), allow_unused=True)
+    assert all(g is None for g in grads[: len(adapter)]), "the ArCHer critic moved the actor"
+    assert any(g is not None and g.abs().sum() > 0 for g in grads[len(adapter):])
+
+
 @pytest.mark.parametrize("temperature,epsilon", [(-1.0, -1.0), (0.25, 0.0), (-1.0, 0.6)])
 def test_train_lower_batches_pick_strategies_with_the_lower_temperature_and_epsilon(
         debug_cfg, debug_policies, tmp_path, monkeypatch, temperature, epsilon):

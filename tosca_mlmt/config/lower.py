@@ -98,7 +98,10 @@ class LowerConfig(Section):
     clip_low: float = knob(0.2, "PPO clip epsilon below 1.", min=0.0, max=1.0, min_exclusive=True, max_exclusive=True)
     clip_high: float = knob(0.2, "PPO clip epsilon above 1 (raise for 'clip-higher').", min=0.0, min_exclusive=True)
     value_clip: float = knob(0.2, "Value-loss clip range.", min=0.0, min_exclusive=True)
-    vf_coef: float = knob(0.5, "Value-loss weight (gae only; other estimators train no critic).", min=0.0)
+    vf_coef: float = knob(0.5, "Value-loss weight (gae only; other estimators train no critic). The value head "
+                               "reads the solver's last hidden states undetached, so the value loss also moves "
+                               "the solver's adapter, as in TRL's value-head models (ArCHer's critic reads "
+                               "detached features).", min=0.0)
     lr: float = knob(1e-4, "Learning rate of the solver adapter (LoRA).", min=0.0, min_exclusive=True)
     value_lr: float = knob(1e-3, "Learning rate of the value head.", min=0.0, min_exclusive=True)
     weight_decay: float = knob(0.0, "AdamW weight decay.", min=0.0)
