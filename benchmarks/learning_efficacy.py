@@ -207,6 +207,10 @@ def identity(preset: Path, extra: dict | None, common: dict, train: dict) -> tup
     # episodes put other requests in a decode step (bf16: other samples), so they define units of their own
     if not cfg["engine"]["vllm"]["continuous_episodes"]:
         cfg["engine"]["vllm"].pop("continuous_episodes")
+    # lower.logprob_temperature=raw is how every unit before the knob scored its tokens; sampling is another
+    # objective, so it defines units of its own
+    if cfg["lower"]["logprob_temperature"] == "raw":
+        cfg["lower"].pop("logprob_temperature")
     # episode.gold_prob off scores nothing and samples the same: units from before the knob count
     if not cfg["episode"]["gold_prob"]:
         cfg["episode"].pop("gold_prob")

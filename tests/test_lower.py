@@ -236,8 +236,9 @@ def test_bf16_update_keeps_fp32_master_adapters_and_finite_losses(bf16_setup):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("advantage", ["gae", "grpo", "archer"])
-def test_update_changes_the_solver_adapter_and_nothing_else(lower_setup, policies, advantage):
+@pytest.mark.parametrize("advantage,logprob_temperature", [("gae", "raw"), ("grpo", "raw"), ("archer", "raw"),
+                                                          ("grpo", "sampling")])
+def test_update_changes_the_solver_adapter_and_nothing_else(lower_setup, policies, advantage, logprob_temperature):
     from peft import set_peft_model_state_dict
 
     from tosca_mlmt.lower.learner import LowerLearner
@@ -245,7 +246,7 @@ def test_update_changes_the_solver_adapter_and_nothing_else(lower_setup, policie
     cfg, trajs = lower_setup
     # rewards must vary for group estimators to produce a gradient
     trajs = [replace(t, turn_rewards=[float(i % 2), float((i + 1) % 2)]) for i, t in enumerate(trajs)]
-    cfg = replace(cfg, lower=replace(cfg.lower, advantage=advantage))
+    cfg = replace(cfg, lower=replace(cfg.lower, advantage=advantage, logprob_temperature=logprob_temperature))
     model = policies.model("solver")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = LowerLearner(cfg, policies)
@@ -727,6 +728,50 @@ def test_lower_strategy_knobs_are_validated_at_load(field, bad):
 
     with pytest.raises(ConfigError, match=f"lower.{field}"):
         load_config(overrides={f"lower.{field}": bad})
+
+
+@pytest.mark.parametrize("overrides,field", [
+    ({"lower.old_logprobs": "behaviour"}, "lower.old_logprobs"),
+    ({"lower.bonus.scorer": "engine"}, "lower.bonus.scorer"),
+    ({"solver_sampling.temperature": 0.0}, "lower.logprob_temperature")])
+def test_sampling_logprob_temperature_refuses_what_only_raw_logprobs_can_serve(overrides, field):
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.errors import ConfigError
+
+    load_config(overrides={"lower.logprob_temperature": "raw", **overrides})  # raw serves them all
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(overrides={"lower.logprob_temperature": "sampling", **overrides})
+
+
+def test_sampling_logprob_temperature_scores_the_distribution_the_batch_was_drawn_from(debug_cfg, debug_policies):
+    """lower.logprob_temperature=sampling: every forward of the learner (pi_theta, pi_old, the bonus's
+    no-feedback refines) reads log softmax(logits / T) at solver_sampling.temperature, computed here
+    from the model's full logits; raw reads T = 1. The auto bonus scorer then stays off the engine."""
+    from types import SimpleNamespace
+
+    from tosca_mlmt.lower.learner import LowerLearner
+
+    policies = debug_policies
+    cfg, trajs = _lower_setup(debug_cfg, policies)
+    tt = to_tensors(trajs, policies.tokenizer("solver").pad_token_id or 0)
+    model = policies.model("solver")
+    with torch.no_grad(), policies.use("solver"):
+        logits = model(input_ids=tt.input_ids, attention_mask=tt.attention_mask).logits.float()
+    vllm = SimpleNamespace(name="vllm")
+    for mode, T in (("raw", 1.0), ("sampling", 0.5)):
+        c = replace(cfg, solver_sampling=replace(cfg.solver_sampling, temperature=0.5),
+                    lower=replace(cfg.lower, logprob_temperature=mode, autocast="none"))
+        learner = LowerLearner(c, policies)
+        with torch.no_grad(), policies.use("solver"):
+            got = learner.scorer.forward(tt.input_ids, tt.attention_mask, keep=tt.mask).logprobs
+        want = torch.log_softmax(logits[:, :-1] / T, -1).gather(-1, tt.input_ids[:, 1:, None])[..., 0]
+        m = tt.mask[:, 1:] > 0
+        assert torch.allclose(got[:, 1:][m], want[m], atol=1e-4), mode
+        assert learner.engine_scores_bonus(vllm) == (mode == "raw")
+        learner.close()
+    # the two differ: a test of T would pass with T ignored otherwise
+    raw = torch.log_softmax(logits[:, :-1], -1).gather(-1, tt.input_ids[:, 1:, None])[..., 0]
+    assert (raw[m] - want[m]).abs().max() > 0.05
 
 
 def test_train_lower_closes_the_engine_it_started_also_when_the_update_fails(

@@ -80,7 +80,8 @@ def fp32_logits(hidden: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:
 
 
 def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, input_ids: torch.Tensor,
-                               chunk: int = 256, with_entropy: bool = False, keep: torch.Tensor | None = None):
+                               chunk: int = 256, with_entropy: bool = False, keep: torch.Tensor | None = None,
+                               temperature: float = 1.0):
     """log pi(x_t | x_<t) for t >= 1, computed from hidden states in chunks of positions.
 
     hidden [B, T, H] -> logprobs [B, T] (position 0 is 0: it has no context), and with
@@ -90,7 +91,8 @@ def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, i
     feedback then cost no LM head, log-softmax or entropy over the vocabulary (TRL keeps only
     completion logits for the same reason). At most B x ``chunk`` positions' logits exist at a time,
     so memory does not scale with T x V; under grad each chunk is checkpointed so the backward pass
-    keeps the same bound.
+    keeps the same bound. ``temperature``: of softmax(logits / temperature), the distribution a
+    sampler at that temperature draws from (1 = the model's own).
     """
     B, T, _ = hidden.shape
     sel = (torch.ones(B, T - 1, dtype=torch.bool, device=hidden.device) if keep is None
@@ -101,7 +103,7 @@ def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, i
     for s in range(0, h_all.shape[0], rows):
         h, tgt = h_all[s: s + rows], tgt_all[s: s + rows]
         out: list | None = [] if with_entropy else None
-        fn = functools.partial(_chunk_logprobs, entropy_out=out)
+        fn = functools.partial(_chunk_logprobs, entropy_out=out, temperature=temperature)
         if torch.is_grad_enabled() and h.requires_grad:
             lps.append(torch.utils.checkpoint.checkpoint(fn, h, tgt, lm_head, use_reentrant=False))
         else:
@@ -119,11 +121,12 @@ def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, i
 
 
 def _chunk_logprobs(h: torch.Tensor, tgt: torch.Tensor, lm_head: torch.nn.Module,
-                    entropy_out: list | None = None) -> torch.Tensor:
+                    entropy_out: list | None = None, temperature: float = 1.0) -> torch.Tensor:
     """Log-probs [N] of the targets of N positions (with grad). With ``entropy_out``, the first call
     also appends the entropy [N] of pi, without grad: a diagnostic. A checkpointed chunk runs again in the
     backward pass, and that run skips it (two more passes over [N, V] that nothing reads)."""
-    logp = torch.log_softmax(fp32_logits(h, lm_head), dim=-1)  # [N, V]
+    logits = fp32_logits(h, lm_head)  # [N, V]
+    logp = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
     if entropy_out is not None and not entropy_out:
         with torch.no_grad():
             entropy_out.append(-(logp.exp() * logp).sum(-1))

@@ -128,6 +128,15 @@ class LowerConfig(Section):
                                      "behaviour = the engine's logged sampling logprobs (needed for off-policy "
                                      "snapshots).",
                              choices=("auto", "recompute", "behaviour"))
+    logprob_temperature: str = knob(
+        "raw", "The distribution PPO's ratio, the KL and the context bonus score the solver's tokens under. raw = "
+               "the model's own (temperature 1): what the engines log, so lower.old_logprobs=behaviour and "
+               "lower.bonus.scorer=engine can reuse their log-probs; the PPO batches are drawn at "
+               "solver_sampling.temperature, so the ratio's gradient is not the sampling policy's. sampling = "
+               "softmax(logits / solver_sampling.temperature), the distribution the batches were drawn from, as "
+               "verl and TRL score it: the first minibatch's ratio is the sampling policy's exactly. Every "
+               "log-prob then comes from the trainer (the engines log raw ones): it needs old_logprobs auto or "
+               "recompute and a bonus scorer other than engine.", choices=("raw", "sampling"))
     logprob_chunk: int = knob(256, "Positions per row in one LM-head chunk: at most rows x chunk positions' fp32 logits "
                                "exist at a time (memory ~ chunk x vocab per row, not length x vocab). The head runs only "
                                "on the positions the loss reads (the action tokens).", min=1)
@@ -143,6 +152,12 @@ class LowerConfig(Section):
     keep_snapshots: bool = knob(True, "Write each online iteration's batch as a snapshot under <run>/snapshots.")
 
     def check(self, prefix: str) -> None:
+        # the engines log raw (temperature-1) log-probs, which are not the tempered distribution's
+        tempered = self.logprob_temperature == "sampling"
+        need(not tempered or self.old_logprobs != "behaviour", f"{prefix}old_logprobs",
+             f"behaviour reads the engine's raw log-probs; {prefix}logprob_temperature=sampling needs auto or recompute")
+        need(not tempered or self.bonus.scorer != "engine", f"{prefix}bonus.scorer",
+             f"the engine scores raw log-probs; {prefix}logprob_temperature=sampling needs trainer or auto")
         # Accumulation splits each mini-batch into equal micro-batches.
         need(self.minibatch_size % self.grad_accum == 0, f"{prefix}grad_accum",
              f"must divide {prefix}minibatch_size ({self.minibatch_size})")

@@ -39,6 +39,9 @@ class Config(Section):
             need(self.episode.max_prompt_tokens < max_len, f"{prefix}episode.max_prompt_tokens",
                  f"must be below {prefix}engine.vllm.max_model_len ({max_len}) with engine.name=vllm: "
                  "vLLM refuses longer prompts and needs room for the response")
+        need(self.lower.logprob_temperature == "raw" or self.solver_sampling.temperature > 0,
+             f"{prefix}lower.logprob_temperature", "sampling needs solver_sampling.temperature > 0: greedy PPO batches "
+             "have no sampling distribution to score")
         need(self.upper.reward != "counterfactual" or self.episode.counterfactual, f"{prefix}upper.reward",
              "counterfactual needs episode.counterfactual=true (refines scored without their feedback)")
         need(self.upper.reward != "gold_prob" or self.episode.gold_prob, f"{prefix}upper.reward",

@@ -73,7 +73,10 @@ class LowerLearner:
                                                     "critic": self.critic}, optimizer, scheduler,
                                   slots=lo.grad_accum, micro_size=lo.minibatch_size // lo.grad_accum,
                                   max_grad_norm=lo.max_grad_norm, what="lower.grad_accum")
-        self.scorer = SolverScorer(lo, policies, self.value_head)
+        # lower.logprob_temperature: score the distribution the PPO batches were drawn from, or the raw one
+        tempered = lo.logprob_temperature == "sampling"
+        self.scorer = SolverScorer(lo, policies, self.value_head,
+                                   temperature=cfg.solver_sampling.temperature if tempered else 1.0)
         self.optimizer_steps = 0
         self._warned_clip = False
         if lo.kl_mode == "reward" and (lo.kl_coef > 0 or lo.score.enabled) and lo.advantage == "grpo" and lo.grpo_norm_std:
@@ -137,8 +140,9 @@ class LowerLearner:
         policy the bonus reads (bonus.model=policy). An HF engine's scoring is the trainer's forward
         again, so auto keeps the trainer there."""
         bo = self.lo.bonus
-        if bo.scorer == "auto":
-            return engine is not None and engine.name == "vllm" and bo.model == "policy"
+        if bo.scorer == "auto":  # the engine scores raw log-probs only
+            return (engine is not None and engine.name == "vllm" and bo.model == "policy"
+                    and self.lo.logprob_temperature == "raw")
         return bo.scorer == "engine"
 
     def old_is_current(self, rows: int, n_turns: int, needs, engine_scored_bonus: bool) -> bool:

@@ -60,8 +60,10 @@ class RefineScores:
 
 
 class SolverScorer:
-    def __init__(self, lo: "LowerConfig", policies: PolicyPair, value_head: nn.Module):
+    def __init__(self, lo: "LowerConfig", policies: PolicyPair, value_head: nn.Module, temperature: float = 1.0):
+        """``temperature``: every log-prob is of softmax(logits / temperature) (lower.logprob_temperature)."""
         self.lo, self.policies, self.value_head = lo, policies, value_head
+        self.temperature = temperature
         self.model = policies.model("solver")
         self.use_bf16 = use_bf16_autocast(lo.autocast)
         self.pad_id = policies.tokenizer("solver").pad_token_id or 0
@@ -85,7 +87,7 @@ class SolverScorer:
             hidden = out.hidden_states[-1]
             head = OutputHead(self.model)
             res = token_logprobs_from_hidden(hidden, head, ids, self.lo.logprob_chunk, with_entropy=entropy,
-                                              keep=keep)
+                                              keep=keep, temperature=self.temperature)
         lp, ent = res if entropy else (res, None)
         v = None
         if values:
