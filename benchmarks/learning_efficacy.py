@@ -80,6 +80,12 @@ METHODS = {
     # PPO iteration): bf16 engine and trainer log-probs differ by ~0.03 nats a token, so whether it learns
     # as the trainer-scored selector does is measured, paired seed by seed, not assumed
     "mlmt-sentences-only-engine-bonus": (ROOT / "configs" / "mlmt-selector.yaml", {"lower.bonus.scorer": "engine"}),
+    # PPO's ratio, KL and bonus scored under softmax(logits / 0.7), the distribution the batches were drawn
+    # from (lower.logprob_temperature=sampling, verl's and TRL's choice), against the raw temperature-1
+    # log-probs every other unit scores: paired seed by seed with the preset and the selector
+    "mlmt-sampling-logprobs": (MLMT, {"lower.logprob_temperature": "sampling"}),
+    "mlmt-sentences-only-sampling-logprobs": (ROOT / "configs" / "mlmt-selector.yaml",
+                                              {"lower.logprob_temperature": "sampling"}),
     # the selector choosing between the verdict template's own two sentences: in the verdict env the template
     # is then the best policy it can learn, so its gap to the template is what learning the choice costs (the
     # six-sentence selector trailed the template by 5.7 points over 5 seeds, all of it in Acc@t1)
