@@ -134,7 +134,8 @@ def train_upper(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
             info = {"snapshots": list(uc.snapshots), "transitions": len(transitions),
                     "evaluated": len(learner.eval_transitions), "steps": learner.step,
                     "episodes": len({(t.snapshot_id, t.episode_id) for t in transitions}), "q_source": uc.q_source,
-                    "conservatism": uc.conservatism, "selection": cfg.episode.strategy_selection}
+                    "conservatism": uc.conservatism, "selection": _collect_selection(cfg, len(transitions)),
+                    "q_policy": cfg.episode.strategy_selection}
             rd.write_text("report.md", render_markdown(table, last_eval, info))
             rd.write_json("report.json", {"info": info, "ope": last_eval, "table": table})
         sink.log(timer.as_metrics("upper/time/"), step=learner.step)
@@ -174,3 +175,13 @@ def _provenance(rd: RunDir, cfg: Config, snaps, policies: PolicyPair, transition
         seeds={"seed": cfg.seed},
         deterministic=cfg.deterministic,
     )
+
+
+def _collect_selection(cfg: Config, decisions: int) -> str:
+    """How the next collect picks strategies with this writer: by Q only once Q was fitted on
+    episode.min_q_decisions decisions (rollout/runner.py), uniformly before that."""
+    e = cfg.episode
+    if decisions >= e.min_q_decisions:
+        return e.strategy_selection
+    return (f"uniform (Q fitted on {decisions} decisions < episode.min_q_decisions={e.min_q_decisions}; "
+            f"{e.strategy_selection} from then on)")

@@ -97,6 +97,8 @@ def test_run_folder_provenance_metrics_report(trained, snapshot):
     assert [r["upper/text_on"] for r in recs if "upper/text_on" in r] == [0.0, 1.0, 1.0]  # warm-up of 1 step
     report = (run / "report.md").read_text()
     assert "## arith/L" in report and ": prefers `" in report and "check_arithmetic" in report
+    # 8 decisions are below episode.min_q_decisions: the next collect picks uniformly, and the report says so
+    assert "strategy selection at collect: uniform (Q fitted on 8 decisions < episode.min_q_decisions=200" in report
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-000003"
     assert json.loads((run / "writer" / "strategies.json").read_text())[0]["name"] == "check_arithmetic"
 

@@ -92,7 +92,8 @@ def render_markdown(table: dict[str, list[dict]], ope: dict[str, float], run_inf
                  if run_info.get("evaluated", run_info["transitions"]) < run_info["transitions"] else ""),
               f"- Q source: {run_info['q_source']}, conservatism: {run_info['conservatism']}, "
               f"strategy selection at collect: {run_info['selection']}",
-              f"- estimated value of that policy (weighted IS): {ope.get('ope/value', float('nan')):.3f} "
+              f"- estimated value of the {run_info.get('q_policy', run_info['selection'])} policy on this Q "
+              f"(weighted IS): {ope.get('ope/value', float('nan')):.3f} "
               f"vs behaviour {ope.get('ope/behaviour_value', float('nan')):.3f} "
               f"(ESS {ope.get('ope/ess', float('nan')):.1f} of {run_info['episodes']} episodes; "
               f"greedy {ope.get('ope/greedy_value', float('nan')):.3f}, "
