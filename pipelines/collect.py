@@ -23,7 +23,7 @@ from tosca_mlmt.pipelines.rundir import RunDir
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.rollout.engines import make_engine
 from tosca_mlmt.rollout.engines.base import hit_rate, prefix_counts
-from tosca_mlmt.rollout.runner import EpisodeRunner
+from tosca_mlmt.rollout.runner import EpisodeRunner, first_samples
 from tosca_mlmt.samples import sample_rows
 from tosca_mlmt.snapshot import write_snapshot
 from tosca_mlmt.tasks import make_task
@@ -73,6 +73,7 @@ def collect(cfg: Config, out: str | Path | None = None, *, console=None, policie
                f"{cfg.episode.rounds} feedback round(s)")
         with progress:
             batches = [problems[s:s + per_batch] for s in range(0, len(problems), per_batch)]
+            firsts = first_samples(problems, n)  # over the whole list: a problem in two batches keeps unique ids
             mine = dist.shard(len(batches))
             n_mine = sum(len(batches[b]) for b in mine)  # rank 0's bar counts its own share
             bar = progress.add_task(cfg.task.name, total=n_mine * n * turns_per_episode)
@@ -87,7 +88,8 @@ def collect(cfg: Config, out: str | Path | None = None, *, console=None, policie
             with timer("episodes"), policies.full_weights():  # ZeRO-3: whole weights, no per-forward collectives
                 # Under several processes each rank plays a contiguous share of the batches, so the
                 # snapshot holds the same episodes, in the same order, as a one-process run.
-                local = [runner.run(batches[b], batch_index=b) for b in mine]
+                local = [runner.run(batches[b], batch_index=b, firsts=firsts[b * per_batch: (b + 1) * per_batch])
+                         for b in mine]
                 episodes = [e for batch in dist.gather_sharded(local, len(batches)) for e in batch]
         summary = summarize(episodes)
         cache = prefix_counts(engine)

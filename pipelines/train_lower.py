@@ -27,7 +27,7 @@ from tosca_mlmt.metrics import StageTimer, summarize
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.rollout.engines import make_engine
 from tosca_mlmt.rollout.engines.base import hit_rate, prefix_counts
-from tosca_mlmt.rollout.runner import EpisodeRunner
+from tosca_mlmt.rollout.runner import EpisodeRunner, first_samples
 from tosca_mlmt.samples import sample_rows
 from tosca_mlmt.seeds import stream
 from tosca_mlmt.snapshot import write_snapshot
@@ -163,9 +163,12 @@ def _train_lower(cfg: Config, out, *, console, resume, allow_drift, verify, snap
                 sync0, cache0 = getattr(engine, "sync_seconds", 0.0), prefix_counts(engine)
                 with it_timer("episodes"):
                     # each rank plays its share of the problems; every rank gets all episodes
-                    mine = [pool[idx[i]] for i in dist.shard(len(idx))]
+                    share = dist.shard(len(idx))
+                    mine = [pool[idx[i]] for i in share]
+                    # sample numbers over the whole iteration: a problem drawn twice on two ranks keeps unique ids
+                    firsts = first_samples([pool[i] for i in idx], cfg.episode.n_samples)
                     with policies.full_weights():  # ZeRO-3: ranks generate different amounts
-                        local = runner.run(mine, batch_index=it) if mine else []
+                        local = runner.run(mine, batch_index=it, firsts=[firsts[i] for i in share]) if mine else []
                     episodes = dist.gather_sharded(local, len(idx) * cfg.episode.n_samples)
                 rollout_hits = hit_rate(cache0, prefix_counts(engine))  # this rank's rollout, before the bonus scores
                 it_timer.seconds["generate"] = runner.gen_seconds - gen0

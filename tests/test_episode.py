@@ -240,6 +240,27 @@ def test_a_problem_drawn_twice_in_a_batch_continues_its_sample_numbers(tiny_cfg,
     assert [[t.kind for t in e.turns] for e in back] == [["solve", "feedback", "refine"]] * 4
 
 
+def test_a_problem_in_two_engine_batches_of_one_collect_keeps_unique_ids(tiny_cfg, policies, tmp_path):
+    """collect splits its problems into engine batches (HF: engine.batch_size / n_samples problems each)
+    and ranks into shards: a problem in two of them continues its sample numbers across the pieces, as
+    within one, so the snapshot's episode ids stay unique and it reloads every turn."""
+    from tosca_mlmt.pipelines.collect import collect
+    from tosca_mlmt.snapshot import load_snapshot
+
+    task = ArithTask(1)
+    p, q = task.load("train", 2).problems
+    eos = policies.eos_ids("solver")[0]
+    replies = {"solver": policies.tokenizer("solver").encode("The answer is 3.") + [eos],
+               "writer": policies.tokenizer("writer").encode("Check the sum.") + [eos]}
+    cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=1, n_samples=2),
+                  engine=replace(tiny_cfg.engine, name="hf", batch_size=2))  # one problem per engine batch
+    res = collect(cfg, tmp_path, policies=policies, engine=ScriptedEngine(replies), problems=[p, q, p])
+    back = load_snapshot(tmp_path, res.snapshot_id).episodes()
+    assert [e.episode_id for e in back] == [f"{p.id}/s0", f"{p.id}/s1", f"{q.id}/s0", f"{q.id}/s1",
+                                            f"{p.id}/s2", f"{p.id}/s3"]
+    assert [[t.kind for t in e.turns] for e in back] == [["solve", "feedback", "refine"]] * 6
+
+
 def test_a_collect_that_fails_closes_the_engine_it_started(tiny_cfg, policies, monkeypatch, tmp_path):
     """A caller running collect in a loop (a sweep, a notebook) must get an in-process vLLM engine's
     memory back when one collect raises, not only when it returns."""
@@ -258,7 +279,7 @@ def test_a_collect_that_fails_closes_the_engine_it_started(tiny_cfg, policies, m
         started.append(Engine(pol, batch_size=8))
         return started[-1]
 
-    def fail(self, problems, batch_index=0):
+    def fail(self, problems, batch_index=0, firsts=None):
         raise RuntimeError("verifier crashed")
 
     monkeypatch.setattr(collect_mod, "make_engine", make_engine)

@@ -67,11 +67,11 @@ def _own(params, j: int):
     return replace(params, seed=params.prompt_seed(j))
 
 
-def run(runner, problems, batch_index: int) -> list[Episode]:
+def run(runner, problems, batch_index: int, firsts: list[int] | None = None) -> list[Episode]:
     cfg, eng = runner.cfg, runner.engine
     n, rounds = cfg.episode.n_samples, cfg.episode.rounds
     eng.open_stream(("solver", "writer") if _writer_writes(cfg) else ("solver",))
-    episodes = new_episodes(problems, n)
+    episodes = new_episodes(problems, n, firsts)
     rng = stream(cfg.seed, "strategy", batch_index)
     draws = [rng.random(len(episodes)) for _ in range(rounds)]  # the batched runner's order: round 1, 2, ...
     contexts: list[list[int]] = [[] for _ in episodes]  # solver context so far, per episode

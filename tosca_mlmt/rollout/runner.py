@@ -41,17 +41,24 @@ def to_params(s: SamplingConfig, seed: int, n: int = 1, max_new_tokens: int | No
                           stop_regex=stop_regex)
 
 
-def new_episodes(problems: list[Problem], n: int) -> list[Episode]:
-    """n episodes per problem, in order. A problem drawn twice in one batch (an iteration that
-    crosses an epoch of the problem walk, or more problems than the pool holds) continues its
-    sample numbers, so every episode id stays unique: a snapshot joins turns by it."""
+def first_samples(problems: list[Problem], n: int) -> list[int]:
+    """Each problem's first sample number in a batch of n episodes per problem. A problem drawn twice
+    (an iteration that crosses an epoch of the problem walk, or more problems than the pool holds)
+    continues its sample numbers, so every episode id stays unique: a snapshot joins turns by it.
+    Computed on the whole batch before it is split into engine batches or rank shards, whose
+    pieces then keep the numbers the whole batch gives them."""
     seen: dict[str, int] = {}
     out = []
     for p in problems:
-        first = seen.get(p.id, 0)
-        seen[p.id] = first + n
-        out += [Episode(f"{p.id}/s{k}", p, k) for k in range(first, first + n)]
+        out.append(seen.get(p.id, 0))
+        seen[p.id] = out[-1] + n
     return out
+
+
+def new_episodes(problems: list[Problem], n: int, firsts: list[int] | None = None) -> list[Episode]:
+    """n episodes per problem, in order, numbered from ``firsts`` (default: first_samples of ``problems``)."""
+    firsts = first_samples(problems, n) if firsts is None else firsts
+    return [Episode(f"{p.id}/s{k}", p, k) for p, f in zip(problems, firsts, strict=True) for k in range(f, f + n)]
 
 
 @dataclasses.dataclass
@@ -296,18 +303,20 @@ class EpisodeRunner:
         return actions, chosen_p, np.broadcast_to(probs, (n_states, len(self.strategies)))
 
     # ------------------------------------------------------------------ the episode
-    def run(self, problems: list[Problem], batch_index: int = 0) -> list[Episode]:
+    def run(self, problems: list[Problem], batch_index: int = 0, firsts: list[int] | None = None) -> list[Episode]:
+        """Episodes of ``problems``; ``firsts``: their first sample numbers when they are a piece of a
+        larger batch (first_samples of the whole), so ids stay unique across the pieces."""
         from tosca_mlmt.rollout import continuous
 
         if continuous.applies(self):
-            return continuous.run(self, problems, batch_index)
+            return continuous.run(self, problems, batch_index, firsts)
         cfg = self.cfg
         n = cfg.episode.n_samples
         p1 = self.first_prompts(problems)
         gens, seen = self._gen(p1, self.solve_params(batch_index, n), "solver", "solve")
         episodes: list[Episode] = []
         contexts: list[list[int]] = []  # solver context so far (prompt + all turns), per episode
-        for ep, (prompt, cut, g) in zip(new_episodes(problems, n),
+        for ep, (prompt, cut, g) in zip(new_episodes(problems, n, firsts),
                                         ((pr, c, g) for pr, c, gs in zip(p1, seen, gens) for g in gs)):
             contexts.append(self.record_solve(ep, prompt, cut, g))
             episodes.append(ep)
