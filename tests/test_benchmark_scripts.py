@@ -142,3 +142,40 @@ def test_rescore_finds_the_turns_a_verifier_change_moves(monkeypatch, tmp_path):
     pooled = rescore.pooled(units)
     assert pooled["acc_final"]["now_minus_stored"]["mean"] == 0.25 and pooled["bootstrap"] == "snapshots x problems"
     assert pooled["turns_moved"] == 2
+
+
+def test_compare_grids_pools_each_grid_and_differences_the_seeds_both_have(monkeypatch, tmp_path):
+    """benchmarks/compare_grids.py on hand-made units: each grid's means are over all its seeds, A minus B
+    over the seeds both have, problems matched by id whatever order a unit stored them in, and a grid
+    whose units disagree on their config is refused."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("compare_grids", None)
+    import compare_grids
+
+    monkeypatch.setattr(compare_grids, "UNITS", tmp_path)
+    ids = ["p0", "p1", "p2", "p3"]
+
+    def unit(grid, seed, t1, final, config="c", order=ids):
+        pos = {p: i for i, p in enumerate(ids)}
+        (tmp_path / grid).mkdir(exist_ok=True)
+        u = {"method": "m", "seed": seed, "config": config, "git_sha": "x", "date": "d", "ids": list(order),
+             "t1": [t1[pos[p]] for p in order], "final": [final[pos[p]] for p in order]}
+        (tmp_path / grid / f"m-seed{seed}-{config}.json").write_text(json.dumps(u))
+
+    unit("a", 0, [1, 1, 0, 0], [1, 0, 0, 1])
+    unit("a", 1, [1, 0, 0, 0], [1, 0, 0, 0], order=list(reversed(ids)))
+    unit("b", 0, [1, 1, 1, 0], [1, 1, 1, 1])
+    unit("b", 1, [0, 0, 0, 0], [0, 0, 0, 0])
+    unit("b", 2, [1, 1, 1, 1], [1, 1, 1, 1])
+    res = compare_grids.compare(compare_grids.grid_units("a", "m"), compare_grids.grid_units("b", "m"))
+    a, b, d = res["grids"]["a"], res["grids"]["b"], res["a_minus_b"]
+    assert a["seeds"] == [0, 1] and b["seeds"] == [0, 1, 2] and d["seeds"] == [0, 1]
+    assert a["acc_final"]["mean"] == 3 / 8 and a["acc_t1"]["mean"] == 3 / 8 and a["delta"]["mean"] == 0
+    assert a["right_to_wrong"]["mean"] == 1 / 8 and a["wrong_to_right"]["mean"] == 1 / 8
+    assert b["acc_final"]["mean"] == 8 / 12 and b["per_seed_acc_final"] == [1.0, 0.0, 1.0]
+    assert d["acc_final"]["mean"] == 3 / 8 - 4 / 8  # seeds 0-1 only: B's seed 2 has no partner
+    assert d["acc_final"]["lo"] <= d["acc_final"]["mean"] <= d["acc_final"]["hi"]
+    unit("b", 3, [0, 0, 0, 0], [0, 0, 0, 0], config="other")
+    with pytest.raises(SystemExit, match="several configs"):
+        compare_grids.grid_units("b", "m")
+    assert sorted(compare_grids.grid_units("b", "m", "other")) == [3]
