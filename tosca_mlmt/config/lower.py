@@ -134,7 +134,8 @@ class LowerConfig(Section):
                "lower.bonus.scorer=engine can reuse their log-probs; the PPO batches are drawn at "
                "solver_sampling.temperature, so the ratio's gradient is not the sampling policy's. sampling = "
                "softmax(logits / solver_sampling.temperature), the distribution the batches were drawn from, as "
-               "verl and TRL score it: the first minibatch's ratio is the sampling policy's exactly. Every "
+               "verl and TRL score it: the first minibatch's ratio is the sampling policy's exactly (top_p / top_k "
+               "truncation is not modelled, as there). Every "
                "log-prob then comes from the trainer (the engines log raw ones): it needs old_logprobs auto or "
                "recompute and a bonus scorer other than engine.", choices=("raw", "sampling"))
     logprob_chunk: int = knob(256, "Positions per row in one LM-head chunk: at most rows x chunk positions' fp32 logits "
