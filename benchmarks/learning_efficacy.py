@@ -80,6 +80,10 @@ METHODS = {
     # PPO iteration): bf16 engine and trainer log-probs differ by ~0.03 nats a token, so whether it learns
     # as the trainer-scored selector does is measured, paired seed by seed, not assumed
     "mlmt-sentences-only-engine-bonus": (ROOT / "configs" / "mlmt-selector.yaml", {"lower.bonus.scorer": "engine"}),
+    # every writer update starting with upper.warmup_steps Q-only steps, as every unit before 2026-11-29 did:
+    # on the fixed code mlmt ended lower in two seeds of three, and the warm-up is the one fix that changes
+    # what the writer's text loss trains (the others fix seeds, the verifier's reading and grad_accum)
+    "mlmt-writer-warmup-update": (MLMT, {"joint.writer_warmup": "update"}),
     # PPO's ratio, KL and bonus scored under softmax(logits / 0.7), the distribution the batches were drawn
     # from (lower.logprob_temperature=sampling, verl's and TRL's choice), against the raw temperature-1
     # log-probs every other unit scores: paired seed by seed with the preset and the selector
@@ -213,6 +217,10 @@ def identity(preset: Path, extra: dict | None, common: dict, train: dict) -> tup
     # episodes put other requests in a decode step (bf16: other samples), so they define units of their own
     if not cfg["engine"]["vllm"]["continuous_episodes"]:
         cfg["engine"]["vllm"].pop("continuous_episodes")
+    # joint.writer_warmup=run is the code's schedule since 2026-11-29 (units before then restarted the warm-up
+    # every update, which is what =update now asks for by name; the grids keep them apart by tag)
+    if cfg["joint"]["writer_warmup"] == "run":
+        cfg["joint"].pop("writer_warmup")
     # lower.logprob_temperature=raw is how every unit before the knob scored its tokens; sampling is another
     # objective, so it defines units of its own
     if cfg["lower"]["logprob_temperature"] == "raw":

@@ -226,15 +226,18 @@ def _eval(cfg, rec, run, policies, engine, console, r) -> None:
 
 
 def _check_writer_warmup(cfg) -> None:
-    """upper.warmup_steps counts the writer's steps over the whole run (_upper): a run whose writer
-    takes no more steps than that never trains the feedback text, only Q, so it is refused."""
+    """upper.warmup_steps counts the writer's steps over the whole run, or each update's with
+    joint.writer_warmup=update (_upper): a writer that takes no more steps than that never trains
+    the feedback text, only Q, so the run is refused."""
     jc, uc = cfg.joint, cfg.upper
-    steps = 0 if jc.freeze_writer else len(range(0, jc.rounds, jc.upper_every)) * jc.upper_steps
+    updates = len(range(0, jc.rounds, jc.upper_every))
+    steps = 0 if jc.freeze_writer else (updates if jc.writer_warmup == "run" else 1) * jc.upper_steps
     if uc.text_loss != "none" and 0 < steps <= uc.warmup_steps:
+        where = ("in all (joint.upper_steps x the rounds it updates in)" if jc.writer_warmup == "run"
+                 else "per update (joint.writer_warmup=update restarts the warm-up in each)")
         raise ConfigError(f"invalid value {uc.warmup_steps} for field 'upper.warmup_steps': train-joint's writer "
-                          f"takes {steps} steps in all (joint.upper_steps x the rounds it updates in), all of them "
-                          "Q-only warm-up, so its feedback text never trains; lower upper.warmup_steps or raise "
-                          "joint.upper_steps")
+                          f"takes {steps} steps {where}, all of them Q-only warm-up, so its feedback text never "
+                          "trains; lower upper.warmup_steps or raise joint.upper_steps")
 
 
 def _upper(cfg, rec, manifest, run, rdir, snap_root, policies, console, r, tee=None) -> None:
@@ -246,10 +249,11 @@ def _upper(cfg, rec, manifest, run, rdir, snap_root, policies, console, r, tee=N
     # update is read, so with upper_every > 1 no round between two updates is collected for nothing
     first = 0 if jc.replay_window == 0 else max(0, r - jc.replay_window * jc.upper_every + 1)
     window = [x["snapshot"] for x in manifest["rounds"][first: r + 1] if x.get("snapshot")]
-    # the Q head goes on from the last update, so its warm-up is the run's first warmup_steps writer
-    # steps, not each update's (a fresh count per round kept the text loss off in every round when
-    # joint.upper_steps <= upper.warmup_steps)
-    done = jc.upper_steps * sum(1 for x in manifest["rounds"][:r] if x.get("upper"))
+    # joint.writer_warmup=run: the Q head goes on from the last update, so its warm-up is the run's first
+    # warmup_steps writer steps (a fresh count per round kept the text loss off in every round when
+    # joint.upper_steps <= upper.warmup_steps); update: each update starts its own
+    done = (jc.upper_steps * sum(1 for x in manifest["rounds"][:r] if x.get("upper"))
+            if jc.writer_warmup == "run" else 0)
     ucfg = replace(cfg, upper=replace(cfg.upper, snapshots=window, snapshot_root=str(snap_root), steps=jc.upper_steps,
                                       warmup_steps=max(0, cfg.upper.warmup_steps - done)),
                    logging=_inner_logging(cfg))

@@ -89,6 +89,8 @@ def test_ending_turns_inside_vllm_does_not_define_a_unit(bench):
     assert bench.identity(preset, extra, {**common, "engine.vllm.block_size": 64}, train)[0] != h
     # vLLM's C++ RMSNorm rounds bf16 differently from the PyTorch norm every stored unit ran: its own units
     assert bench.identity(preset, extra, {**common, "engine.vllm.cpu_norm_kernel": True}, train)[0] != h
+    # a warm-up per writer update is another schedule: units of its own
+    assert bench.identity(preset, extra, common, {**train, "joint.writer_warmup": "update"})[0] != h
     # scoring the tempered distribution is another objective: units of its own, while raw keeps the old ones
     assert bench.identity(preset, extra, common, {**train, "lower.logprob_temperature": "sampling"})[0] != h
     # chat-template variables change the prompts: units of their own, while none keeps the old ones

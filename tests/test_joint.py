@@ -142,6 +142,13 @@ def test_writer_updates_read_every_round_of_their_window_and_warm_up_once(monkey
     assert {r: w for r, (w, _, _) in seen.items()} == want
     assert [warm for _, warm, _ in seen.values()] == [7, 4, 1, 0, 0][: len(seen)]
     assert {steps for _, _, steps in seen.values()} == {3}
+    # joint.writer_warmup=update: every update starts its own warm-up, as before the count went over the run
+    seen.clear()
+    cfg = load_config(overrides={"joint.upper_every": every, "joint.replay_window": window, "joint.rounds": 5,
+                                 "joint.upper_steps": 3, "upper.warmup_steps": 2, "joint.writer_warmup": "update"})
+    for r in range(5):
+        tj._upper(cfg, manifest["rounds"][r], manifest, tmp_path, tmp_path / f"{r:03d}", None, None, None, r)
+    assert [warm for _, warm, _ in seen.values()] == [2] * len(seen) and len(seen) == len(want)
 
 
 def test_a_joint_run_whose_writer_never_passes_its_warm_up_is_refused(tmp_path):
@@ -155,3 +162,8 @@ def test_a_joint_run_whose_writer_never_passes_its_warm_up_is_refused(tmp_path):
     assert not (tmp_path / "run").exists()
     for ok in ({"upper.warmup_steps": 39}, {"upper.text_loss": "none"}, {"joint.freeze_writer": True}):
         _check_writer_warmup(load_config(overrides={**over, **ok}))  # no error
+    # per update, 20 steps under a 20-step warm-up never train the text, though the run has 40 steps
+    per_update = {**over, "joint.writer_warmup": "update", "upper.warmup_steps": 20}
+    with pytest.raises(ConfigError, match=r"upper\.warmup_steps.*20 steps per update"):
+        _check_writer_warmup(load_config(overrides=per_update))
+    _check_writer_warmup(load_config(overrides={**per_update, "upper.warmup_steps": 19}))

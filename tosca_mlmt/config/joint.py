@@ -23,6 +23,12 @@ class JointConfig(Section):
                                  "upper_every N: window x N rounds, so no round is collected for nothing); "
                                  "0 = every round's snapshot so far (a few decisions per round are too few to fit).",
                               min=0)
+    writer_warmup: str = knob("run", "Where upper.warmup_steps (Q-only steps before the text loss) count: run = "
+                                     "over the writer's steps of the whole run, so only the first update starts "
+                                     "Q-only; update = at the start of every writer update, so Q is fitted again "
+                                     "to the round's new decisions before the text loss reads it (the schedule "
+                                     "before 2026-11-29, when each update restarted the count; it then needs "
+                                     "upper.warmup_steps < joint.upper_steps).", choices=("run", "update"))
     freeze_solver: bool = knob(False, "Never update the solver (e.g. writer-only ablations).")
     freeze_writer: bool = knob(False, "Never update the writer (e.g. SCoRe-style self-correction baselines).")
     eval_problems: int = knob(0, "Held-out (test split) problems evaluated after each round with mlmt eval's "
