@@ -463,10 +463,10 @@ def test_trainer_forwards_run_the_head_on_action_tokens_only_and_change_no_numbe
     state = copy.deepcopy(policies.adapter_state("solver"))
     heads, forward, dense = [], SolverScorer.forward, scoring.token_logprobs_from_hidden
 
-    def counting_head(hidden, head, ids, chunk, with_entropy=False, keep=None):
+    def counting_head(hidden, head, ids, chunk, with_entropy=False, keep=None, temperature=1.0):
         heads.append((hidden.shape[0] * (hidden.shape[1] - 1), None if keep is None else int(keep[:, 1:].sum()),
                       torch.is_grad_enabled()))
-        return dense(hidden, head, ids, chunk, with_entropy=with_entropy, keep=keep)
+        return dense(hidden, head, ids, chunk, with_entropy=with_entropy, keep=keep, temperature=temperature)
 
     def dense_forward(self, *args, keep=None, **kw):
         return forward(self, *args, **kw)
