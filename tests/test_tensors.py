@@ -6,8 +6,8 @@ import torch
 from tosca_mlmt.tensors import token_logprobs_from_hidden
 
 
-@pytest.mark.parametrize("chunk", [2, 3, 64])
-def test_chunked_logprobs_entropy_and_gradient_equal_the_full_logits(chunk):
+@pytest.mark.parametrize("chunk,temperature", [(2, 1.0), (3, 1.0), (64, 1.0), (3, 0.7)])
+def test_chunked_logprobs_entropy_and_gradient_equal_the_full_logits(chunk, temperature):
     """Log-probs, entropy and the log-probs' gradient through the checkpointed chunks equal those of
     one log_softmax over all positions; the entropy (a diagnostic) carries no graph, and asking for
     it changes neither the log-probs nor their gradient (the backward's recompute skips it). fp32 throughout,
@@ -19,17 +19,17 @@ def test_chunked_logprobs_entropy_and_gradient_equal_the_full_logits(chunk):
         head.weight.copy_(torch.randn(V, H, generator=gen, dtype=torch.float32))
     hidden = torch.randn(B, T, H, generator=gen, dtype=torch.float32, requires_grad=True)
     ids = torch.randint(0, V, (B, T), generator=gen)
-    full = torch.log_softmax(head(hidden), -1)  # [B, T, V]
+    full = torch.log_softmax(head(hidden) / temperature, -1)  # [B, T, V]: the distribution sampled at T
     want = full[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
     want_grad, = torch.autograd.grad(want.sum(), hidden)
-    lp, ent = token_logprobs_from_hidden(hidden, head, ids, chunk=chunk, with_entropy=True)
+    lp, ent = token_logprobs_from_hidden(hidden, head, ids, chunk=chunk, with_entropy=True, temperature=temperature)
     torch.testing.assert_close(lp[:, 1:], want)
     assert bool((lp[:, 0] == 0).all()) and bool((ent[:, 0] == 0).all())
     torch.testing.assert_close(ent[:, 1:], -(full.exp() * full).sum(-1)[:, :-1].detach())
     assert not ent.requires_grad
     grad, = torch.autograd.grad(lp.sum(), hidden)
     torch.testing.assert_close(grad, want_grad)
-    plain = token_logprobs_from_hidden(hidden, head, ids, chunk=chunk)
+    plain = token_logprobs_from_hidden(hidden, head, ids, chunk=chunk, temperature=temperature)
     torch.testing.assert_close(plain, lp)
 
 
@@ -50,7 +50,7 @@ def test_kept_positions_equal_the_full_logits_there_and_are_zero_elsewhere(chunk
     keep[0, 0:4] = 1.0  # position 0 kept: still 0
     keep[1, 5:9] = 1.0
     keep[2, 2:3] = 1.0
-    full = torch.log_softmax(head(hidden), -1)  # [B, T, V]
+    full = torch.log_softmax(head(hidden) / temperature, -1)  # [B, T, V]: the distribution sampled at T
     want = torch.zeros(B, T)
     want[:, 1:] = full[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
     want = want * keep
