@@ -50,7 +50,7 @@ def test_kept_positions_equal_the_full_logits_there_and_are_zero_elsewhere(chunk
     keep[0, 0:4] = 1.0  # position 0 kept: still 0
     keep[1, 5:9] = 1.0
     keep[2, 2:3] = 1.0
-    full = torch.log_softmax(head(hidden) / temperature, -1)  # [B, T, V]: the distribution sampled at T
+    full = torch.log_softmax(head(hidden), -1)  # [B, T, V]
     want = torch.zeros(B, T)
     want[:, 1:] = full[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
     want = want * keep
