@@ -47,7 +47,7 @@ def grid_units(grid: str, method: str, config: str | None = None) -> dict[int, d
         raise SystemExit(f"no grid {folder}")
     units = [json.loads(p.read_text()) for p in sorted(folder.glob(f"{method}-seed*-*.json"))
              if not p.stem.endswith("-greedy-eval")]
-    units = [u for u in units if u["method"] == method and (config is None or u["config"] == config)]
+    units = [u for u in units if u["method"] == method and (config is None or u["config"].startswith(config))]
     configs = sorted({u["config"] for u in units})
     if len(configs) > 1:
         raise SystemExit(f"{grid}: units of {method} under several configs {configs}; pick one with --config-a/-b")
@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--method", required=True, help="the benchmark's method name, e.g. mlmt")
     ap.add_argument("--grids", nargs=2, required=True, metavar=("A", "B"),
                     help="two folders under benchmarks/results/learning_efficacy/")
-    ap.add_argument("--config-a", default=None, help="config hash of grid A's units (when it holds several)")
+    ap.add_argument("--config-a", default=None, help="config hash (or its start) of grid A's units, when it holds several")
     ap.add_argument("--config-b", default=None)
     ap.add_argument("--results", default=None, help="file name under benchmarks/results/ (default: print only)")
     args = ap.parse_args()

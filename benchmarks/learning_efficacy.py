@@ -168,10 +168,28 @@ def run_method(name: str, preset: Path, extra: dict | None, common: dict, train:
     ecfg = load_config(preset, {**common, **(extra or {}), **adapters, **evalsel, "task.split": "test", "seed": 0})
     report = evaluate(ecfg, folder / "eval").report
     o = eval_outcomes(folder / "eval")  # per problem, sorted by id: every method pairs up
-    out = {"ids": o["ids"], "t1": np.array(o["t1"], dtype=float), "final": np.array(o["final"], dtype=float)}
+    out = {"ids": o["ids"], "t1": np.array(o["t1"], dtype=float), "final": np.array(o["final"], dtype=float),
+           "answers": answer_tails(folder / "eval")}
     return {"method": name, "seed": seed, "git_sha": sha, "train_seconds": None if reused else round(train_s, 1),
             "eval_seconds": round(time.time() - t0 - train_s, 1), "used": used, "reused_run": reused,
             "environment": report.get("environment"), "train_curve": curve, **out}
+
+
+# characters kept of each eval answer: the verifier reads the last "The answer is" line or, without one,
+# the last number, both at a greedy turn's end
+ANSWER_TAIL = 240
+
+
+def answer_tails(eval_dir: Path) -> dict[str, list[str]]:
+    """The end of every eval turn-1 and final answer, ordered by problem id as t1/final are: a later
+    verifier can score a unit again without retraining it (benchmarks/rescore.py --units), where the
+    eval's snapshot stays behind in the work folder."""
+    from tosca_mlmt.snapshot import load_snapshot
+
+    report = json.loads((eval_dir / "eval.json").read_text())
+    eps = sorted(load_snapshot(eval_dir / "snapshots", report["snapshot_id"]).episodes(), key=lambda e: e.problem.id)
+    return {"t1": [e.solver_turns[0].text[-ANSWER_TAIL:] for e in eps],
+            "final": [e.solver_turns[-1].text[-ANSWER_TAIL:] for e in eps]}
 
 
 def identity(preset: Path, extra: dict | None, common: dict, train: dict) -> tuple[str, bool]:

@@ -12,6 +12,10 @@ rescored-minus-stored difference with a paired-bootstrap 95 % interval over snap
     python benchmarks/rescore.py before=/tmp/demo/seed0/eval-before/snapshots/snap-... \\
         after=/tmp/demo/seed0/eval/snapshots/snap-... --results rescore-demo.json
 
+A FOLDER may also be a learning unit (benchmarks/results/learning_efficacy/<grid>/<unit>.json) that kept
+its eval answers' ends (``answers``, learning_efficacy.answer_tails): its arith test problems are
+generated again from their ids, so a unit whose eval snapshot is gone can still be scored again.
+
 Writes benchmarks/results/<results> with date, machine, the verifier versions (stored and now) and
 the per-snapshot and per-label numbers.
 """
@@ -63,6 +67,35 @@ def rescore(folder: Path) -> dict:
             "turns_moved": len(moved), "moved": moved, "_outcomes": a}
 
 
+def rescore_unit(path: Path) -> dict:
+    """One learning unit (a JSON with ``answers``), as rescore gives a snapshot: its problems are arith
+    test problems at the unit's level, generated again from their ids."""
+    from tosca_mlmt.tasks.arith import ArithTask
+
+    u = json.loads(path.read_text())
+    if "answers" not in u:
+        raise SystemExit(f"{path}: the unit kept no eval answers (units from before 2026-11-29 did not)")
+    task = ArithTask(u["key"]["level"])
+    problems = {p.id: p for p in task.load("test", len(u["ids"])).problems}
+    rows, moved = [], []
+    for i, pid in enumerate(u["ids"]):
+        pair = []
+        for k, name in ((0, "t1"), (1, "final")):
+            stored, text = bool(u[name][i]), u["answers"][name][i]
+            v = task.verify(problems[pid], text)
+            pair.append((stored, bool(v.correct)))
+            if bool(v.correct) != stored:
+                moved.append({"episode": pid, "turn": name, "gold": problems[pid].answer, "stored": [None, stored],
+                              "now": [v.extracted, bool(v.correct)], "text_end": text[-80:]})
+        rows.append(pair)
+    a = np.array(rows, dtype=float)
+    return {"snapshot": path.stem, "folder": str(path), "episodes": len(rows),
+            "verifier_stored": f"code {u['git_sha'][:7]}", "verifier_now": task.verifier_version,
+            "acc_t1": {"stored": a[:, 0, 0].mean(), "now": a[:, 0, 1].mean()},
+            "acc_final": {"stored": a[:, 1, 0].mean(), "now": a[:, 1, 1].mean()},
+            "turns_moved": len(moved), "moved": moved, "_outcomes": a}
+
+
 def pooled(units: list[dict]) -> dict:
     """Accuracies over all the label's snapshots, and now - stored with a bootstrap interval. Evals
     of the same problems (one episode each, every snapshot the same size): snapshots, then problems
@@ -97,7 +130,7 @@ def main() -> None:
         label, sep, folder = spec.partition("=")
         if not sep or not label or not folder:
             raise SystemExit(f"{spec}: expected LABEL=FOLDER")
-        u = rescore(Path(folder))
+        u = rescore_unit(Path(folder)) if folder.endswith(".json") else rescore(Path(folder))
         by_label[label].append(u)
         print(f"{label:<12} {u['snapshot']}: Acc@t1 {u['acc_t1']['stored']:.3f} -> {u['acc_t1']['now']:.3f}, "
               f"Acc@final {u['acc_final']['stored']:.3f} -> {u['acc_final']['now']:.3f} "

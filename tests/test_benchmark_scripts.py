@@ -179,3 +179,39 @@ def test_compare_grids_pools_each_grid_and_differences_the_seeds_both_have(monke
     with pytest.raises(SystemExit, match="several configs"):
         compare_grids.grid_units("b", "m")
     assert sorted(compare_grids.grid_units("b", "m", "other")) == [3]
+
+
+def test_a_unit_keeps_its_eval_answers_and_rescore_scores_them_again(monkeypatch, tmp_path):
+    """learning_efficacy.answer_tails keeps each eval answer's end in problem-id order (as t1/final), and
+    rescore.rescore_unit scores a unit from them with today's verifier: a restated sum stored right moves,
+    the rest keep their verdicts."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    for name in ("rescore", "learning_efficacy"):
+        sys.modules.pop(name, None)
+    import learning_efficacy
+    import rescore
+
+    from test_snapshot import make_episodes
+    from tosca_mlmt.snapshot import write_snapshot
+    from tosca_mlmt.tasks.arith import ArithTask
+
+    eps = make_episodes(3)[::-1]  # stored out of id order
+    for ep in eps:
+        ep.turns[0].text = "x" * 300 + f"The answer is {ep.problem.answer}."
+    sid, _ = write_snapshot(tmp_path / "eval" / "snapshots", eps, {"task": {"name": "arith", "split": "test"}})
+    (tmp_path / "eval" / "eval.json").write_text(json.dumps({"snapshot_id": sid}))
+    tails = learning_efficacy.answer_tails(tmp_path / "eval")
+    keep = learning_efficacy.ANSWER_TAIL
+    assert tails["t1"] == [("x" * 300 + f"The answer is {i + 1}.")[-keep:] for i in range(3)]  # sorted by id
+    assert tails["final"] == ["y"] * 3
+
+    probs = ArithTask(2).load("test", 3).problems
+    unit = {"key": {"level": 2}, "git_sha": "abcdef0", "ids": [p.id for p in probs], "t1": [1, 1, 0],
+            "final": [1, 1, 0],
+            "answers": {"t1": [f"The answer is {probs[0].answer}.", "The answer is: 1 + 2", "The answer is 9999."],
+                        "final": [f"The answer is {probs[0].answer}.", "The answer is: 1 + 2", "The answer is 9999."]}}
+    path = tmp_path / "m-seed0-c.json"
+    path.write_text(json.dumps(unit))
+    u = rescore.rescore_unit(path)
+    assert u["acc_t1"] == {"stored": 2 / 3, "now": 1 / 3} and u["turns_moved"] == 2
+    assert {m["episode"] for m in u["moved"]} == {probs[1].id} and u["verifier_now"] == "arith-v3"
