@@ -39,6 +39,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import time
 from pathlib import Path
 
@@ -175,9 +176,20 @@ def run_method(name: str, preset: Path, extra: dict | None, common: dict, train:
             "environment": report.get("environment"), "train_curve": curve, **out}
 
 
-# characters kept of each eval answer: the verifier reads the last "The answer is" line or, without one,
-# the last number, both at a greedy turn's end
-ANSWER_TAIL = 240
+# what the arith/math verifiers read of an answer (tasks/mathverify.extract_answer): the last \boxed{}, the
+# last "The answer is" line, "#### x", else the last number; a kept answer starts this many characters
+# before the earliest of those, so a sign or currency before the number stays too
+ANSWER_MARGIN = 80
+_DIGIT_RE = re.compile(r"\d")
+
+
+def answer_tail(text: str) -> str:
+    """The end of an answer from where the verifier can start reading it (ANSWER_MARGIN before)."""
+    low = text.lower()
+    marks = [low.rfind("the answer is"), text.rfind("\\boxed"), text.rfind("####")]
+    digits = [m.start() for m in _DIGIT_RE.finditer(text)]
+    marks = [m for m in marks + digits[-1:] if m >= 0]
+    return text[max(0, min(marks) - ANSWER_MARGIN):] if marks else text[-ANSWER_MARGIN:]
 
 
 def answer_tails(eval_dir: Path) -> dict[str, list[str]]:
@@ -188,8 +200,8 @@ def answer_tails(eval_dir: Path) -> dict[str, list[str]]:
 
     report = json.loads((eval_dir / "eval.json").read_text())
     eps = sorted(load_snapshot(eval_dir / "snapshots", report["snapshot_id"]).episodes(), key=lambda e: e.problem.id)
-    return {"t1": [e.solver_turns[0].text[-ANSWER_TAIL:] for e in eps],
-            "final": [e.solver_turns[-1].text[-ANSWER_TAIL:] for e in eps]}
+    return {"t1": [answer_tail(e.solver_turns[0].text) for e in eps],
+            "final": [answer_tail(e.solver_turns[-1].text) for e in eps]}
 
 
 def identity(preset: Path, extra: dict | None, common: dict, train: dict) -> tuple[str, bool]:

@@ -198,12 +198,18 @@ def test_a_unit_keeps_its_eval_answers_and_rescore_scores_them_again(monkeypatch
     eps = make_episodes(3)[::-1]  # stored out of id order
     for ep in eps:
         ep.turns[0].text = "x" * 300 + f"The answer is {ep.problem.answer}."
+        # no answer line: the verifier reads the last number, 400 characters before the end
+        ep.turns[2].text = "x" * 300 + f"so it is -{ep.problem.answer} apples" + " and words" * 40
     sid, _ = write_snapshot(tmp_path / "eval" / "snapshots", eps, {"task": {"name": "arith", "split": "test"}})
     (tmp_path / "eval" / "eval.json").write_text(json.dumps({"snapshot_id": sid}))
     tails = learning_efficacy.answer_tails(tmp_path / "eval")
-    keep = learning_efficacy.ANSWER_TAIL
-    assert tails["t1"] == [("x" * 300 + f"The answer is {i + 1}.")[-keep:] for i in range(3)]  # sorted by id
-    assert tails["final"] == ["y"] * 3
+    margin = learning_efficacy.ANSWER_MARGIN
+    assert tails["t1"] == [("x" * margin + f"The answer is {i + 1}.") for i in range(3)]  # sorted by id
+    task = ArithTask(1)
+    for ep in sorted(eps, key=lambda e: e.problem.id):
+        full, tail = ep.turns[2].text, tails["final"][int(ep.problem.id[-1])]
+        assert len(tail) < len(full) and task.verify(ep.problem, tail) == task.verify(ep.problem, full)
+        assert f"-{ep.problem.answer}" in tail
 
     probs = ArithTask(2).load("test", 3).problems
     unit = {"key": {"level": 2}, "git_sha": "abcdef0", "ids": [p.id for p in probs], "t1": [1, 1, 0],
