@@ -145,7 +145,11 @@ def run_method(name: str, preset: Path, extra: dict | None, common: dict, train:
     from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.evaluate import adapters_from_run, eval_outcomes, evaluate
     from tosca_mlmt.pipelines.train_joint import train_joint
+    from tosca_mlmt.runtime import git_sha
 
+    # the code this unit runs: the tree as this child process imported it just now, read here rather than
+    # once per invocation (a later unit of one invocation imports commits made while the earlier ones ran)
+    sha = git_sha() or sha
     t0 = time.time()
     folder = work / name / f"seed{seed}"
     run = folder / "run"
