@@ -172,9 +172,9 @@ def run_method(name: str, preset: Path, extra: dict | None, common: dict, train:
     # eval: test split, the same problems and eval seed for every method and training seed
     ecfg = load_config(preset, {**common, **(extra or {}), **adapters, **evalsel, "task.split": "test", "seed": 0})
     report = evaluate(ecfg, folder / "eval").report
-    o = eval_outcomes(folder / "eval")  # per problem, sorted by id: every method pairs up
+    o = eval_outcomes(folder / "eval", texts=True)  # per problem, sorted by id: every method pairs up
     out = {"ids": o["ids"], "t1": np.array(o["t1"], dtype=float), "final": np.array(o["final"], dtype=float),
-           "answers": answer_tails(folder / "eval")}
+           "answers": answer_tails(o)}
     return {"method": name, "seed": seed, "git_sha": sha, "train_seconds": None if reused else round(train_s, 1),
             "eval_seconds": round(time.time() - t0 - train_s, 1), "used": used, "reused_run": reused,
             "environment": report.get("environment"), "train_curve": curve, **out}
@@ -196,16 +196,11 @@ def answer_tail(text: str) -> str:
     return text[max(0, min(marks) - ANSWER_MARGIN):] if marks else text[-ANSWER_MARGIN:]
 
 
-def answer_tails(eval_dir: Path) -> dict[str, list[str]]:
-    """The end of every eval turn-1 and final answer, ordered by problem id as t1/final are: a later
-    verifier can score a unit again without retraining it (benchmarks/rescore.py --units), where the
-    eval's snapshot stays behind in the work folder."""
-    from tosca_mlmt.snapshot import load_snapshot
-
-    report = json.loads((eval_dir / "eval.json").read_text())
-    eps = sorted(load_snapshot(eval_dir / "snapshots", report["snapshot_id"]).episodes(), key=lambda e: e.problem.id)
-    return {"t1": [answer_tail(e.solver_turns[0].text) for e in eps],
-            "final": [answer_tail(e.solver_turns[-1].text) for e in eps]}
+def answer_tails(outcomes: dict) -> dict[str, list[str]]:
+    """answer_tail of every eval turn-1 and final answer of ``outcomes`` (eval_outcomes with texts), in
+    its problem order: a later verifier can score a unit again without retraining it (rescore.py
+    LABEL=UNIT.json), where the eval's snapshot stays behind in the work folder."""
+    return {k: [answer_tail(t) for t in outcomes[f"{k}_text"]] for k in ("t1", "final")}
 
 
 def identity(preset: Path, extra: dict | None, common: dict, train: dict) -> tuple[str, bool]:

@@ -59,9 +59,15 @@ def rescore(folder: Path) -> dict:
                               "stored": [t.extracted, bool(t.correct)], "now": [v.extracted, bool(v.correct)],
                               "text_end": t.text[-80:]})
         rows.append(pair)
+    return _result(snap.id, folder, rows, moved, snap.manifest["task"].get("verifier_version"), task.verifier_version)
+
+
+def _result(name: str, folder: Path, rows: list, moved: list[dict], stored: str | None, now: str) -> dict:
+    """What rescore and rescore_unit give for one snapshot or unit: rows [episodes] of ((stored, now) for
+    turn 1, the same for the final turn)."""
     a = np.array(rows, dtype=float)  # [episodes, (t1, final), (stored, now)]
-    return {"snapshot": snap.id, "folder": str(folder), "episodes": len(rows),
-            "verifier_stored": snap.manifest["task"].get("verifier_version"), "verifier_now": task.verifier_version,
+    return {"snapshot": name, "folder": str(folder), "episodes": len(rows),
+            "verifier_stored": stored, "verifier_now": now,
             "acc_t1": {"stored": a[:, 0, 0].mean(), "now": a[:, 0, 1].mean()},
             "acc_final": {"stored": a[:, 1, 0].mean(), "now": a[:, 1, 1].mean()},
             "turns_moved": len(moved), "moved": moved, "_outcomes": a}
@@ -80,7 +86,7 @@ def rescore_unit(path: Path) -> dict:
     rows, moved = [], []
     for i, pid in enumerate(u["ids"]):
         pair = []
-        for k, name in ((0, "t1"), (1, "final")):
+        for name in ("t1", "final"):
             stored, text = bool(u[name][i]), u["answers"][name][i]
             v = task.verify(problems[pid], text)
             pair.append((stored, bool(v.correct)))
@@ -88,12 +94,7 @@ def rescore_unit(path: Path) -> dict:
                 moved.append({"episode": pid, "turn": name, "gold": problems[pid].answer, "stored": [None, stored],
                               "now": [v.extracted, bool(v.correct)], "text_end": text[-80:]})
         rows.append(pair)
-    a = np.array(rows, dtype=float)
-    return {"snapshot": path.stem, "folder": str(path), "episodes": len(rows),
-            "verifier_stored": f"code {u['git_sha'][:7]}", "verifier_now": task.verifier_version,
-            "acc_t1": {"stored": a[:, 0, 0].mean(), "now": a[:, 0, 1].mean()},
-            "acc_final": {"stored": a[:, 1, 0].mean(), "now": a[:, 1, 1].mean()},
-            "turns_moved": len(moved), "moved": moved, "_outcomes": a}
+    return _result(path.stem, path, rows, moved, f"code {u['git_sha'][:7]}", task.verifier_version)
 
 
 def pooled(units: list[dict]) -> dict:

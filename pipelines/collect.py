@@ -72,8 +72,10 @@ def collect(cfg: Config, out: str | Path | None = None, *, console=None, policie
         rd.say(f"collect: {len(problems)} problems x {n} samples on {cfg.engine.name}, "
                f"{cfg.episode.rounds} feedback round(s)")
         with progress:
-            batches = [problems[s:s + per_batch] for s in range(0, len(problems), per_batch)]
+            starts = range(0, len(problems), per_batch)
+            batches = [problems[s:s + per_batch] for s in starts]
             firsts = first_samples(problems, n)  # over the whole list: a problem in two batches keeps unique ids
+            batch_firsts = [firsts[s:s + per_batch] for s in starts]
             mine = dist.shard(len(batches))
             n_mine = sum(len(batches[b]) for b in mine)  # rank 0's bar counts its own share
             bar = progress.add_task(cfg.task.name, total=n_mine * n * turns_per_episode)
@@ -88,8 +90,7 @@ def collect(cfg: Config, out: str | Path | None = None, *, console=None, policie
             with timer("episodes"), policies.full_weights():  # ZeRO-3: whole weights, no per-forward collectives
                 # Under several processes each rank plays a contiguous share of the batches, so the
                 # snapshot holds the same episodes, in the same order, as a one-process run.
-                local = [runner.run(batches[b], batch_index=b, firsts=firsts[b * per_batch: (b + 1) * per_batch])
-                         for b in mine]
+                local = [runner.run(batches[b], batch_index=b, firsts=batch_firsts[b]) for b in mine]
                 episodes = [e for batch in dist.gather_sharded(local, len(batches)) for e in batch]
         summary = summarize(episodes)
         cache = prefix_counts(engine)

@@ -68,24 +68,28 @@ def eval_config(cfg: Config) -> Config:
                    episode=replace(cfg.episode, n_samples=1))
 
 
-def _outcomes(snapshots: Path, sid: str, environment: str) -> dict:
-    """Per-problem 0/1 outcomes of one eval snapshot, ordered by problem id (so two evals pair up)."""
+def _outcomes(snapshots: Path, sid: str, environment: str, texts: bool = False) -> dict:
+    """Per-problem 0/1 outcomes of one eval snapshot, ordered by problem id (so two evals pair up);
+    with ``texts`` also the answers themselves (t1_text, final_text), in the same order."""
     from tosca_mlmt.snapshot import load_snapshot
 
     eps = sorted(load_snapshot(snapshots, sid).episodes(), key=lambda e: e.problem.id)
-    return {"ids": [e.problem.id for e in eps], "environment": environment,
-            "t1": [int(bool(e.solver_turns[0].correct)) for e in eps],
-            "final": [int(bool(e.solver_turns[-1].correct)) for e in eps]}
+    out = {"ids": [e.problem.id for e in eps], "environment": environment,
+           "t1": [int(bool(e.solver_turns[0].correct)) for e in eps],
+           "final": [int(bool(e.solver_turns[-1].correct)) for e in eps]}
+    if texts:
+        out.update(t1_text=[e.solver_turns[0].text for e in eps], final_text=[e.solver_turns[-1].text for e in eps])
+    return out
 
 
-def eval_outcomes(eval_dir: str | Path) -> dict:
+def eval_outcomes(eval_dir: str | Path, texts: bool = False) -> dict:
     """``_outcomes`` of an eval folder (its eval.json names the snapshot)."""
     eval_dir = Path(eval_dir)
     try:
         report = json.loads((eval_dir / "eval.json").read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{eval_dir}: not an eval folder ({e})") from None
-    return _outcomes(eval_dir / "snapshots", report["snapshot_id"], report.get("environment", "honest"))
+    return _outcomes(eval_dir / "snapshots", report["snapshot_id"], report.get("environment", "honest"), texts)
 
 
 def compare_outcomes(a: dict, b: dict, before_name: str | Path = "the earlier eval") -> dict:

@@ -181,7 +181,7 @@ def _collect_selection(cfg: Config, decisions: int) -> str:
     """How the next collect picks strategies with this writer: by Q only once Q was fitted on
     episode.min_q_decisions decisions (rollout/runner.py), uniformly before that."""
     e = cfg.episode
-    if decisions >= e.min_q_decisions:
+    if e.q_steers(decisions):
         return e.strategy_selection
     return (f"uniform (Q fitted on {decisions} decisions < episode.min_q_decisions={e.min_q_decisions}; "
             f"{e.strategy_selection} from then on)")

@@ -202,7 +202,9 @@ def test_a_unit_keeps_its_eval_answers_and_rescore_scores_them_again(monkeypatch
         ep.turns[2].text = "x" * 300 + f"so it is -{ep.problem.answer} apples" + " and words" * 40
     sid, _ = write_snapshot(tmp_path / "eval" / "snapshots", eps, {"task": {"name": "arith", "split": "test"}})
     (tmp_path / "eval" / "eval.json").write_text(json.dumps({"snapshot_id": sid}))
-    tails = learning_efficacy.answer_tails(tmp_path / "eval")
+    from tosca_mlmt.pipelines.evaluate import eval_outcomes
+
+    tails = learning_efficacy.answer_tails(eval_outcomes(tmp_path / "eval", texts=True))
     margin = learning_efficacy.ANSWER_MARGIN
     assert tails["t1"] == [("x" * margin + f"The answer is {i + 1}.") for i in range(3)]  # sorted by id
     task = ArithTask(1)

@@ -108,6 +108,11 @@ class EpisodeConfig(Section):
                                        "close tag, as the verifier does: shorter writer prompts for long thinking; an "
                                        "attempt whose thinking never closed reaches the writer empty.")
 
+    def q_steers(self, decisions: int) -> bool:
+        """Whether a Q head fitted on ``decisions`` logged decisions picks strategies (min_q_decisions);
+        below it selection is uniform. Collect acts on it; train-upper's report says which holds."""
+        return decisions >= self.min_q_decisions
+
     def check(self, prefix: str) -> None:
         need(not (self.reasoning_tags and self.gold_prob), f"{prefix}gold_prob",
              "cannot be combined with episode.reasoning_tags (the answer slot it scores may sit in the thinking)")

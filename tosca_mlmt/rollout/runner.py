@@ -232,7 +232,7 @@ class EpisodeRunner:
         rendered = [wfmt.user_prompt_with_ids(WRITER_SYSTEM, pieces) for pieces in states]  # (ids, cuts)
         # a Q fitted on too few decisions is noise: selection stays uniform until it has seen enough
         q = (self.policies.q_values([ids[:cuts[-1]] for ids, cuts in rendered], signals)
-             if self.policies.q_decisions >= cfg.episode.min_q_decisions else None)
+             if cfg.episode.q_steers(self.policies.q_decisions) else None)
         q_np = None if q is None else q.numpy()
         actions, chosen_p, probs = self.choose_strategies(q_np, len(episodes), rng)
         plans = []
