@@ -80,7 +80,7 @@ def rescore_unit(path: Path) -> dict:
 
     u = json.loads(path.read_text())
     if "answers" not in u:
-        raise SystemExit(f"{path}: the unit kept no eval answers (units from before 2026-11-29 did not)")
+        raise SystemExit(f"{path}: the unit kept no eval answers (units run on code before 2e58c66 did not)")
     task = ArithTask(u["key"]["level"])
     problems = {p.id: p for p in task.load("test", len(u["ids"])).problems}
     rows, moved = [], []
