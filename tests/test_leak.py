@@ -5,7 +5,7 @@ from fractions import Fraction
 import pytest
 
 from tosca_mlmt.records import Episode, Turn
-from tosca_mlmt.leak import answer_leaked, leak_rate, numbers_in, number_value
+from tosca_mlmt.leak import answer_leaked, leak_rate, numbers_in, number_value, spelled_numbers_in
 from tosca_mlmt.metrics import summarize
 from tosca_mlmt.tasks.base import Problem
 
@@ -35,6 +35,16 @@ def test_numbers_in_reads_whole_numbers_and_signs():
     ("\\frac{1}{2}", "Simplify the fraction.", False),
     ("x", "Solve for x carefully.", True),  # a whole token: counts
     ("x", "Re-examine the next step.", False),  # not inside words
+    # spelled out: a writer penalised for digits must not escape by writing words
+    ("15", "So it comes to fifteen in all.", True),
+    ("21", "You should end with twenty-one.", True),
+    ("105", "That is one hundred and five.", True),
+    ("1234", "It totals one thousand two hundred thirty-four.", True),
+    ("9", "The answer is nine.", True),
+    ("2", "Subtract: it equals two.", True),
+    ("2", "Compare the two numbers again.", False),  # small number words are prose without an answer cue
+    ("23", "Check the twenty and the three separately.", False),  # two numbers, neither 23
+    ("50", "Fifteen is wrong.", False),
 ])
 def test_answer_leaked(gold, feedback, leaked):
     assert answer_leaked(gold, feedback, "What is 7 + 8?", "math500") is leaked
@@ -45,6 +55,23 @@ def test_not_measured_for_code_tasks_empty_golds_and_golds_the_question_gives():
     assert answer_leaked("", "anything", "q", "arith") is None
     # "reread_question" repeats the question's numbers: no giveaway when the gold is one of them
     assert answer_leaked("15", "It has 15 apples at the start.", "Ana has 15 apples, buys 3, loses 3.", "arith") is None
+
+
+@pytest.mark.parametrize("text, values", [
+    ("twenty-one apples and forty two pears", [21, 42]),
+    ("one hundred and five, then ninety-nine", [105, 99]),
+    ("seventeen and three", [17]),  # "three" below ten and after no answer cue
+    ("the sum is three", [3]),
+    ("one of the two steps", []),
+    ("Twenty twenty", [20, 20]),
+])
+def test_spelled_numbers_in(text, values):
+    assert spelled_numbers_in(text) == values
+
+
+def test_a_gold_the_question_spells_is_not_measured():
+    assert answer_leaked("15", "Start from fifteen apples.", "Ana has fifteen apples and buys none.", "arith") is None
+    assert answer_leaked("3", "Three is what you add.", "Add three to nothing.", "arith") is None
 
 
 def _episode(i: int, feedback: str, task: str = "arith", answer: str = "15") -> Episode:
