@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tosca_mlmt.tasks.arith import VERIFIER_VERSION as ARITH_VERIFIER
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -138,7 +140,7 @@ def test_rescore_finds_the_turns_a_verifier_change_moves(monkeypatch, tmp_path):
     units = [rescore.rescore(f) for f in folders]
     assert [(u["acc_final"]["stored"], u["acc_final"]["now"], u["turns_moved"]) for u in units] == [(0.75, 1.0, 1)] * 2
     assert units[0]["moved"][0]["now"] == ["1", True] and units[0]["moved"][0]["turn"] == "refine"
-    assert units[0]["verifier_now"] == "arith-v3" and units[0]["acc_t1"] == {"stored": 0.0, "now": 0.0}
+    assert units[0]["verifier_now"] == ARITH_VERIFIER and units[0]["acc_t1"] == {"stored": 0.0, "now": 0.0}
     pooled = rescore.pooled(units)
     assert pooled["acc_final"]["now_minus_stored"]["mean"] == 0.25 and pooled["bootstrap"] == "snapshots x problems"
     assert pooled["turns_moved"] == 2
@@ -222,4 +224,4 @@ def test_a_unit_keeps_its_eval_answers_and_rescore_scores_them_again(monkeypatch
     path.write_text(json.dumps(unit))
     u = rescore.rescore_unit(path)
     assert u["acc_t1"] == {"stored": 2 / 3, "now": 1 / 3} and u["turns_moved"] == 2
-    assert {m["episode"] for m in u["moved"]} == {probs[1].id} and u["verifier_now"] == "arith-v3"
+    assert {m["episode"] for m in u["moved"]} == {probs[1].id} and u["verifier_now"] == ARITH_VERIFIER

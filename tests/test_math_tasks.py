@@ -62,6 +62,11 @@ needs_data = pytest.mark.skipif(
         ("The answer is: 3:4", "3:4"),
         ("The answer is: 2\\sqrt{3}.", "2\\sqrt{3}"),
         ("The answer is: 3x+1", "3x+1"),
+        # an empty last answer line: only what follows it is the answer (a turn cut at max_new_tokens
+        # right after the cue wrote none; the 13 before it is reasoning, which v3 read as the answer)
+        ("11 + 2 = 13 pencils\nThe answer is:", None),
+        ("5 + 3 = 8. The answer is: \n", None),
+        ("So the answer is:\n\n12.", "12"),
         ("no digits here at all", None),
         ("", None),
     ],

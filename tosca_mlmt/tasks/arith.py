@@ -30,8 +30,8 @@ from tosca_mlmt.tasks.mathverify import (ANSWER_FORMAT, ANSWER_LINE, answer_slot
                                          is_equivalent)
 
 # v2: an echo of the answer-format instruction scores wrong; v3: an answer line's number is read alone, and
-# an unevaluated expression ("11 + 2") is no answer
-VERIFIER_VERSION = "arith-v3"
+# an unevaluated expression ("11 + 2") is no answer; v4: an empty last answer line reads only what follows it
+VERIFIER_VERSION = "arith-v4"
 GENERATOR_VERSION = "arith-gen-v2"
 TEST_SIZE = 500
 TEST_FRACTION = 0.2

@@ -29,7 +29,8 @@ from tosca_mlmt.tasks.base import (LoadResult, Problem, Verdict, check_split, ch
 from tosca_mlmt.tasks.mathverify import (ANSWER_FORMAT, ANSWER_LINE, echoes_format, extract_answer, extract_gold,
                                          last_boxed, match_method)
 
-VERIFIER_VERSION = "jsonl-v1"
+# v2: the answer line's extraction of math-v4 (an empty last answer line reads only what follows it)
+VERIFIER_VERSION = "jsonl-v2"
 BOXED_FORMAT = "Reason step by step, then put your final answer in \\boxed{}."
 _PREFIX_JUNK_RE = re.compile(r"[^A-Za-z0-9._-]+")
 

@@ -14,8 +14,9 @@ from functools import lru_cache
 
 # v2: gsm8k scores an echo of its answer-format instruction wrong; v3: an answer line's number is
 # read alone (extract_answer), not with the words after it, and an unevaluated expression is no
-# answer to a numeric gold (unevaluated)
-VERIFIER_VERSION = "math-v3"
+# answer to a numeric gold (unevaluated); v4: an answer line left empty ("The answer is:" where a turn
+# was cut at max_new_tokens) is no answer, not the last number the reasoning wrote before it
+VERIFIER_VERSION = "math-v4"
 
 # math_verify bounds sympy with SIGALRM, which only works on the main thread; elsewhere
 # the alarm would raise, so off the main thread we run it without a timeout.
@@ -170,16 +171,20 @@ def extract_answer(response: str) -> str | None:
 
     Tried in order: last balanced ``\\boxed{}``; the last "The answer is[:] x" line (its leading
     number alone where the number ends the answer: answer_line_value); ``#### x``; the last number
-    in the text.
+    in the text. When the last "The answer is" line is empty, only what follows it is read
+    ("The answer is:\\n12" gives 12): the solver named its answer's place, so a number it wrote
+    before is not its answer, and a turn cut at max_new_tokens right after the cue has none.
     """
     boxed = last_boxed(response)
     if boxed:
         return boxed
     matches = list(_ANSWER_IS_RE.finditer(response))
     if matches:
-        tail = answer_line_value(response[matches[-1].end() :].split("\n", 1)[0])
+        after = response[matches[-1].end() :]
+        tail = answer_line_value(after.split("\n", 1)[0])
         if tail:
             return tail
+        response = after
     if "####" in response:
         tail = _clean_tail(response.rsplit("####", 1)[1].split("\n", 1)[0])
         if tail:
