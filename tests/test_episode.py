@@ -221,6 +221,51 @@ def test_a_cut_prompt_is_recorded_as_the_engine_saw_it(tiny_cfg, policies):
     assert episode_to_trajectory(ep) is None and episode_to_trajectory(full) is not None
 
 
+class QSpy:
+    """The policies, with a Q that steers from the first decision and keeps every state it read."""
+
+    q_decisions = 10**9
+
+    def __init__(self, inner, n_actions: int):
+        self.inner, self.n_actions, self.states = inner, n_actions, []
+
+    def q_values(self, states, signals):
+        self.states += [list(s) for s in states]
+        return torch.arange(self.n_actions, dtype=torch.float32).repeat(len(states), 1)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_q_reads_the_writer_state_the_recorded_prompt_holds_when_the_prompt_is_cut(tiny_cfg, policies):
+    """A writer prompt over episode.max_prompt_tokens is cut before Q reads the state, sized for the
+    longest strategy text: the state Q chose from at collect is the state train-upper reads from the
+    recorded prompt (prompt_ids[:state_len]), whichever strategy was drawn."""
+    task = ArithTask(1)
+    problems = task.load("train", 2).problems
+    eos = policies.eos_ids("solver")[0]
+    replies = {"solver": policies.tokenizer("solver").encode("The answer is 3.") + [eos],
+               "writer": policies.tokenizer("writer").encode("Check the sum once more.") + [eos]}
+
+    def run(limit):
+        cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=1, n_samples=2, max_prompt_tokens=limit))
+        spy = QSpy(policies, 0)
+        runner = EpisodeRunner(cfg, task, ScriptedEngine(replies), spy)
+        spy.n_actions = len(runner.strategies)
+        return runner.run(problems), spy
+
+    full, _ = run(10**6)
+    limit = min(len(e.turns[1].prompt_ids) for e in full) - 4
+    assert max(len(e.turns[0].prompt_ids) for e in full) < limit
+    eps, spy = run(limit)
+    fbs = [e.turns[1] for e in eps]
+    assert all(fb.truncated and len(fb.prompt_ids) <= limit for fb in fbs)
+    assert spy.states == [fb.prompt_ids[: fb.state_len] for fb in fbs]
+    # the cut only takes the state's left end: the state read is the end of the uncut one
+    for fb, whole in zip(fbs, (e.turns[1] for e in full)):
+        assert whole.prompt_ids[: whole.state_len][-fb.state_len:] == fb.prompt_ids[: fb.state_len]
+
+
 def test_a_problem_drawn_twice_in_a_batch_continues_its_sample_numbers(tiny_cfg, policies, tmp_path):
     """A batch can hold one problem twice (an iteration crossing an epoch of the problem walk): its
     episodes must keep unique ids, or a snapshot, which joins turns by episode id, reloads them with

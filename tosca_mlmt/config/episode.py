@@ -84,7 +84,10 @@ class EpisodeConfig(Section):
                                                   "what the writer adds after 'looks right' makes the solver re-derive "
                                                   "a right answer. [] = the writer writes for every strategy.",
                              default_factory=list)
-    max_prompt_tokens: int = knob(1536, "Prompts longer than this are left-truncated (counted in metrics).", min=1)
+    max_prompt_tokens: int = knob(1536, "Prompts longer than this are left-truncated (counted in metrics). A writer "
+                                      "prompt is cut as far as its longest strategy text would need, before Q reads "
+                                      "the state, so the state Q chose from is the one the recorded prompt holds.",
+                                      min=1)
     counterfactual: bool = knob(False, "Also sample each refine with the feedback cut out of its context and score it "
                                        "(one more solver turn per round), for upper.reward=counterfactual.")
     gold_prob: bool = knob(False, "Also score every solver turn by the solver's teacher-forced probability of the gold "

@@ -72,6 +72,7 @@ class FeedbackPlan:
     state_len: int  # tokens of s at the prompt's start (h(s) reads them)
     signal: int  # what episode.writer_sees told the writer about the last attempt
     fixed: Generation | None  # feedback that needs no writer model (_feedback_text), else None
+    cut: int = 0  # ids cut from the state's left before Q read it, so that every strategy's prompt fits
 
 
 class EpisodeRunner:
@@ -230,27 +231,35 @@ class EpisodeRunner:
             states.append(pieces)
             signals.append(signal)  # about the last attempt: the one this feedback is on
         rendered = [wfmt.user_prompt_with_ids(WRITER_SYSTEM, pieces) for pieces in states]  # (ids, cuts)
+        # A prompt over episode.max_prompt_tokens loses its left end. The cut is taken here, before Q
+        # reads the state, and sized for the longest strategy text, so whichever strategy is drawn its
+        # prompt fits and Q read the very state train-upper will read from the recorded prompt.
+        texts = [WRITER_STRATEGY.format(instruction=s["instruction"]) for s in self.strategies]
+        longest = max(len(wfmt.encode(t)) for t in texts)  # pieces are encoded one by one: lengths add up
+        cuts_left = [min(max(len(ids) + longest - cfg.episode.max_prompt_tokens, 0), cuts[-1] - 1)
+                     for ids, cuts in rendered]  # a cut that takes the whole state leaves one token of it
+        self.truncated_prompts += sum(c > 0 for c in cuts_left)
         # a Q fitted on too few decisions is noise: selection stays uniform until it has seen enough
-        q = (self.policies.q_values([ids[:cuts[-1]] for ids, cuts in rendered], signals)
+        q = (self.policies.q_values([ids[c:cuts[-1]] for (ids, cuts), c in zip(rendered, cuts_left)], signals)
              if cfg.episode.q_steers(self.policies.q_decisions) else None)
         q_np = None if q is None else q.numpy()
         actions, chosen_p, probs = self.choose_strategies(q_np, len(episodes), rng)
         plans = []
         for i, (ep, pieces, a) in enumerate(zip(episodes, states, actions)):
-            text = WRITER_STRATEGY.format(instruction=self.strategies[a]["instruction"])
-            ids, _ = wfmt.user_prompt_with_ids(WRITER_SYSTEM, pieces + [text])
+            ids, _ = wfmt.user_prompt_with_ids(WRITER_SYSTEM, pieces + [texts[a]])
+            c = cuts_left[i]
             # Fixed feedback needs no writer model (SCoRe's static instruction, the verdict control, a
             # prefix_only strategy): finish_reason "fixed", no log-probs, nothing for the text loss to clone.
             t = self._feedback_text(ep, a)
             fixed = None if t is None else Generation(tuple(wfmt.encode(t) + [wfmt.close_id]), (), "fixed")
             plans.append(FeedbackPlan(int(a), float(chosen_p[i]), [float(x) for x in probs[i]],
-                                      None if q_np is None else [float(x) for x in q_np[i]], ids,
-                                      rendered[i][1][-1], signals[i], fixed))
+                                      None if q_np is None else [float(x) for x in q_np[i]], ids[c:],
+                                      rendered[i][1][-1] - c, signals[i], fixed, c))
         return plans
 
     def record_feedback(self, ep: Episode, rnd: int, plan: FeedbackPlan, g: Generation, seen: list[int]) -> None:
         """Turn 2 of round ``rnd``: the feedback ``g`` written (or fixed) for ``plan``, appended to ``ep``."""
-        shift = len(plan.prompt) - len(seen)
+        shift = len(plan.prompt) - len(seen)  # 0 unless the strategy texts outgrew the plan's own cut
         s = self.strategies[plan.action]
         ep.turns.append(Turn(
             len(ep.turns), rnd, "writer", "feedback", list(seen), list(g.token_ids), list(g.logprobs),
@@ -259,7 +268,8 @@ class EpisodeRunner:
             strategy=plan.action, strategy_name=s["name"], behaviour_prob=plan.chosen_p,
             behaviour_probs=plan.probs, q_values=plan.q,
             # a cut that took the whole state leaves one token of it, so h(s) stays defined
-            state_len=max(plan.state_len - shift, 1), truncated=shift > 0, info=self._feedback_info(plan.signal)))
+            state_len=max(plan.state_len - shift, 1), truncated=plan.cut + shift > 0,
+            info=self._feedback_info(plan.signal)))
 
     def refine_prompt(self, ep: Episode, ctx: list[int]) -> tuple[list[int], FeedbackSpan]:
         """Turn 3's prompt: the solver's context ``ctx`` with the last feedback appended, and where g
