@@ -288,6 +288,40 @@ def test_a_continued_head_keeps_its_table_and_a_head_without_one_gains_a_zero_ta
     assert torch.equal(kept.q.signal_table, grown.q.signal_table) and kept.table_parameters()
 
 
+def test_the_iql_v_head_is_standardised_whichever_head_q_is_read_from():
+    """V(s) is a fresh linear head on h(s) in every run: it needs the feature standardisation a fresh
+    Q head gets, also when Q is read from the LM logits or continued from a saved head (whose own
+    stats must stay as they were fitted)."""
+    from tosca_mlmt.models.policies import QHead
+    from tosca_mlmt.upper.critic import feature_stats
+
+    g = torch.Generator().manual_seed(0)
+    feats = 50.0 + 7.0 * torch.randn(32, 8, generator=g)  # raw hidden states: far from zero mean, unit scale
+    mean, scale = feature_stats(feats)
+
+    logits = StrategyCritic(UpperConfig(q_source="logits", conservatism="iql"), 8, A, lm_rows=torch.randn(A, 8))
+    assert logits.needs_feature_stats()
+    logits.set_feature_stats(feats)
+    assert torch.equal(logits.v.mean, mean) and torch.equal(logits.v.scale, scale)
+    with torch.no_grad():
+        logits.v.proj.weight.zero_()
+        logits.v.proj.weight[0, 3] = 1.0
+    torch.testing.assert_close(logits.v(feats), (feats[:, 3] - mean[3]) / scale[3])
+
+    old = QHead(8, A)
+    old.set_feature_stats(torch.full((8,), 2.0), torch.full((8,), 3.0))
+    cont = StrategyCritic(UpperConfig(conservatism="iql"), 8, A, init_head=old)
+    assert cont.needs_feature_stats()
+    cont.set_feature_stats(feats)
+    assert torch.equal(cont.v.mean, mean) and torch.equal(cont.q.mean, torch.full((8,), 2.0))
+    assert torch.equal(cont.q_target.scale, torch.full((8,), 3.0))
+
+    off = StrategyCritic(UpperConfig(q_source="logits", conservatism="iql", q_standardize=False), 8, A,
+                         lm_rows=torch.randn(A, 8))
+    assert not off.needs_feature_stats()
+    assert not StrategyCritic(UpperConfig(q_source="logits"), 8, A, lm_rows=torch.randn(A, 8)).needs_feature_stats()
+
+
 def test_q_signal_needs_the_head():
     with pytest.raises(ConfigError, match="upper.q_signal"):
         load_config(overrides={"upper.q_signal": True, "upper.q_source": "logits"})

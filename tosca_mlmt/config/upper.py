@@ -54,8 +54,9 @@ class UpperConfig(Section):
     signal_lr: float = knob(0.02, "AdamW learning rate of the Q head's signal table (upper.q_signal). Adam moves a "
                                   "cell ~lr per step it is in the batch, so 0.02 covers a reward of 1 in ~50 steps.",
                             min=0.0, min_exclusive=True)
-    q_standardize: bool = knob(True, "head only: standardise h(s) per feature (mean and std over the logged states, "
-                                     "fixed when the head is created and saved with it) before the linear Q head. "
+    q_standardize: bool = knob(True, "Standardise h(s) per feature (mean and std over the logged states, fixed "
+                                     "when the head is created and saved with it) before the linear Q head "
+                                     "(q_source=head) and the IQL V head (either q_source). "
                                      "Raw hidden states are dominated by a few large features common to every "
                                      "state; what tells states apart (e.g. the verdict) is a small direction.")
     conservatism: str = knob("cql", "Offline over-estimation control. cql (default): the strategy is picked by "

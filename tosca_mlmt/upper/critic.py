@@ -112,17 +112,23 @@ class StrategyCritic(nn.Module):
             self.q_target = self.q  # no parameters: the target lives in the adapter copy
         self.v = VHead(hidden) if cfg.conservatism == "iql" else None
 
+    def _fresh_heads(self) -> list[QHead]:
+        """The linear heads upper.q_standardize fixes stats for: a fresh Q head (a head continued from a
+        saved writer keeps the stats it was fitted with: new stats would change what its weights mean)
+        with its target, and the IQL V head, fresh in every run, whichever head Q is read from."""
+        if not self.cfg.q_standardize:
+            return []
+        fresh_q = self.cfg.q_source == "head" and not self.q.has_feature_stats()
+        return [self.q, self.q_target] * fresh_q + [self.v] * (self.v is not None and not self.v.has_feature_stats())
+
     def needs_feature_stats(self) -> bool:
-        """upper.q_standardize on a fresh head. A head continued from a saved writer keeps the
-        stats it was fitted with: new stats would change what its weights mean."""
-        return self.cfg.q_source == "head" and self.cfg.q_standardize and not self.q.has_feature_stats()
+        return bool(self._fresh_heads())
 
     def set_feature_stats(self, features: torch.Tensor) -> None:
-        """Fix every head's per-feature standardisation from h(s) of the logged states [N, H]."""
+        """Fix the fresh heads' per-feature standardisation from h(s) of the logged states [N, H]."""
         mean, std = feature_stats(features)
-        for head in (self.q, self.q_target, self.v):
-            if head is not None:
-                head.set_feature_stats(mean, std)
+        for head in self._fresh_heads():
+            head.set_feature_stats(mean, std)
 
     def head_parameters(self) -> list[nn.Parameter]:
         """Trainable head parameters but the signal table (empty for logits without IQL)."""
