@@ -4,6 +4,7 @@ import json
 import os
 import re
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -241,6 +242,84 @@ def test_format_1_snapshots_are_still_read_and_verified(tmp_path):
     f = tmp_path / m["id"] / "turns.parquet"
     f.write_bytes(f.read_bytes()[:-1] + b"\x00")
     assert verify_snapshot(tmp_path / m["id"]) == ["turns.parquet: sha256 mismatch (file changed since it was written)"]
+
+
+def _reencode(folder, **parquet_options):
+    """The stored files written again by another parquet writer (options stand in for another
+    pyarrow: compression, dictionary and page layout change every byte), the stored-file table
+    updated to match, as a copy or an upgrade would leave them."""
+    from tosca_mlmt.snapshot import sha256_file
+
+    for f in ("episodes.parquet", "turns.parquet"):
+        t = pq.read_table(folder / f)
+        pq.write_table(t, folder / f, **parquet_options)
+
+    def table(m):
+        for f in m["stored_files"]:
+            m["stored_files"][f] = {"sha256": sha256_file(folder / f), "bytes": (folder / f).stat().st_size}
+
+    _rewrite_manifest(folder, table)
+
+
+def test_the_id_stands_for_the_values_not_the_parquet_encoding(tmp_path, monkeypatch):
+    """Format 3: under another parquet writer (another pyarrow: here zstd pages without dictionaries,
+    every byte different) the same episodes get the same id and a stored snapshot still verifies;
+    an edit of one value still fails."""
+    import functools
+
+    import tosca_mlmt.snapshot_tables as snap_tables
+
+    sid, _ = write_snapshot(tmp_path / "a", make_episodes(), {"task": {"name": "arith"}})
+    before = (tmp_path / "a" / sid / "turns.parquet").read_bytes()
+    other = functools.partial(pq.write_table, compression="zstd", use_dictionary=False, row_group_size=2)
+    monkeypatch.setattr(pq, "write_table", other)
+    monkeypatch.setattr(snap_tables, "parquet_bytes", lambda t: pytest.fail("format 3 re-encodes nothing"))
+    again, created = write_snapshot(tmp_path / "b", make_episodes(), {"task": {"name": "arith"}})
+    assert (again, created) == (sid, True)
+    assert (tmp_path / "b" / sid / "turns.parquet").read_bytes() != before
+    assert verify_snapshot(tmp_path / "a" / sid) == [] and verify_snapshot(tmp_path / "b" / sid) == []
+    assert len(load_snapshot(tmp_path / "b", sid).episodes()) == 3
+
+    folder = tmp_path / "a" / sid
+    t = pq.read_table(folder / "turns.parquet")
+    lp = t["logprobs"].to_pylist()
+    lp[0] = [lp[0][0] + 0.5] + lp[0][1:]
+    pq.write_table(t.set_column(t.schema.get_field_index("logprobs"), "logprobs",
+                                pa.array(lp, t.schema.field("logprobs").type)), folder / "turns.parquet")
+    _reencode(folder)
+    assert verify_snapshot(folder) == ["turns.parquet: its data without the snapshot_id column does not hash "
+                                       "to the id's content (edited)"]
+
+
+def test_format_2_snapshots_are_still_read_and_verified(tmp_path, monkeypatch):
+    """Written as tosca-mlmt wrote them before format 3: the id hashes the parquet bytes of the
+    tables, so they verify under the pyarrow that wrote them and an edit still fails."""
+    import hashlib
+
+    import tosca_mlmt.snapshot as snap
+    import tosca_mlmt.snapshot_tables as snap_tables
+    from tosca_mlmt.snapshot_tables import parquet_bytes
+
+    def other_writer(t):
+        sink = pa.BufferOutputStream()
+        pq.write_table(t, sink, compression="zstd")
+        return sink.getvalue().to_pybytes()
+
+    monkeypatch.setattr(snap, "FORMAT_VERSION", 2)
+    monkeypatch.setattr(snap, "content_entry", lambda t: {"sha256": hashlib.sha256(parquet_bytes(t)).hexdigest(),
+                                                          "bytes": len(parquet_bytes(t))})
+    sid, _ = write_snapshot(tmp_path, make_episodes(), {})
+    monkeypatch.undo()
+    assert json.loads((tmp_path / sid / "manifest.json").read_text())["format_version"] == 2
+    assert verify_snapshot(tmp_path / sid) == []
+    assert len(load_snapshot(tmp_path, sid).episodes()) == 3
+    # another pyarrow, whose parquet writer encodes the same tables in other bytes: format 2 cannot tell
+    # that from an edit, format 3 is not concerned
+    monkeypatch.setattr(snap_tables, "parquet_bytes", lambda t: other_writer(t))
+    (p, q) = verify_snapshot(tmp_path / sid)
+    assert "does not hash to the id's content (edited; or this pyarrow" in p and q.startswith("turns.parquet")
+    v3, _ = write_snapshot(tmp_path / "v3", make_episodes(), {})
+    assert verify_snapshot(tmp_path / "v3" / v3) == []
 
 
 def test_a_snapshot_id_that_is_a_path_is_refused(tmp_path):

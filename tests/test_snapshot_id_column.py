@@ -1,9 +1,7 @@
-"""The ``snapshot_id`` column inside a snapshot's parquet files: the id hashes the same tables
-written without it (so ids are what they were before the column), verify drops it before
-re-hashing, a tampered value is a verify problem, and snapshots written without it still read
-and verify under their old ids. No model."""
+"""The ``snapshot_id`` column inside a snapshot's parquet files: the id covers the same tables
+without it, verify drops it before re-hashing, a tampered value is a verify problem, and
+snapshots written without it (format 2) still read and verify under their old ids. No model."""
 
-import hashlib
 import json
 
 import pyarrow as pa
@@ -13,15 +11,17 @@ import pytest
 
 from test_snapshot import make_episodes
 from tosca_mlmt.errors import SnapshotError
-from tosca_mlmt.snapshot import _manifest_sha, build_manifest, load_snapshot, sha256_file, verify_snapshot, write_snapshot
-from tosca_mlmt.snapshot_tables import episodes_to_tables
+from tosca_mlmt.snapshot import (_manifest_sha, build_manifest, load_snapshot, sha256_file, snapshot_id, verify_snapshot,
+                                 write_snapshot)
+from tosca_mlmt.snapshot_tables import content_entry, episodes_to_tables
 
 FILES = ("episodes.parquet", "turns.parquet")
 PROVENANCE = {"kind": "collect", "task": {"name": "arith", "split": "train"}, "config": {"seed": 3}}
 
 
 def write_without_column(root, episodes, provenance):
-    """A snapshot as tosca-mlmt wrote them before the column: plain files, the id over their bytes."""
+    """A snapshot as tosca-mlmt wrote them before the column (format 2): plain files, the id over
+    their bytes."""
     build = root / "build"
     build.mkdir(parents=True)
     ep_t, turn_t = episodes_to_tables(episodes)
@@ -29,6 +29,9 @@ def write_without_column(root, episodes, provenance):
     pq.write_table(turn_t, build / FILES[1])
     files = {f: {"sha256": sha256_file(build / f), "bytes": (build / f).stat().st_size} for f in FILES}
     m = build_manifest(provenance, files, {"episodes": ep_t.num_rows, "turns": turn_t.num_rows})
+    m["format_version"] = 2
+    m["id"] = snapshot_id(m)
+    m["manifest_sha256"] = _manifest_sha(m)
     (build / "manifest.json").write_text(json.dumps(m))
     build.rename(root / m["id"])
     return m["id"]
@@ -44,18 +47,19 @@ def _rewrite(folder, name, table):
     (folder / "manifest.json").write_text(json.dumps(m))
 
 
-def test_the_id_is_the_id_of_the_same_tables_without_the_column(tmp_path):
+def test_the_id_covers_the_same_tables_without_the_column(tmp_path):
     old = write_without_column(tmp_path / "old", make_episodes(), PROVENANCE)
     new, _ = write_snapshot(tmp_path / "new", make_episodes(), PROVENANCE)
-    assert new == old
     folder = tmp_path / "new" / new
+    m = json.loads((folder / "manifest.json").read_text())
     for f in FILES:
         t = pq.read_table(folder / f)
         assert t.column_names[-1] == "snapshot_id" and set(t["snapshot_id"].to_pylist()) == {new}
-        # the id's file table is the column-less file's, byte for byte as the old writer wrote it
-        m = json.loads((folder / "manifest.json").read_text())
-        assert m["files"][f]["sha256"] == sha256_file(tmp_path / "old" / old / f)
-        assert m["stored_files"][f]["sha256"] == sha256_file(folder / f) != m["files"][f]["sha256"]
+        # the id's file table holds the values of the column-less file the older writer wrote
+        assert m["files"][f] == content_entry(pq.read_table(tmp_path / "old" / old / f))
+        assert m["stored_files"][f]["sha256"] == sha256_file(folder / f)
+    # the id is the manifest's covered content with those digests: another format, so another id
+    assert new == snapshot_id(m) != old
     assert verify_snapshot(folder) == []
 
 
@@ -94,12 +98,10 @@ def test_edited_data_under_a_rewritten_stored_table_fails_verify(tmp_path):
     _rewrite(folder, "episodes.parquet", t.set_column(i, "r_final", pc.subtract(pa.scalar(1.0), t["r_final"])))
     (p,) = verify_snapshot(folder)
     assert p.startswith("episodes.parquet: its data without the snapshot_id column does not hash to the id's content")
-    # the canonical hash re-derived here is the column-less file's, computed another way
+    # the digest verify re-derives from the stored file is the one of the table before any file held it
     ep_t, _ = episodes_to_tables(make_episodes())
-    plain = tmp_path / "plain.parquet"
-    pq.write_table(ep_t, plain)
     m = json.loads((folder / "manifest.json").read_text())
-    assert m["files"]["episodes.parquet"]["sha256"] == hashlib.sha256(plain.read_bytes()).hexdigest()
+    assert m["files"]["episodes.parquet"] == content_entry(ep_t)
 
 
 def test_a_stored_table_that_lacks_a_file_is_a_manifest_error(tmp_path):

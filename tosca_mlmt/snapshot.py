@@ -2,28 +2,30 @@
 
 A snapshot is a folder ``<root>/<id>/`` holding ``episodes.parquet`` (one row per
 episode), ``turns.parquet`` (one row per turn, token ids and logprobs included) and
-``manifest.json`` (provenance, row counts, and the size and sha256 of each data file).
+``manifest.json`` (provenance, row counts, each data file's value digest, size and sha256).
 
-Format 2: the id is a hash of everything in the manifest that decides what the data is
-and means (file sizes and hashes, row counts, parents, models, task, seeds, sampling,
+Format 3: the id is a hash of everything in the manifest that decides what the data is
+and means (the data's value digests, row counts, parents, models, task, seeds, sampling,
 strategies, config without its logging and path fields); only informational fields
 (creation time, timings, summary, software versions) are left out, so that the same
 episodes from the same settings get the same id. Editing a covered field or a data file
-breaks the id, which ``verify`` and every reader check. Format 1 (id = hash of the data
-files only) is still read and verified by its own, weaker, rules.
+breaks the id, which ``verify`` and every reader check. Format 2 (the same, but ``files``
+hashed the tables' parquet bytes, so only a pyarrow encoding like the writer's could confirm
+them) and format 1 (id = hash of the data files only) are still read and verified by their
+own rules.
 
 The ``snapshot_id`` column: both data files carry the id in a last ``snapshot_id`` column, so
 rows read from several snapshots by any parquet reader say where they came from. A file
-cannot hold a hash of itself, so the id hashes the *canonical* files, the same tables written
-without that column (``files`` in the manifest: the bytes the id stands for, exactly what
-snapshots written before the column had on disk, so the same episodes keep the same id), and
-``stored_files`` (outside the id, under ``manifest_sha256``) are the files as stored. ``verify``
-checks the stored bytes, that every ``snapshot_id`` value is the manifest's id (an edited or
-copied value is a problem), and that the tables without the column re-encode to the canonical
-hashes (an edit of the data is a problem even when ``stored_files`` was rewritten to match).
-That re-encoding is pyarrow's parquet writer: a pyarrow that encodes differently from the one
-that wrote the snapshot (``packages.pyarrow``) cannot confirm it, and the problem says so.
-Snapshots without ``stored_files`` (written before the column) are verified as before.
+cannot hold a hash of itself, so the id covers the tables without that column: ``files`` in the
+manifest holds each table's value digest (``snapshot_tables.content_entry``: column names, types
+and values, independent of the parquet encoding), and ``stored_files`` (outside the id, under
+``manifest_sha256``) the files as stored. ``verify`` checks the stored bytes, that every
+``snapshot_id`` value is the manifest's id (an edited or copied value is a problem), and that the
+tables read back without that column give the digests (an edit of the data is a problem even
+when ``stored_files`` was rewritten to match). Format 2 re-encoded the tables with pyarrow's
+parquet writer instead: a pyarrow that encodes differently from the one that wrote such a
+snapshot (``packages.pyarrow``) cannot confirm it, and the problem says so. Snapshots without
+``stored_files`` (written before the column) are verified as before.
 
 Folders are built under ``<root>/.tmp-<pid>-<rand>`` and renamed into place in one step:
 a reader never sees a half-written snapshot, an existing snapshot is never overwritten,
@@ -48,11 +50,11 @@ import pyarrow.parquet as pq
 from tosca_mlmt.errors import SnapshotError
 from tosca_mlmt.fsutil import fsync_tree, sha256_file
 from tosca_mlmt.records import Episode
-from tosca_mlmt.snapshot_tables import (SNAPSHOT_ID, canonical_bytes, episodes_to_tables, parquet_bytes, read_tables,
-                                        tables_to_episodes, with_snapshot_id)
+from tosca_mlmt.snapshot_tables import (SNAPSHOT_ID, canonical_bytes, content_entry, episodes_to_tables, read_tables,
+                                        tables_to_episodes, with_snapshot_id, without_snapshot_id)
 
-FORMAT_VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+SUPPORTED_VERSIONS = (1, 2, 3)
 DATA_FILES = ("episodes.parquet", "turns.parquet")
 # Manifest fields that describe the writing, not the data: left out of the id so that the
 # same episodes written again (later, elsewhere, by a newer build) keep their id.
@@ -78,7 +80,7 @@ def _without(tree: dict, dotted: tuple[str, ...]) -> dict:
 
 
 def covered_content(manifest: dict) -> dict:
-    """The part of a format-2 manifest that the id stands for."""
+    """The part of a format-2 or -3 manifest that the id stands for."""
     c = {k: v for k, v in manifest.items() if k not in INFORMATIONAL}
     if isinstance(c.get("config"), dict):
         c["config"] = _without(c["config"], LOCATION_FIELDS)
@@ -136,10 +138,6 @@ def build_manifest(manifest: dict, files: dict[str, dict], rows: dict[str, int])
     return m
 
 
-def _entry(data: bytes) -> dict:
-    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-
-
 def write_snapshot(root: str | Path, episodes: list[Episode], manifest: dict) -> tuple[str, bool]:
     """Write atomically; returns (id, created). ``created`` is False when an identical
     snapshot already existed (it is verified and left untouched)."""
@@ -150,7 +148,7 @@ def write_snapshot(root: str | Path, episodes: list[Episode], manifest: dict) ->
     tmp.mkdir()
     try:
         tables = dict(zip(DATA_FILES, episodes_to_tables(episodes)))
-        files = {f: _entry(parquet_bytes(t)) for f, t in tables.items()}  # canonical: what the id hashes
+        files = {f: content_entry(t) for f, t in tables.items()}  # the values the id stands for
         m = build_manifest(manifest, files, {"episodes": tables["episodes.parquet"].num_rows,
                                              "turns": tables["turns.parquet"].num_rows})
         sid = m["id"]
@@ -260,18 +258,22 @@ def _file_problem(path: Path, name: str, want, version: int) -> str | None:
 
 
 def _canonical_problem(path: Path, name: str, m: dict) -> str | None:
-    """Whether a stored file holds the id and, without that column, the content the id hashes."""
+    """Whether a stored file holds the id and, without that column, the content the id hashes:
+    its values (format 3), or its parquet re-encoding (format 2, tied to the writer's pyarrow)."""
     try:
         t = pq.read_table(path / name)
-        data = canonical_bytes(t)
-    except (OSError, pa.ArrowException, ValueError) as e:
+        got = (content_entry(without_snapshot_id(t))["sha256"] if m["format_version"] >= 3
+               else hashlib.sha256(canonical_bytes(t)).hexdigest())
+    except (OSError, pa.ArrowException, ValueError, TypeError) as e:
         return f"{name}: unreadable ({type(e).__name__}: {e})"
     if SNAPSHOT_ID not in t.column_names:
         return f"{name}: has no {SNAPSHOT_ID} column, but the manifest lists stored_files"
     others = sorted(set(t[SNAPSHOT_ID].unique().to_pylist()) - {m["id"]}, key=str)
     if others:
         return f"{name}: its {SNAPSHOT_ID} column says {', '.join(map(str, others[:3]))}, not {m['id']} (edited or copied)"
-    if hashlib.sha256(data).hexdigest() != m["files"][name]["sha256"]:
+    if got != m["files"][name]["sha256"]:
+        if m["format_version"] >= 3:
+            return f"{name}: its data without the {SNAPSHOT_ID} column does not hash to the id's content (edited)"
         wrote = (m.get("packages") or {}).get("pyarrow", "?") if isinstance(m.get("packages"), dict) else "?"
         return (f"{name}: its data without the {SNAPSHOT_ID} column does not hash to the id's content (edited; or "
                 f"this pyarrow {pa.__version__} encodes parquet unlike the writer's {wrote})")

@@ -7,10 +7,13 @@ written before a column existed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tosca_mlmt.records import Episode, FeedbackSpan, Turn
@@ -87,6 +90,48 @@ def canonical_bytes(stored: pa.Table) -> bytes:
     schema = pa.schema([pa.field(f.name, pa.list_(f.type.value_type), f.nullable) if pa.types.is_list(f.type)
                         else f for f in t.schema])
     return parquet_bytes(t.cast(schema))
+
+
+def _type_name(t: pa.DataType) -> str:
+    """A type's name without the list item's field name (Arrow says "item", parquet "element")."""
+    return f"list<{_type_name(t.value_type)}>" if pa.types.is_list(t) else str(t)
+
+
+def _value_stream(arr: pa.Array):
+    """The logical values of ``arr`` as byte chunks: validity, then the values in a fixed
+    little-endian layout; a list's lengths, then its items; a string's lengths, then its UTF-8."""
+    yield pc.is_valid(arr).to_numpy(zero_copy_only=False).astype("u1").tobytes()
+    t = arr.type
+    if pa.types.is_list(t):
+        yield pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False).astype("<i8").tobytes()
+        yield from _value_stream(arr.flatten())
+    elif pa.types.is_string(t) or pa.types.is_large_string(t):
+        texts = [v.encode("utf-8") for v in arr.fill_null("").to_pylist()]
+        yield np.array([len(b) for b in texts], dtype="<i8").tobytes()
+        yield b"".join(texts)
+    elif pa.types.is_boolean(t):
+        yield arr.fill_null(False).to_numpy(zero_copy_only=False).astype("u1").tobytes()
+    elif pa.types.is_integer(t) or pa.types.is_floating(t):
+        dtype = np.dtype(t.to_pandas_dtype()).newbyteorder("<")
+        yield arr.fill_null(0).to_numpy(zero_copy_only=False).astype(dtype).tobytes()
+    else:
+        raise TypeError(f"no canonical encoding for a {t} column")
+
+
+def content_entry(table: pa.Table) -> dict:
+    """What a format-3 id stands for in one data file: the sha256 of its columns' logical values
+    (each column's name and type, then _value_stream) and that stream's length. It does not depend
+    on how parquet encoded them (writer version, compression, page layout), so a pyarrow upgrade
+    neither changes the id of the same episodes nor fails to verify a stored snapshot."""
+    h, n = hashlib.sha256(), 0
+    for field, col in zip(table.schema, table.columns):
+        chunks = [f"{field.name}\0{_type_name(field.type)}\0".encode()]
+        chunks += _value_stream(col.combine_chunks() if col.num_chunks != 1 else col.chunk(0))
+        for c in chunks:
+            h.update(len(c).to_bytes(8, "little"))  # framed: no two streams concatenate alike
+            h.update(c)
+            n += 8 + len(c)
+    return {"sha256": h.hexdigest(), "bytes": n}
 
 
 def tables_to_episodes(ep_table: pa.Table, turn_table: pa.Table) -> list[Episode]:
