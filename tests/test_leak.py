@@ -64,6 +64,7 @@ def test_not_measured_for_code_tasks_empty_golds_and_golds_the_question_gives():
     ("the sum is three", [3]),
     ("one of the two steps", []),
     ("Twenty twenty", [20, 20]),
+    ("one hundred thousand and twelve", [100012]),
 ])
 def test_spelled_numbers_in(text, values):
     assert spelled_numbers_in(text) == values

@@ -101,7 +101,7 @@ def _spelled_runs(text: str) -> list[tuple[int, int]]:
                 start = m.start()
             current += v
             last = "tens" if tens else "unit"
-        elif w in _SCALE and start is not None and last != "scale":
+        elif w in _SCALE and start is not None and (last != "scale" or (_SCALE[w] > 100 and current)):
             if _SCALE[w] == 100:
                 current *= 100
             else:
