@@ -116,10 +116,12 @@ class StrategyCritic(nn.Module):
         """The linear heads upper.q_standardize fixes stats for: a fresh Q head (a head continued from a
         saved writer keeps the stats it was fitted with: new stats would change what its weights mean)
         with its target, and the IQL V head, fresh in every run, whichever head Q is read from."""
-        if not self.cfg.q_standardize:
-            return []
-        fresh_q = self.cfg.q_source == "head" and not self.q.has_feature_stats()
-        return [self.q, self.q_target] * fresh_q + [self.v] * (self.v is not None and not self.v.has_feature_stats())
+        heads = []
+        if self.cfg.q_standardize and self.cfg.q_source == "head" and not self.q.has_feature_stats():
+            heads += [self.q, self.q_target]
+        if self.cfg.q_standardize and self.v is not None and not self.v.has_feature_stats():
+            heads.append(self.v)
+        return heads
 
     def needs_feature_stats(self) -> bool:
         return bool(self._fresh_heads())
