@@ -172,6 +172,13 @@ def test_hf_sampling_ignores_a_checkpoints_own_generation_config(debug_policies)
         inner.generation_config = saved
 
 
+def scripted_replies(policies, feedback: str) -> dict[str, list[int]]:
+    """ScriptedEngine's replies: the solver answers 3, the writer says ``feedback``; both end at eos."""
+    eos = policies.eos_ids("solver")[0]
+    return {"solver": policies.tokenizer("solver").encode("The answer is 3.") + [eos],
+            "writer": policies.tokenizer("writer").encode(feedback) + [eos]}
+
+
 class ScriptedEngine:
     """Answers every prompt with fixed tokens and keeps what it was given."""
 
@@ -193,9 +200,7 @@ def test_a_cut_prompt_is_recorded_as_the_engine_saw_it(tiny_cfg, policies):
 
     task = ArithTask(1)
     problems = task.load("train", 1).problems
-    eos = policies.eos_ids("solver")[0]
-    replies = {"solver": policies.tokenizer("solver").encode("The answer is 3.") + [eos],
-               "writer": policies.tokenizer("writer").encode("Check the sum once more, digit by digit.") + [eos]}
+    replies = scripted_replies(policies, "Check the sum once more, digit by digit.")
 
     def run(limit):
         cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=1, n_samples=1, max_prompt_tokens=limit))
@@ -243,9 +248,7 @@ def test_q_reads_the_writer_state_the_recorded_prompt_holds_when_the_prompt_is_c
     recorded prompt (prompt_ids[:state_len]), whichever strategy was drawn."""
     task = ArithTask(1)
     problems = task.load("train", 2).problems
-    eos = policies.eos_ids("solver")[0]
-    replies = {"solver": policies.tokenizer("solver").encode("The answer is 3.") + [eos],
-               "writer": policies.tokenizer("writer").encode("Check the sum once more.") + [eos]}
+    replies = scripted_replies(policies, "Check the sum once more.")
 
     def run(limit):
         cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=1, n_samples=2, max_prompt_tokens=limit))
@@ -274,9 +277,7 @@ def test_a_problem_drawn_twice_in_a_batch_continues_its_sample_numbers(tiny_cfg,
 
     task = ArithTask(1)
     p = task.load("train", 1).problems[0]
-    eos = policies.eos_ids("solver")[0]
-    replies = {"solver": policies.tokenizer("solver").encode("The answer is 3.") + [eos],
-               "writer": policies.tokenizer("writer").encode("Check the sum.") + [eos]}
+    replies = scripted_replies(policies, "Check the sum.")
     cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=1, n_samples=2))
     eps = EpisodeRunner(cfg, task, ScriptedEngine(replies), policies).run([p, p])
     assert [(e.episode_id, e.sample) for e in eps] == [(f"{p.id}/s{k}", k) for k in range(4)]
@@ -294,9 +295,7 @@ def test_a_problem_in_two_engine_batches_of_one_collect_keeps_unique_ids(tiny_cf
 
     task = ArithTask(1)
     p, q = task.load("train", 2).problems
-    eos = policies.eos_ids("solver")[0]
-    replies = {"solver": policies.tokenizer("solver").encode("The answer is 3.") + [eos],
-               "writer": policies.tokenizer("writer").encode("Check the sum.") + [eos]}
+    replies = scripted_replies(policies, "Check the sum.")
     cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=1, n_samples=2),
                   engine=replace(tiny_cfg.engine, name="hf", batch_size=2))  # one problem per engine batch
     res = collect(cfg, tmp_path, policies=policies, engine=ScriptedEngine(replies), problems=[p, q, p])
