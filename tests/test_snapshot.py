@@ -291,6 +291,29 @@ def test_the_id_stands_for_the_values_not_the_parquet_encoding(tmp_path, monkeyp
                                        "to the id's content (edited)"]
 
 
+def test_the_value_digest_reads_past_physical_types_and_chunking():
+    """What a reader may pick for the same values (large strings and lists, string views, several
+    row groups) leaves the digest as it is; a changed value or column name does not."""
+    from tosca_mlmt.snapshot_tables import content_entry, episodes_to_tables
+
+    _, turns = episodes_to_tables(make_episodes())
+    want = content_entry(turns)
+    wide = pa.schema([pa.field(f.name, pa.large_list(f.type.value_type) if pa.types.is_list(f.type)
+                               else pa.large_string() if pa.types.is_string(f.type) else f.type) for f in turns.schema])
+    assert content_entry(turns.cast(wide)) == want
+    if hasattr(pa, "string_view"):
+        views = pa.schema([pa.field(f.name, pa.string_view() if pa.types.is_string(f.type) else f.type)
+                           for f in turns.schema])
+        assert content_entry(turns.cast(views)) == want
+    assert content_entry(pa.concat_tables([turns.slice(0, 4), turns.slice(4)])) == want
+    assert content_entry(turns.rename_columns(["x"] + turns.column_names[1:])) != want
+    lp = turns["logprobs"].to_pylist()
+    lp[8] = [lp[8][0], lp[8][1] + 1e-3]
+    edited = turns.set_column(turns.schema.get_field_index("logprobs"), "logprobs",
+                              pa.array(lp, turns.schema.field("logprobs").type))
+    assert content_entry(edited) != want
+
+
 def test_format_2_snapshots_are_still_read_and_verified(tmp_path, monkeypatch):
     """Written as tosca-mlmt wrote them before format 3: the id hashes the parquet bytes of the
     tables, so they verify under the pyarrow that wrote them and an edit still fails."""

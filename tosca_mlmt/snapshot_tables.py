@@ -92,9 +92,21 @@ def canonical_bytes(stored: pa.Table) -> bytes:
     return parquet_bytes(t.cast(schema))
 
 
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+
+def _is_string(t: pa.DataType) -> bool:
+    view = getattr(pa.types, "is_string_view", lambda _: False)  # pyarrow >= 16
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or view(t)
+
+
 def _type_name(t: pa.DataType) -> str:
-    """A type's name without the list item's field name (Arrow says "item", parquet "element")."""
-    return f"list<{_type_name(t.value_type)}>" if pa.types.is_list(t) else str(t)
+    """A logical type's name: one for every physical form a reader may pick (string, large_string,
+    string_view; list, large_list), none for the list item's field name (Arrow "item", parquet "element")."""
+    if _is_list(t):
+        return f"list<{_type_name(t.value_type)}>"
+    return "string" if _is_string(t) else str(t)
 
 
 def _value_stream(arr: pa.Array):
@@ -102,11 +114,11 @@ def _value_stream(arr: pa.Array):
     little-endian layout; a list's lengths, then its items; a string's lengths, then its UTF-8."""
     yield pc.is_valid(arr).to_numpy(zero_copy_only=False).astype("u1").tobytes()
     t = arr.type
-    if pa.types.is_list(t):
+    if _is_list(t):
         yield pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False).astype("<i8").tobytes()
         yield from _value_stream(arr.flatten())
-    elif pa.types.is_string(t) or pa.types.is_large_string(t):
-        texts = [v.encode("utf-8") for v in arr.fill_null("").to_pylist()]
+    elif _is_string(t):
+        texts = [b"" if v is None else v.encode("utf-8") for v in arr.to_pylist()]
         yield np.array([len(b) for b in texts], dtype="<i8").tobytes()
         yield b"".join(texts)
     elif pa.types.is_boolean(t):
