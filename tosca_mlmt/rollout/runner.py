@@ -93,6 +93,9 @@ class EpisodeRunner:
         self.fmt = {r: ChatFormat(policies.tokenizer(r), policies.eos_ids(r), cfg.model.chat_template_kwargs)
                     for r in ("solver", "writer")}
         self.strategies = policies.strategies or cfg.episode.strategies
+        # each strategy's instruction, as the last piece of the writer's user message (plan_feedback)
+        self.strategy_ids = [self.fmt["writer"].encode(WRITER_STRATEGY.format(instruction=s["instruction"]))
+                             for s in self.strategies]
         self.on_turn = on_turn or (lambda kind, n: None)
         self.gen_tokens = 0
         self.gen_seconds = 0.0
@@ -234,8 +237,7 @@ class EpisodeRunner:
         # A prompt over episode.max_prompt_tokens loses its left end. The cut is taken here, before Q
         # reads the state, and sized for the longest strategy text, so whichever strategy is drawn its
         # prompt fits and Q read the very state train-upper will read from the recorded prompt.
-        texts = [WRITER_STRATEGY.format(instruction=s["instruction"]) for s in self.strategies]
-        longest = max(len(wfmt.encode(t)) for t in texts)  # pieces are encoded one by one: lengths add up
+        longest = max(map(len, self.strategy_ids))  # pieces are encoded one by one: lengths add up
         cuts_left = [min(max(len(ids) + longest - cfg.episode.max_prompt_tokens, 0), cuts[-1] - 1)
                      for ids, cuts in rendered]  # a cut that takes the whole state leaves one token of it
         self.truncated_prompts += sum(c > 0 for c in cuts_left)
@@ -245,16 +247,16 @@ class EpisodeRunner:
         q_np = None if q is None else q.numpy()
         actions, chosen_p, probs = self.choose_strategies(q_np, len(episodes), rng)
         plans = []
-        for i, (ep, pieces, a) in enumerate(zip(episodes, states, actions)):
-            ids, _ = wfmt.user_prompt_with_ids(WRITER_SYSTEM, pieces + [texts[a]])
-            c = cuts_left[i]
+        for i, (ep, (ids, cuts), a) in enumerate(zip(episodes, rendered, actions)):
+            # the rendered state with the strategy as one more piece: user_prompt_with_ids(pieces + [text])
+            ids, c = ids[:cuts[-1]] + self.strategy_ids[a] + ids[cuts[-1]:], cuts_left[i]
             # Fixed feedback needs no writer model (SCoRe's static instruction, the verdict control, a
             # prefix_only strategy): finish_reason "fixed", no log-probs, nothing for the text loss to clone.
             t = self._feedback_text(ep, a)
             fixed = None if t is None else Generation(tuple(wfmt.encode(t) + [wfmt.close_id]), (), "fixed")
             plans.append(FeedbackPlan(int(a), float(chosen_p[i]), [float(x) for x in probs[i]],
                                       None if q_np is None else [float(x) for x in q_np[i]], ids[c:],
-                                      rendered[i][1][-1] - c, signals[i], fixed, c))
+                                      cuts[-1] - c, signals[i], fixed, c))
         return plans
 
     def record_feedback(self, ep: Episode, rnd: int, plan: FeedbackPlan, g: Generation, seen: list[int]) -> None:
