@@ -254,6 +254,9 @@ def identity(preset: Path, extra: dict | None, common: dict, train: dict) -> tup
     # objective, so it defines units of its own
     if cfg["lower"]["logprob_temperature"] == "raw":
         cfg["lower"].pop("logprob_temperature")
+    # lower.mask_truncated off trains on every turn, as every unit before the knob did
+    if not cfg["lower"]["mask_truncated"]:
+        cfg["lower"].pop("mask_truncated")
     # episode.gold_prob off scores nothing and samples the same: units from before the knob count
     if not cfg["episode"]["gold_prob"]:
         cfg["episode"].pop("gold_prob")

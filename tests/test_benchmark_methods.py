@@ -93,6 +93,8 @@ def test_ending_turns_inside_vllm_does_not_define_a_unit(bench):
     assert bench.identity(preset, extra, common, {**train, "joint.writer_warmup": "update"})[0] != h
     # scoring the tempered distribution is another objective: units of its own, while raw keeps the old ones
     assert bench.identity(preset, extra, common, {**train, "lower.logprob_temperature": "sampling"})[0] != h
+    # leaving cut turns out of the loss is another objective: units of its own, while off keeps the old ones
+    assert bench.identity(preset, extra, common, {**train, "lower.mask_truncated": True})[0] != h
     # chat-template variables change the prompts: units of their own, while none keeps the old ones
     assert bench.identity(preset, extra, {**common, "model.chat_template_kwargs": {"enable_thinking": False}},
                           train)[0] != h

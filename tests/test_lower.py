@@ -9,7 +9,8 @@ import torch
 
 from conftest import restored
 from test_snapshot import make_episodes
-from tosca_mlmt.lower.trajectory import episode_to_trajectory, no_feedback_sequences, shaped_turn_rewards, to_tensors
+from tosca_mlmt.lower.trajectory import (episode_to_trajectory, no_feedback_sequences, shaped_turn_rewards, to_tensors,
+                                         without_cut_turns)
 from tosca_mlmt.records import FeedbackSpan
 
 
@@ -44,6 +45,64 @@ def test_truncated_prompt_is_not_trained_on():
     assert episode_to_trajectory(ep) is not None
     ep.turns[2].truncated = True  # cut by the runner: the engine's log-probs are of another context
     assert episode_to_trajectory(ep) is None
+
+
+def _cut_first_attempt(n=2):
+    eps = make_episodes(n)
+    eps[0].turns[0].finish_reason = "length"  # ran into max_new_tokens
+    return [episode_to_trajectory(e) for e in eps]
+
+
+def test_a_turn_cut_at_max_new_tokens_leaves_the_loss_mask_and_nothing_else():
+    trajs = _cut_first_attempt()
+    assert trajs[0].cut == [True, False] and trajs[1].cut == [False, False]
+    tt = to_tensors(trajs, pad_id=0)
+    kept, n = without_cut_turns(trajs, tt)
+    s, e = trajs[0].turn_spans[0]
+    want = tt.mask.clone()
+    want[0, s:e] = 0.0
+    assert n == 1 and e > s and torch.equal(kept.mask, want)
+    assert tt.mask[0, s:e].sum() == e - s  # the estimator's mask is not touched
+    for f in ("input_ids", "attention_mask", "turn_ids", "behaviour_logprobs", "groups"):
+        assert torch.equal(getattr(kept, f), getattr(tt, f)), f
+
+
+def test_ppo_loss_over_the_kept_mask_is_the_mean_over_the_uncut_tokens_alone():
+    """The reference is computed token by token over the turns that were not cut; the cut turn's
+    tokens get no gradient, and the loss differs from the unmasked one."""
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.lower.objective import UpdateBatch, ppo_loss
+    from tosca_mlmt.lower.scoring import Forward
+
+    lo = load_config().lower
+    trajs = _cut_first_attempt(3)
+    tt = to_tensors(trajs, pad_id=0)
+    kept, _ = without_cut_turns(trajs, tt)
+    g = torch.Generator().manual_seed(0)
+    lp = (-torch.rand(tt.mask.shape, generator=g)).requires_grad_()
+    lp0 = lp.detach()
+    old = lp.detach() + 0.3 * torch.randn(tt.mask.shape, generator=g)
+    adv = torch.randn(tt.mask.shape, generator=g)
+
+    def loss_of(t):
+        mb = UpdateBatch(t, old, None, None, adv, torch.zeros_like(adv), torch.zeros_like(adv), None)
+        return ppo_loss(lo, Forward(lp, None, None, None), mb, None)[0]
+
+    loss = loss_of(kept)
+    ref, n = 0.0, 0
+    for b, t in enumerate(trajs):
+        for (s, e), cut in zip(t.turn_spans, t.cut):
+            for i in range(s, e):
+                if not cut:
+                    r = math.exp(float(lp0[b, i]) - float(old[b, i]))
+                    a = float(adv[b, i])
+                    ref += -min(r * a, min(max(r, 1 - lo.clip_low), 1 + lo.clip_high) * a)
+                    n += 1
+    assert float(loss) == pytest.approx(ref / n, rel=1e-5)
+    (grad,) = torch.autograd.grad(loss, lp)
+    s, e = trajs[0].turn_spans[0]
+    assert grad[0, s:e].abs().max() == 0 and grad[kept.mask > 0].abs().max() > 0
+    assert float(loss_of(tt)) != pytest.approx(float(loss), rel=1e-3)
 
 
 def test_score_shaping_stages():
@@ -199,6 +258,43 @@ def test_turn_gamma_zero_keeps_refine_outcomes_out_of_turn_one(lower_setup, poli
     torch.testing.assert_close(runs[0.0, "kept"][t1], runs[0.0, "broke"][t1], atol=0, rtol=0)
     assert not torch.allclose(runs[1.0, "kept"][t1], runs[1.0, "broke"][t1])
     assert runs[0.0, "kept"][t1].abs().max() > 0
+
+
+@pytest.mark.slow
+def test_mask_truncated_drops_cut_turns_from_the_loss_but_not_from_the_advantages(lower_setup, policies, monkeypatch):
+    from tosca_mlmt.lower.learner import LowerLearner
+
+    cfg, trajs = lower_setup
+    trajs = [replace(t, cut=[i == 0, False]) for i, t in enumerate(trajs)]  # row 0's first attempt was cut
+    seen, logged = {}, {}
+    real_epochs = LowerLearner._epochs
+    monkeypatch.setattr(LowerLearner, "_epochs", lambda self, batch, step: seen.update(
+        adv=batch.advantages.clone(), mask=batch.tt.mask.clone()) or {"grad_norm": 0.0})
+    for on in (False, True):
+        c = replace(cfg, lower=replace(cfg.lower, mask_truncated=on))
+        logged[on] = LowerLearner(c, policies).update(trajs, step=0)
+        seen[on] = dict(seen)
+    torch.testing.assert_close(seen[True]["adv"], seen[False]["adv"], atol=0, rtol=0)
+    s, e = trajs[0].turn_spans[0]
+    assert seen[False]["mask"][0, s:e].sum() == e - s and seen[True]["mask"][0, s:e].sum() == 0
+    assert torch.equal(seen[True]["mask"][1:], seen[False]["mask"][1:])
+    assert logged[True]["truncated_turns"] == logged[False]["truncated_turns"] == 1
+    assert (logged[True]["truncated_turns_masked"], logged[False]["truncated_turns_masked"]) == (1, 0)
+    assert logged[False]["loss_tokens"] - logged[True]["loss_tokens"] == e - s
+
+    # a batch whose every turn was cut still runs its forward and optimizer step, and moves nothing; with
+    # the same rewards and none cut, the same update moves the adapter
+    monkeypatch.setattr(LowerLearner, "_epochs", real_epochs)
+    c = replace(cfg, lower=replace(cfg.lower, mask_truncated=True))
+    varied = [replace(t, turn_rewards=[float(i % 2), float((i + 1) % 2)]) for i, t in enumerate(trajs)]
+    model = policies.model("solver")
+    for cut, moves in ((True, False), (False, True)):
+        batch = [replace(t, cut=[cut] * len(t.turn_spans)) for t in varied]
+        with restored(dict(model.named_parameters())) as before:
+            out = LowerLearner(c, policies).update(batch, step=0)
+            moved = any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+        assert moved == moves and out["optimizer_steps"] >= 1
+        assert (out["loss_tokens"] == 0) == cut and (out["grad_norm"] > 0) == moves
 
 
 @pytest.mark.slow

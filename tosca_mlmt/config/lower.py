@@ -120,6 +120,13 @@ class LowerConfig(Section):
                              choices=("each", "final"))
     score: ScoreShaping = field(default_factory=ScoreShaping)
     bonus: ContextBonus = field(default_factory=ContextBonus)
+    mask_truncated: bool = knob(False, "Leave solver turns that ran into solver_sampling.max_new_tokens (finish_reason "
+                                       "'length') out of the PPO loss, as TRL's mask_truncated_completions and DAPO's "
+                                       "overlong filtering do: a cut turn never wrote its answer, so its reward says "
+                                       "nothing about the tokens it did write. Its reward still enters the advantage "
+                                       "estimate (the group's baseline) and its tokens stay in the context of later "
+                                       "turns; the policy, value and KL-loss terms skip them, and the turns masked are "
+                                       "logged (lower/truncated_turns, lower/loss_tokens).")
     old_logprobs: str = knob("auto", "PPO's pi_old: recompute = a no-grad forward with the weights that sampled "
                                      "(on-policy); auto = the same, but the forward is skipped where pi_old is "
                                      "exactly pi_theta at the loss (one optimizer step per batch: epochs 1, the "

@@ -30,7 +30,7 @@ from tosca_mlmt.errors import MlmtError
 from tosca_mlmt.lower import archer, objective, stats
 from tosca_mlmt.lower.objective import UpdateBatch
 from tosca_mlmt.lower.scoring import Scores, SolverScorer
-from tosca_mlmt.lower.trajectory import SolverTrajectory, TrajectoryTensors, to_tensors
+from tosca_mlmt.lower.trajectory import SolverTrajectory, TrajectoryTensors, to_tensors, without_cut_turns
 from tosca_mlmt.metrics import StageTimer
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.seeds import seeded, stream
@@ -125,12 +125,16 @@ class LowerLearner:
                 self.refine_bonus = stats.refine_bonus_rows(terms)
                 adv = adv + bonus
                 self._warn_if_mostly_clipped(bstats)
-        batch = UpdateBatch(tt, scores.old_logprobs, scores.old_values, scores.ref_logprobs, adv, returns,
+        # a cut turn's reward stays in the estimate above (its group's baseline); only the loss drops its tokens
+        loss_tt, masked = without_cut_turns(trajs, tt) if lo.mask_truncated else (tt, 0)
+        batch = UpdateBatch(loss_tt, scores.old_logprobs, scores.old_values, scores.ref_logprobs, adv, returns,
                             rewards.kl_weight, critic_targets)
         with timer("update"):
             upd = self._epochs(batch, step)
+        cuts = {"truncated_turns": sum(map(sum, (t.cut for t in trajs))), "truncated_turns_masked": masked,
+                "loss_tokens": int(loss_tt.mask.sum())}
         # old_pass 0: no pi_old forward ran (lower.old_logprobs=auto found pi_old = pi_theta at the loss)
-        return {**stats.iteration_stats(tt, rewards, scores, adv, returns), **bstats, **upd,
+        return {**stats.iteration_stats(tt, rewards, scores, adv, returns), **bstats, **upd, **cuts,
                 "old_pass": float(not self.skipped_old), "bonus/engine_scored": float(by_engine)}
 
     def engine_scores_bonus(self, engine) -> bool:
@@ -239,8 +243,11 @@ class LowerLearner:
 
     def loss(self, mb: UpdateBatch, share: objective.Share = objective.WHOLE) -> tuple[torch.Tensor, dict]:
         """One micro-batch's loss; runs inside the engine, so DDP sees the forward."""
+        keep = mb.tt.mask
+        if not keep.any():  # every turn cut (lower.mask_truncated): the loss is 0, but its graph must still
+            keep = (mb.tt.turn_ids >= 0).float()  # reach the adapter, so DDP/ZeRO ranks reduce in lockstep
         fwd = self.scorer.forward(mb.tt.input_ids, mb.tt.attention_mask, values=mb.old_values is not None,
-                                  entropy=mb.old_logprobs is None, keep=mb.tt.mask)
+                                  entropy=mb.old_logprobs is None, keep=keep)
         return objective.ppo_loss(self.lo, fwd, mb, self.critic, share)
 
     def save(self, folder: Path) -> None:

@@ -8,7 +8,7 @@ forward pass scores every solver turn, and the loss mask is exactly those spans.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -26,6 +26,7 @@ class SolverTrajectory:
     turn_rewards: list[float]  # verifier reward of each solver turn
     behaviour_logprobs: list[list[float]]  # the engine's sampling logprobs per turn
     feedback_spans: list[tuple[int, int] | None]  # g_k inside ids, for refine turns (None for turn 1)
+    cut: list[bool] = field(default_factory=list)  # turn k ran into max_new_tokens (finish_reason "length")
 
     @property
     def r1(self) -> float:
@@ -53,7 +54,7 @@ def episode_to_trajectory(ep: Episode) -> SolverTrajectory | None:
         fb = t.feedback_span
         fbs.append(None if fb is None else (fb.start, fb.end))
     return SolverTrajectory(ep.episode_id, ep.problem.id, ids, spans, [float(t.reward) for t in turns],
-                            [list(t.logprobs) for t in turns], fbs)
+                            [list(t.logprobs) for t in turns], fbs, [t.finish_reason == "length" for t in turns])
 
 
 @dataclass
@@ -93,6 +94,19 @@ def to_tensors(trajs: list[SolverTrajectory], pad_id: int) -> TrajectoryTensors:
             blp[b, s:e] = torch.tensor(t.behaviour_logprobs[k][: e - s])
     groups = torch.tensor([group_of[t.problem_id] for t in trajs])
     return TrajectoryTensors(ids, attn, mask, turn_ids, blp, groups, n_turns)
+
+
+def without_cut_turns(trajs: list[SolverTrajectory], tt: TrajectoryTensors) -> tuple[TrajectoryTensors, int]:
+    """``tt`` with the mask [B, T] off on every turn that ran into max_new_tokens (lower.mask_truncated),
+    and how many turns that took. Only the loss reads this mask: the advantages were estimated on the
+    whole one, and the ids, turn ids and log-probs are untouched."""
+    mask, cut = tt.mask.clone(), 0
+    for b, t in enumerate(trajs):
+        for (s, e), c in zip(t.turn_spans, t.cut):
+            if c:
+                mask[b, s:e] = 0.0
+                cut += 1
+    return replace(tt, mask=mask), cut
 
 
 def shaped_turn_rewards(trajs: list[SolverTrajectory], cfg: LowerConfig, step: int) -> tuple[list[list[float]], list[list[float]], int]:
