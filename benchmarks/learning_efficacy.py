@@ -41,6 +41,7 @@ import os
 import platform
 import re
 import time
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -406,14 +407,22 @@ def run_overrides(args) -> tuple[dict, dict]:
     return common, train
 
 
+def in_child(fn, *args):
+    """``fn(*args)`` in a spawned child process of its own. A child killed by a signal (the OOM killer)
+    raises BrokenProcessPool here: multiprocessing.Pool replaced such a worker and waited for its lost
+    task forever (2026-12-01: a unit killed beside a test suite hung its invocation)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def run_unit(*args) -> dict:
     """run_method in a child process of its own: an in-process vLLM engine and the trained pair are not
     all given back when a unit ends, and one process running unit after unit grew to 20 GB of RSS after
     eight units (the OOM killer ended it). A child returns everything to the OS, and a crash costs one unit."""
-    import multiprocessing as mp
-
-    with mp.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
-        return pool.apply(run_method, args)
+    return in_child(run_method, *args)
 
 
 class Units:
@@ -536,6 +545,7 @@ def main() -> None:
     t_start = time.time()
     hashes, has_q, key = units.hashes, units.has_q, units.key
 
+    lost: list[str] = []  # units whose process was killed
     # seed-major: every method's seed 0 before any seed 1, so a budget cut leaves complete pairings
     for seed in args.seeds:
         for name, (preset, extra) in methods.items():
@@ -552,7 +562,13 @@ def main() -> None:
             if args.budget_minutes and time.time() - t_start > 60 * args.budget_minutes:
                 print(f"budget spent: {name} seed {seed} not started", flush=True)
                 continue
-            r = run_unit(name, preset, extra, common, train, evalsel, seed, work, sha, args.reuse_runs)
+            try:
+                r = run_unit(name, preset, extra, common, train, evalsel, seed, work, sha, args.reuse_runs)
+            except BrokenProcessPool:  # killed, not failed: the next units may fit
+                lost.append(f"{name} seed {seed}")
+                print(f"{name} seed {seed}: its process was killed (out of memory?); no unit written, a rerun "
+                      "redoes it", flush=True)
+                continue
             unit = {"key": key, "config": hashes[name], "date": dt.datetime.now().isoformat(timespec="seconds"),
                     "load_avg": os.getloadavg(),
                     **{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in r.items()}}
@@ -590,6 +606,8 @@ def main() -> None:
                                         if k != "ids"} for runs in per.values() for r in runs]},
         indent=1, default=str))  # default=str: --reuse-runs and --work are Paths
     print("\n".join(head + lines))
+    if lost:
+        raise SystemExit(f"{len(lost)} unit(s) killed, not written: {', '.join(lost)}")
 
 
 if __name__ == "__main__":

@@ -159,3 +159,15 @@ def test_batch_table_skips_a_method_that_ran_no_ppo_iteration(bench):
     lines = bench.batch_lines({"writer-only": [{"train_curve": empty}], "mlmt": [{"train_curve": trained}]})
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| method")]
     assert rows == ["| mlmt | 1 | 0.250 → 0.500 | 2 of 3 |"]  # 1 + 2 right first attempts, 0 + 2 broken
+
+
+@pytest.mark.timeout(300)
+def test_a_unit_whose_process_is_killed_raises_instead_of_hanging(bench):
+    """The OOM killer ends a unit's process with a signal; the invocation must move on (multiprocessing.Pool
+    replaced the worker and waited for its lost task forever). os.abort stands in for the kill."""
+    import os
+    from concurrent.futures.process import BrokenProcessPool
+
+    assert bench.in_child(os.getpid) != os.getpid()  # it does run in another process
+    with pytest.raises(BrokenProcessPool):
+        bench.in_child(os.abort)
