@@ -1,5 +1,5 @@
 """A checkout imported from a path serves cli/, pipelines/ and configs/ from its own folders, even under
-a virtual environment whose editable install names another checkout's (tosca_mlmt/checkout.py)."""
+a virtual environment whose editable install names another checkout's (tosca_mlmt/__init__.py)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_an_installed_layout_without_pyproject_is_left_to_setuptools(tmp_path):
     for folder in ("cli", "pipelines", "configs"):
         (other / folder).mkdir()
     env = dict(os.environ, PYTHONPATH=str(other))
-    code = ("import sys, tosca_mlmt, tosca_mlmt.pipelines as p; from tosca_mlmt.checkout import CheckoutFinder; "
+    code = ("import sys, tosca_mlmt, tosca_mlmt.pipelines as p; from tosca_mlmt import _CheckoutFinder as CheckoutFinder; "
             "print(any(isinstance(f, CheckoutFinder) for f in sys.meta_path), p.__file__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
