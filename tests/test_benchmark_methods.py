@@ -134,6 +134,27 @@ def test_summary_judges_each_writer_by_the_targets_rule(summary):
     assert not any(t["env"] != "verdict" for t in record)  # no units, no judgement
 
 
+def test_a_later_codes_grid_is_judged_as_a_section_of_its_own(summary):
+    """Units of a tagged grid (later code) are judged apart from the env's stored grid: a writer that
+    breaks more right answers than it fixes in the tagged grid misses there while the stored grid, with
+    no units, gives no judgement."""
+    import numpy as np
+
+    t1 = np.zeros(300)
+    t1[:100] = 1
+    fin = t1.copy()
+    fin[:6] = 0  # 6 right first answers broken
+    fin[200:203] = 1  # 3 wrong ones fixed
+    per = {"mlmt": [{"seed": 0, "t1": t1, "final": fin, "used": {"rounds": 4}}]}
+    data = {"none-v4": {"per": per, "methods": {"mlmt": summary.pooled(per["mlmt"])}},
+            "none": {"per": {}, "methods": {}}}
+    _, record = summary.targets(data)
+    assert [(t["env"], t["missed_by"]) for t in record] == [("none-v4", ["`mlmt`"])]
+    assert summary.SECTIONS["none-v4"][:2] == ("none", "v4")
+    lines = summary.method_table({**data, "none-v4": {**data["none-v4"], "refines": {"mlmt": True}}})
+    assert any("grid none-L2-v4" in line and "`mlmt`" in line and "2.0 % / 1.0 %" in line for line in lines)
+
+
 def test_train_curve_keeps_one_strategy_share_per_iteration(bench, tmp_path):
     """A strategy no PPO batch chose is absent from that iteration's record: its list holds None there,
     so every curve lines up with lower/episodes."""
