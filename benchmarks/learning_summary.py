@@ -187,7 +187,8 @@ def targets(data: dict) -> tuple[list[str], list[dict]]:
     add("verdict: ≥ SCoRe + 0.10, CI > 0", "verdict", versus("score", seeds=True), lambda d: d["mean"] >= 0.10 and d["lo"] > 0)
     add("verdict: ≥ template − 0.02", "verdict", versus("verdict-template"), lambda d: d["mean"] >= -0.02)
     add("verdict: c→i ≤ 3 %", "verdict", broken, lambda c: c["right_to_wrong"] <= 0.03)
-    honest = ("confidence", "confidence-fixes", "none", "none-v4")
+    # every section of the honest envs, each env's grids together
+    honest = [section for e in ENVS if e != "verdict" for section, (env, _, _) in SECTIONS.items() if env == e]
     for section in honest:
         add(f"{_short(section)}: Δ ≥ 0 and c→i ≤ i→c", section, flips,
             lambda c: c["delta"] >= 0 and c["right_to_wrong"] <= c["wrong_to_right"])

@@ -3,10 +3,12 @@ a virtual environment whose editable install names another checkout's (tosca_mlm
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tomllib
 
 from conftest import REPO
 
@@ -15,26 +17,18 @@ PROBE = ("import json, tosca_mlmt, tosca_mlmt.cli.common as c, tosca_mlmt.pipeli
          "print(json.dumps([tosca_mlmt.__file__, c.__file__, p.__file__, pc.__file__, list(g.__path__), p.WHERE]))")
 
 
-def _probe(path: str, cwd) -> list:
-    import json
-
-    env = dict(os.environ, PYTHONPATH=path)
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def test_a_second_checkout_on_pythonpath_runs_its_own_stages_and_cli(tmp_path):
     other = tmp_path / "worktree"
-    shutil.copytree(REPO / "tosca_mlmt", other / "tosca_mlmt", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(REPO / "cli", other / "cli", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(REPO / "pipelines", other / "pipelines", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(REPO / "configs", other / "configs")
+    for folder in ("tosca_mlmt", "cli", "pipelines", "configs"):
+        shutil.copytree(REPO / folder, other / folder, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", other / "pyproject.toml")
     # an edit that exists only in the second checkout: a run from it must see it
     init = other / "pipelines" / "__init__.py"
     init.write_text(init.read_text() + "\nWHERE = 'worktree'\n")
-    files = _probe(str(other), tmp_path)
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=tmp_path,
+                         env=dict(os.environ, PYTHONPATH=str(other)), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    files = json.loads(out.stdout.strip().splitlines()[-1])
     assert all(str(f).startswith(str(other)) for f in files[:4]), files
     assert files[4] == [str(other / "configs")] and files[5] == "worktree"
 
@@ -53,3 +47,14 @@ def test_an_installed_layout_without_pyproject_is_left_to_setuptools(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     found, where = out.stdout.split()
     assert found == "False" and not where.startswith(str(other))
+
+
+def test_the_finders_folders_are_pyprojects_package_dirs():
+    """The finder names the same subpackage -> folder pairs as pyproject.toml's package-dir, so a folder
+    mapped there is served from the checkout too (and each folder is the name's last part, which is what
+    PathFinder looks up)."""
+    import tosca_mlmt
+
+    dirs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    assert tosca_mlmt._FOLDERS == {k: v for k, v in dirs.items() if k != "tosca_mlmt"}
+    assert all(name.rpartition(".")[2] == folder for name, folder in tosca_mlmt._FOLDERS.items())
