@@ -204,7 +204,8 @@ def answer_tails(outcomes: dict) -> dict[str, list[str]]:
     return {k: [answer_tail(t) for t in outcomes[f"{k}_text"]] for k in ("t1", "final")}
 
 
-def identity(preset: Path, extra: dict | None, common: dict, train: dict) -> tuple[str, bool]:
+def identity(preset: Path, extra: dict | None, common: dict, train: dict,
+             bf16: bool | None = None) -> tuple[str, bool]:
     """(config hash, writer has Q) from one resolution of the method's configuration.
 
     The hash covers what the method trains with (preset, its includes, the overrides, every default),
@@ -216,6 +217,7 @@ def identity(preset: Path, extra: dict | None, common: dict, train: dict) -> tup
     import hashlib
 
     from tosca_mlmt.config import load_config
+    from tosca_mlmt.precision import model_dtype, native_bf16
 
     resolved = load_config(preset, {**common, **train, **(extra or {}), "seed": 0})
     has_q = extra is not None and not resolved.joint.freeze_writer
@@ -269,6 +271,14 @@ def identity(preset: Path, extra: dict | None, common: dict, train: dict) -> tup
     for knob in ("chat_template", "chat_template_kwargs"):
         if not cfg["model"][knob]:
             cfg["model"].pop(knob)
+    # 'auto' precision resolves per machine. Every stored unit ran where bf16 is native (bf16 weights and
+    # autocast), where 'auto' hashes as it always did; on a CPU without avx512_bf16/amx_bf16 it resolves to
+    # fp32, another numerics path, so that machine's units are units of their own instead of pooling silently
+    if not (native_bf16() if bf16 is None else bf16):
+        if cfg["model"]["dtype"] == "auto":
+            cfg["model"]["dtype"] = f"auto={model_dtype('auto')}"
+        if cfg["lower"]["autocast"] == "auto":
+            cfg["lower"]["autocast"] = "auto=none"
     if extra is None:  # nothing trains: what only training reads does not define the unit
         for section in ("lower", "upper", "joint"):
             cfg.pop(section)
@@ -432,7 +442,8 @@ class Units:
     def __init__(self, args):
         self.every = dict(METHODS, **(VERDICT_CONTROL if args.env == "verdict" else {}))
         common, train = run_overrides(args)
-        ids = {name: identity(preset, extra, common, train) for name, (preset, extra) in self.every.items()}
+        bf16 = {"auto": None, "yes": True, "no": False}[getattr(args, "native_bf16", "auto")]
+        ids = {name: identity(preset, extra, common, train, bf16) for name, (preset, extra) in self.every.items()}
         self.hashes = {name: h for name, (h, _) in ids.items()}
         self.has_q = {name: q for name, (_, q) in ids.items()}
         self.key = _unit_key(args)
@@ -499,6 +510,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tag", default="", help="a grid of its own: units under <env>-L<level>-<tag>/ and tables "
                                               "named with it, e.g. the same protocol on other code, kept apart "
                                               "from the units the README's tables pool")
+    ap.add_argument("--native-bf16", default="auto", choices=("auto", "yes", "no"),
+                    help="where model.dtype and lower.autocast 'auto' resolve to bf16, which defines the units: "
+                         "auto = as on this machine; yes reads (--table-only) grids measured on a CPU with native "
+                         "bf16, as every stored grid was, from a machine without it")
     ap.add_argument("--force", action="store_true", help="redo units that already have results")
     ap.add_argument("--budget-minutes", type=float, default=0.0, help="start no unit after this (0 = none)")
     ap.add_argument("--table-only", action="store_true",
@@ -518,6 +533,18 @@ def main() -> None:
 
     # --methods picks the units to run; the table always holds every method with finished units, so a
     # run of one ablation does not rewrite the environment's table with that ablation alone
+    from collect_throughput import machine_info
+
+    from tosca_mlmt.precision import native_bf16
+
+    if not args.table_only and args.native_bf16 != "auto" and (args.native_bf16 == "yes") != native_bf16():
+        ap.error(f"--native-bf16 {args.native_bf16}: this machine resolves 'auto' the other way, so the units it "
+                 "trains would be filed under the other precision; it only reads grids, with --table-only")
+
+    # the CPU's model and bf16 flags pick the kernels, so two machines' samples differ (and with 'auto'
+    # precision, the dtype): every unit says where it ran
+    machine = machine_info()
+    cpu = {k: machine[k] for k in ("cpu_model", "cpu_flags")}
     units = Units(args)
     every = units.every
     methods = every
@@ -570,7 +597,7 @@ def main() -> None:
                       "redoes it", flush=True)
                 continue
             unit = {"key": key, "config": hashes[name], "date": dt.datetime.now().isoformat(timespec="seconds"),
-                    "load_avg": os.getloadavg(),
+                    "load_avg": os.getloadavg(), "cpu": cpu,
                     **{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in r.items()}}
             path.write_text(json.dumps(unit))
             units.stored.append(unit)
@@ -586,7 +613,7 @@ def main() -> None:
         lines += ["", "Same configuration, shown once: " + "; ".join(f"{a} = {b}" for a, b in same_as.items()) + "."]
     label = "privileged (writer sees the verdict)" if args.env == "verdict" else "honest"
     head = [f"# Learning efficacy, env `{args.env}` ({label}), arith level {args.level}",
-            f"{dt.datetime.now():%Y-%m-%d}, {platform.machine()} {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, "
+            f"{dt.datetime.now():%Y-%m-%d}, {cpu['cpu_model'] or platform.machine()} ({' '.join(cpu['cpu_flags'])}), {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, "
             f"seeds {seeds}, {args.test_problems} test problems, engine {args.engine}, code {sorted(shas)}"
             + (" — SMOKE RUN: decides nothing" if args.smoke else ""),
             f"Compute per trained method and seed: {args.rounds} rounds x ({args.collect_problems} writer problems + "
@@ -600,7 +627,7 @@ def main() -> None:
             + (f"-{args.tag}" if args.tag else ""))
     (RESULTS / f"{stem}.md").write_text("\n".join(head + lines) + "\n")
     (RESULTS / f"{stem}.json").write_text(json.dumps({
-        "date": dt.datetime.now().isoformat(timespec="seconds"), "machine": f"{platform.machine()} {os.cpu_count()}",
+        "date": dt.datetime.now().isoformat(timespec="seconds"), "machine": machine,
         "load_avg": os.getloadavg(), "args": vars(args), "environment": label, "summary": summary,
         "code": sorted(shas), "runs": [{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in r.items()
                                         if k != "ids"} for runs in per.values() for r in runs]},

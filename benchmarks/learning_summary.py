@@ -66,7 +66,8 @@ def env_units(env: str, tag: str = "") -> tuple[dict[str, list[dict]], dict[str,
     a refine turn)."""
     from tosca_mlmt.config import load_config
 
-    args = le.parser().parse_args(["--env", env] + (["--tag", tag] if tag else []))
+    # every grid here ran where bf16 is native: its units are found as resolved there, on any machine
+    args = le.parser().parse_args(["--env", env, "--native-bf16", "yes"] + (["--tag", tag] if tag else []))
     per, _, _ = le.Units(args).per_method()
     common, train = le.run_overrides(args)
     every = dict(le.METHODS, **le.VERDICT_CONTROL)

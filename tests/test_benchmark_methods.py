@@ -56,6 +56,19 @@ def test_untrained_unit_ignores_training_sections_only(bench):
     assert bench.identity(bench.MLMT, None, {**common, "episode.max_feedback_tokens": 32}, train)[0] != base
 
 
+def test_auto_precision_without_native_bf16_defines_units_of_its_own(bench):
+    """On a CPU without avx512_bf16/amx_bf16, 'auto' trains in fp32: its units must not pool with bf16 ones."""
+    from tosca_mlmt.precision import native_bf16
+
+    common, train = bench.run_overrides(sizes("none"))
+    explicit = ({**common, "model.dtype": "bfloat16"}, {**train, "lower.autocast": "bf16"})
+    ids = {bf16: [bench.identity(*bench.METHODS[m], common, train, bf16)[0] for m in ("mlmt", "untrained")]
+           + [bench.identity(*bench.METHODS["mlmt"], *explicit, bf16)[0]] for bf16 in (True, False)}
+    assert [a != b for a, b in zip(ids[True], ids[False])] == [True, True, False]  # explicit: one path anywhere
+    assert ids[True][2] != ids[True][0]
+    assert bench.identity(*bench.METHODS["mlmt"], common, train)[0] == ids[native_bf16()][0]  # None: this machine
+
+
 @pytest.mark.parametrize("env,method", [("none", "mlmt"), ("none", "mlmt-sentences-only"), ("confidence", "mlmt-sentences-only"),
                                         ("verdict", "mlmt-sentences-only"), ("verdict", "solver-only"),
                                         ("verdict", "mlmt-sentences-only-engine-bonus"),
@@ -69,7 +82,7 @@ def test_the_measured_units_still_count_for_their_method(bench, env, method):
 
     common, train = bench.run_overrides(sizes(env))
     preset, extra = bench.METHODS[method]
-    h = bench.identity(preset, extra, common, train)[0]
+    h = bench.identity(preset, extra, common, train, bf16=True)[0]  # where every stored unit ran
     units = sorted((ROOT / "benchmarks" / "results" / "learning_efficacy" / f"{env}-L2").glob(f"{method}-seed*-*.json"))
     assert units and any(json.loads(u.read_text()).get("config") == h for u in units)
 
@@ -192,3 +205,17 @@ def test_a_unit_whose_process_is_killed_raises_instead_of_hanging(bench):
     assert bench.in_child(os.getpid) != os.getpid()  # it does run in another process
     with pytest.raises(BrokenProcessPool):
         bench.in_child(os.abort)
+
+
+def test_units_are_not_trained_under_the_other_machines_precision():
+    """--native-bf16 only reads another machine's grids: training under it would file fp32 units as bf16."""
+    import subprocess
+    import sys
+
+    from tosca_mlmt.precision import native_bf16
+
+    other = "no" if native_bf16() else "yes"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "learning_efficacy.py"), "--env", "none", "--native-bf16", other,
+           "--methods", "untrained", "--seeds", "0", "--work", "/nonexistent"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and f"--native-bf16 {other}" in r.stderr and "--table-only" in r.stderr
