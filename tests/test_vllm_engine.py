@@ -578,11 +578,13 @@ def test_cpu_norm_kernel_rounds_once_after_the_weight(dtype):
     residual sum, the sum rounded to the model dtype normalised, multiplied by the weight in fp32
     and rounded once; the residual stream is the rounded sum. vLLM's PyTorch norm (and HF's)
     round before the weight, which in bf16 moves some outputs by a step. Inputs it cannot take
-    (non-contiguous, another dtype) go to the PyTorch path."""
+    (non-contiguous, another dtype) go to the PyTorch path. On a CPU without native bf16 the bf16
+    kernel truncates instead, which is why it is not routed there (the test below)."""
     from types import SimpleNamespace
 
     import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
 
+    from tosca_mlmt.precision import native_bf16
     from tosca_mlmt.rollout.engines.vllm_norm import _kernel
 
     g = torch.Generator().manual_seed(0)
@@ -594,6 +596,13 @@ def test_cpu_norm_kernel_rounds_once_after_the_weight(dtype):
 
     def ref(v, var_of):
         return (v * torch.rsqrt(var_of.pow(2).mean(-1, keepdim=True) + eps) * w).to(dtype)
+
+    if dtype == torch.bfloat16 and not native_bf16():
+        exact = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * w
+        truncated = (exact.view(torch.int32) & -65536).view(torch.float32).to(dtype)  # the low 16 bits cut
+        out = _kernel(m, x)
+        assert (out != truncated).float().mean() < 0.01 and (out != ref(x.float(), x.float())).float().mean() > 0.3
+        return
 
     def close(a, b):  # equal but for the variance's fp32 summation order (in bf16: a step in under 1 % of outputs)
         torch.testing.assert_close(a, b, rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
@@ -609,6 +618,25 @@ def test_cpu_norm_kernel_rounds_once_after_the_weight(dtype):
         assert (twice != _kernel(m, x)).float().mean() > 0.05
     assert _kernel(m, torch.cat([x, x], 1)[:, :576]) == "native"
     assert _kernel(m, x.float() if dtype == torch.bfloat16 else x.bfloat16()) == "native"
+
+
+def test_cpu_norm_kernel_is_routed_only_where_it_rounds_to_nearest(monkeypatch):
+    """A bf16 RMSNorm keeps vLLM's PyTorch norm on a CPU without native bf16 (where the kernel truncates,
+    the test above); fp32 is routed on any CPU, and routing off restores vLLM's own forward."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from tosca_mlmt import precision
+    from tosca_mlmt.rollout.engines import vllm_norm
+
+    with set_current_vllm_config(VllmConfig()):
+        model = torch.nn.Sequential(RMSNorm(576).to(torch.bfloat16), RMSNorm(576))
+    own = [m._forward_method for m in model]
+    for native, routed in ((True, 2), (False, 1)):
+        monkeypatch.setattr(precision, "native_bf16", lambda: native)
+        assert vllm_norm.install(model) == routed == vllm_norm.routed(model)
+        assert (model[0]._forward_method is own[0]) == (not native) and model[1]._forward_method is not own[1]
+        assert vllm_norm.install(model, on=False) == 0 and [m._forward_method for m in model] == own
 
 
 def test_collect_logs_the_prefix_hit_rate(env, tmp_path):

@@ -13,7 +13,10 @@ the PyTorch ops (and HF's ``LlamaRMSNorm``, the trainer's) round the normalised 
 model dtype first; after a residual add it normalises the sum rounded to the model dtype, as HF's
 layer does (though by the RMS of the unrounded sum), where vLLM's PyTorch path normalises the
 unrounded one. In fp32 the two agree to ~1e-6; in bf16 about a quarter of the outputs move by one bf16 step.
-The residual stream is the same: the sum rounded to the model dtype.
+The residual stream is the same: the sum rounded to the model dtype. That holds where the CPU has
+native bf16 (avx512_bf16/AMX): elsewhere the kernel converts fp32 to bf16 by truncation (every output
+rounded toward zero, half of them a step off the trainer's, a bias in every layer), so a bf16 model
+there keeps vLLM's PyTorch norm; fp32 is routed on any CPU.
 
 Only ``RMSNorm`` itself (not a subclass, nor other norms such as Gemma's ``1 + weight``) with a weight of the
 activations' dtype and no variance override is routed; a non-contiguous input (a view of a
@@ -52,13 +55,16 @@ def install(model: torch.nn.Module, on: bool = True) -> int:
     forward; returns how many are routed now."""
     import vllm.envs as envs
 
+    from tosca_mlmt.precision import native_bf16
+
     n = 0
     for m in model.modules():
         if not routable(m):
             continue
         if not hasattr(m, "_tosca_native"):
             m._tosca_native = m._forward_method  # vLLM's dispatch: forward_native on CPU
-        if on and not envs.VLLM_BATCH_INVARIANT:  # batch-invariant mode has its own norm
+        # batch-invariant mode has its own norm; a bf16 kernel without native bf16 truncates (docstring)
+        if on and not envs.VLLM_BATCH_INVARIANT and (m.weight.dtype != torch.bfloat16 or native_bf16()):
             m._forward_method = partial(_kernel, m)
             n += 1
         else:
