@@ -531,8 +531,6 @@ def main() -> None:
         args.seeds, args.test_problems, args.rounds = args.seeds[:1], 8, 1
         args.collect_problems, args.lower_iterations, args.problems_per_iteration, args.upper_steps = 2, 1, 2, 2
 
-    # --methods picks the units to run; the table always holds every method with finished units, so a
-    # run of one ablation does not rewrite the environment's table with that ablation alone
     from collect_throughput import machine_info
 
     from tosca_mlmt.precision import native_bf16
@@ -545,6 +543,8 @@ def main() -> None:
     # precision, the dtype): every unit says where it ran
     machine = machine_info()
     cpu = {k: machine[k] for k in ("cpu_model", "cpu_flags")}
+    # --methods picks the units to run; the table always holds every method with finished units, so a
+    # run of one ablation does not rewrite the environment's table with that ablation alone
     units = Units(args)
     every = units.every
     methods = every
@@ -613,7 +613,9 @@ def main() -> None:
         lines += ["", "Same configuration, shown once: " + "; ".join(f"{a} = {b}" for a, b in same_as.items()) + "."]
     label = "privileged (writer sees the verdict)" if args.env == "verdict" else "honest"
     head = [f"# Learning efficacy, env `{args.env}` ({label}), arith level {args.level}",
-            f"{dt.datetime.now():%Y-%m-%d}, {cpu['cpu_model'] or platform.machine()} ({' '.join(cpu['cpu_flags'])}), {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, "
+            # the machine that wrote the table: with --table-only not where the units ran (each unit's "cpu")
+            f"{dt.datetime.now():%Y-%m-%d}, written on {cpu['cpu_model'] or platform.machine()} "
+            f"({' '.join(cpu['cpu_flags'])}), {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, "
             f"seeds {seeds}, {args.test_problems} test problems, engine {args.engine}, code {sorted(shas)}"
             + (" — SMOKE RUN: decides nothing" if args.smoke else ""),
             f"Compute per trained method and seed: {args.rounds} rounds x ({args.collect_problems} writer problems + "

@@ -63,8 +63,8 @@ class VLLMConfig(Section):
                                  "ran 1.25-1.27x faster on the 135M model in bf16 (benchmarks/collect_throughput.py "
                                  "--norm-ab). The kernel rounds to the model dtype once, after the weight, where the "
                                  "PyTorch ops round twice: fp32 log-probs agree to ~1e-5, bf16 outputs move by one "
-                                 "bf16 step at most. A bf16 model on a CPU without native bf16 keeps the PyTorch norm (the kernel "
-                                 "truncates there). Ignored on GPU (vLLM's own kernels).")
+                                 "bf16 step at most. A bf16 model on a CPU without native bf16 keeps the PyTorch "
+                                 "norm (the kernel truncates there). Ignored on GPU (vLLM's own kernels).")
     stop_in_engine: bool = knob(True, "With episode.stop_at_answer, a logits processor inside vLLM ends a solver turn "
                                 "right after its first complete answer line (rollout/engines/vllm_stop.py) instead of "
                                 "decoding on to eos or max_new_tokens and cutting afterwards: the same kept ids, "
