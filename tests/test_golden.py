@@ -11,9 +11,11 @@ the observed values as Python literals to paste below (the tests then skip the c
 Run it twice: the values must not change between runs.
 
 Tolerance: fp32 on CPU is bit-reproducible for a fixed thread count, but another thread count or
-CPU (AVX2 vs AVX-512 kernels) sums in another order: ~1e-7 relative per op, which a few Adam steps
-(each gradient divided by its own size) grow to ~1e-5. rel 1e-4 leaves room for that while any
-change of maths, masking or scaling moves these values by far more. abs 1e-5 covers values near 0.
+CPU (AVX2 vs AVX-512 kernels) sums in another order: ~1e-7 relative per op, which Adam steps (each
+gradient divided by its own size) grow step by step. Measured against these values (stored on AVX-512
+machines) on an AVX2-only AMD EPYC (Zen 1): first steps within 4e-5, third steps up to 2.8e-4
+(gae's value_loss, archer's policy_loss). rel 1e-3 leaves room for that while any change of maths,
+masking or scaling moves these values by far more. abs 1e-5 covers values near 0.
 The values hold for this fp32 CPU path only: a GPU or bf16 run sums differently.
 """
 
@@ -37,7 +39,7 @@ from tosca_mlmt.pipelines.train_upper import train_upper
 pytestmark = pytest.mark.slow
 
 PRINT = os.environ.get("TOSCA_GOLDEN_PRINT") == "1"
-REL, ABS = 1e-4, 1e-5
+REL, ABS = 1e-3, 1e-5
 
 BASE = {
     **FP32, "logging.wandb": False, "logging.progress": False, "deterministic": True, "seed": 0,
