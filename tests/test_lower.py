@@ -139,6 +139,16 @@ def lower_setup(tiny_cfg, policies):
     return _lower_setup(tiny_cfg, policies)
 
 
+def _bf16_pair(cfg):
+    """(cfg, PolicyPair) with bf16 base weights and bf16 autocast."""
+    from tosca_mlmt.models.policies import PolicyPair
+
+    cfg = replace(cfg, model=replace(cfg.model, dtype="bfloat16"), lower=replace(cfg.lower, autocast="bf16"))
+    policies = PolicyPair(cfg.model, seed=0)
+    assert policies.dtype == torch.bfloat16
+    return cfg, policies
+
+
 @pytest.fixture(scope="module")
 def bf16_setup(lower_setup):
     """The path `model.dtype: auto` takes on CPUs with native bf16, forced on any CPU: bf16 base
@@ -146,13 +156,8 @@ def bf16_setup(lower_setup):
     episodes are reused: what is scored here is the bf16 forward, and sampling them again in bf16
     would cost minutes where bf16 matmuls are emulated (~50x slower than fp32 on AVX2-only CPUs);
     bf16 sampling is covered on the debug model below."""
-    from tosca_mlmt.models.policies import PolicyPair
-
-    cfg, trajs = lower_setup
-    cfg = replace(cfg, model=replace(cfg.model, dtype="bfloat16"), lower=replace(cfg.lower, autocast="bf16"))
-    policies = PolicyPair(cfg.model, seed=0)
-    assert policies.dtype == torch.bfloat16
-    return cfg, trajs, policies
+    cfg, policies = _bf16_pair(lower_setup[0])
+    return cfg, lower_setup[1], policies
 
 
 # bf16 keeps 8 significand bits: a logit in [16, 32) is rounded to a multiple of 2^-3, and the
@@ -189,15 +194,14 @@ def test_bonus_equals_an_independent_two_forward_computation(lower_setup, bf16_s
         s, e = t.turn_spans[1]
         g0, g1 = t.feedback_spans[1]
         diffs.append(lp_of(t.ids[:s], t.ids[s:e]) - lp_of(t.ids[:g0] + t.ids[g1:s], t.ids[s:e]))
-    for level in ("sequence", "token"):
-        # ungated and summed: the raw two-forward quantity, whatever the episodes' rewards
-        lcfg = replace(cfg, lower=replace(cfg.lower, bonus=replace(cfg.lower.bonus, level=level, clip=0.3,
-                                                                   gate="none", reduce="sum")))
-        trainer = LowerLearner(lcfg, policies)
-        assert trainer.scorer.use_bf16 == (precision == "bf16")
-        tt = to_tensors(trajs, trainer.pad_id)
-        with torch.no_grad():
-            old_lp = trainer.scorer.forward(tt.input_ids, tt.attention_mask).logprobs
+    # ungated and summed: the raw two-forward quantity, whatever the episodes' rewards
+    trainers = {level: LowerLearner(replace(cfg, lower=replace(cfg.lower, bonus=replace(
+        cfg.lower.bonus, level=level, clip=0.3, gate="none", reduce="sum"))), policies) for level in ("sequence", "token")}
+    assert all(t.scorer.use_bf16 == (precision == "bf16") for t in trainers.values())
+    tt = to_tensors(trajs, trainers["token"].pad_id)
+    with torch.no_grad():  # pi_old does not depend on the level either: one batched forward for both
+        old_lp = trainers["token"].scorer.forward(tt.input_ids, tt.attention_mask).logprobs
+    for level, trainer in trainers.items():
         bonus, stats = trainer.context_bonus(trajs, old_lp, None, torch.zeros_like(old_lp))
         errors, sizes = [], []
         for b, (t, diff) in enumerate(zip(trajs, diffs)):
@@ -330,12 +334,8 @@ def test_bf16_update_keeps_fp32_master_adapters_and_finite_losses(debug_cfg):
     sampled in bf16 too: the mechanics do not depend on what the model knows, and bf16 forwards
     of the embedded model cost minutes on CPUs that emulate bf16 matmuls."""
     from tosca_mlmt.lower.learner import LowerLearner
-    from tosca_mlmt.models.policies import PolicyPair
 
-    cfg = replace(debug_cfg, model=replace(debug_cfg.model, dtype="bfloat16"),
-                  lower=replace(debug_cfg.lower, autocast="bf16"))
-    policies = PolicyPair(cfg.model, seed=0)
-    assert policies.dtype == torch.bfloat16
+    cfg, policies = _bf16_pair(debug_cfg)
     cfg, trajs = _lower_setup(cfg, policies)
     trajs = [replace(t, turn_rewards=[float(i % 2), float((i + 1) % 2)]) for i, t in enumerate(trajs)]
     trainer = LowerLearner(cfg, policies)
