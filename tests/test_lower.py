@@ -160,12 +160,15 @@ def bf16_setup(lower_setup):
     return cfg, lower_setup[1], policies
 
 
-# bf16 keeps 8 significand bits: a logit in [16, 32) is rounded to a multiple of 2^-3, and the
-# bf16 residual stream of a batched forward and of an unbatched one round differently. So a
-# per-token log-prob may be off by up to ~2^-3 nats, and a bonus (coef 0.5 x a difference of
-# two log-probs) by 0.5 x 2 x 2^-3 = 0.125. A wrong span or a shifted token is off by O(1)
-# on average, hence the second check: the mean error stays a small share of the bonus itself.
-TOLERANCE = {"fp32": dict(atol=2e-4, rtol=1e-4), "bf16": dict(atol=0.125, rtol=0.0)}
+# bf16 keeps 8 significand bits, and a batched (right-padded) bf16 forward and an unbatched one
+# round differently all the way up the residual stream: oneDNN picks its GEMM blocking by shape,
+# on AMX most of all. Measured on an AMX Xeon, one token's log-prob under the two disagrees by up
+# to 0.23 nats, so a token bonus (coef 0.5 x a difference of two log-probs) may be off by
+# 0.5 x 2 x 0.25 = 0.25. At clip 0.3 no bonus exceeds 0.15, so that bound catches a shifted token
+# (log-probs swing by nats between neighbours) but little else; the rest is the second check: a
+# wrong span, feedback left in or a flipped sign is off by the bonus's own size summed over the
+# refine, while bf16 noise stays within a quarter of it (about a tenth, measured).
+TOLERANCE = {"fp32": dict(atol=2e-4, rtol=1e-4), "bf16": dict(atol=0.25, rtol=0.0)}
 
 
 @pytest.mark.slow
