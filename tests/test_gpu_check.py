@@ -98,11 +98,11 @@ def _fake_checkout(tmp_path: Path) -> tuple[Path, list[Path]]:
     return repo, _pack_module().pack(files, repo / ".gpu", part_bytes=4096)
 
 
-def _check(repo: Path, mode: str, tmp_path: Path, **env) -> subprocess.CompletedProcess:
+def _check(repo: Path, mode: str, tmp_path: Path, timeout: int = 300, **env) -> subprocess.CompletedProcess:
     env = {"PATH": "/usr/bin:/bin", "PY": sys.executable, "OUT": str(tmp_path / "out"),
            "GPU_WORK": str(tmp_path / "work"), **env}
     return subprocess.run(["bash", "benchmarks/gpu/check.sh", mode], cwd=repo, env=env, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=timeout)
 
 
 def test_run_joins_the_parts_staged_by_earlier_calls(tmp_path):
@@ -188,3 +188,29 @@ def test_steps_share_one_budget_and_a_spent_one_skips_them(tmp_path, profile, na
 def test_an_unknown_profile_is_refused(tmp_path):
     res = _check(ROOT, "run", tmp_path, GPU_CHECK_PROFILE="tpu")
     assert res.returncode == 2 and "hf or vllm" in res.stderr
+
+
+@pytest.mark.slow
+def test_the_small_checks_mlmt_steps_run_past_config_validation(tmp_path):
+    """The check's own command lines, run for real on the debug base: a device call lost to a
+    config refusal (the small joint once asked for two writer steps, both Q-only warm-up, which
+    train-joint refuses) costs minutes of a 15-minute lease; here it costs a failing test."""
+    import os
+
+    from tosca_mlmt.models.loading import cache_root
+
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".git", ".venv", ".gpu*", "results", "__pycache__"))
+    wrap = tmp_path / "py"  # the check's PY, with every mlmt command moved onto the debug base
+    wrap.write_text(f'#!/usr/bin/env bash\nif [ "$1 $2" = "-m tosca_mlmt.cli.main" ]; then\n'
+                    f'  exec {sys.executable} "$@" --set model.solver=tiny-random --set model.writer=tiny-random\n'
+                    f'fi\nexec {sys.executable} "$@"\n')
+    wrap.chmod(0o755)
+    res = _check(repo, "run", tmp_path, PY=str(wrap), GPU_CHECK_SMALL="1", GPU_CHECK_BUDGET_S="900", timeout=1200,
+                 GPU_CHECK_STEPS="collect lower joint", TOSCA_MLMT_CACHE=str(cache_root()),
+                 OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    steps = [json.loads(x) for x in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
+    log = (tmp_path / "out" / "gpu_check.log").read_text()
+    assert [(s["step"], s["rc"]) for s in steps] == [("collect", 0), ("lower", 0), ("joint", 0)], log[-3000:]
+    assert res.returncode == 0
+    assert (tmp_path / "work" / "joint" / "manifest.json").exists()
