@@ -12,6 +12,8 @@
 #   joint      mlmt train-joint, one round of configs/demo.yaml on the HF engine
 #   throughput benchmarks/train_lower_throughput.py --engines hf: ours against TRL's GRPOTrainer, both on the GPU
 #   zero2      one train-lower iteration under torchrun with DeepSpeed ZeRO-2 (NCCL group of one)
+#   accel      the same under `accelerate launch` with configs/accelerate/8gpu-zero2.yaml, one process:
+#              the DeepSpeed JSON comes from accelerate's config (ACCELERATE_DEEPSPEED_CONFIG_FILE)
 #  vllm (stage.sh vllm: vllm 0.26.0, the newest built for the image's torch 2.11):
 #   env        as above, vLLM's version included
 #   vcollect   mlmt collect 64 x 4 on engine.name=vllm (CUDA; multiprocess engine, weights over collective_rpc)
@@ -22,6 +24,8 @@
 #   vjoint     mlmt train-joint, one round of configs/demo.yaml on vLLM
 #   vpair      mlmt collect with the writer on a base of its own (model.writer=tiny-random): two vLLM
 #              engines on one GPU, the memory split by engine.vllm.writer_share (rollout/engines/vllm_pair.py)
+#   vaccel     one train-lower iteration on vLLM under `accelerate launch` with
+#              configs/accelerate/8gpu-ddp.yaml, one process: the colocated engine inside a launched rank
 #   vcont      collect_throughput.py --continuous-ab 1 at 512 x 4: continuous episodes against batched
 #              turns and raw vLLM, with more episodes than vLLM's max_num_seqs (rollout/continuous.py)
 set -uo pipefail
@@ -90,6 +94,8 @@ if [ "$SMALL" = 1 ]; then n=4; it=1; probs=2; joint=(--set joint.lower_iteration
 # The HF engine's default of 32 prompts per generate call suits a CPU; on the GPU 64 x 4 samples
 # in batches of 32 is 24 calls of eager decoding (the first GPU run's collect ran past 150 s), so
 # the GPU collect decodes each turn in one call.
+# accelerate's configs fix port 29500; GPU_CHECK_PORT moves it (tests run beside other launchers)
+port=(--main_process_port "${GPU_CHECK_PORT:-29500}")
 hfb=$([ "$SMALL" = 1 ] && echo 32 || echo 256)
 step env 120 "$PY" benchmarks/gpu/env_report.py "$OUT/env.json"
 if [ "$PROFILE" = vllm ]; then
@@ -105,6 +111,9 @@ if [ "$PROFILE" = vllm ]; then
     --set joint.collect_problems="$probs" "${joint[@]}" --out "$W/vjoint"
   step vpair 120 "${MLMT[@]}" collect --task arith --level 2 --limit "$probs" --n-samples 4 --engine vllm \
     --set model.writer=tiny-random --no-wandb --no-progress --out "$W/vpair"
+  step vaccel 150 "$PY" -m accelerate.commands.launch --config_file configs/accelerate/8gpu-ddp.yaml --num_processes 1 "${port[@]}" \
+    -m tosca_mlmt.cli.main train-lower --task arith --engine vllm --iterations 1 --no-wandb --no-progress \
+    --set lower.problems_per_iteration="$probs" --set task.level=2 --out "$W/vaccel"
   # more episodes than vLLM's max_num_seqs on an H100/H200 (1024), where batched turns pay a tail per turn
   step vcont 240 "$PY" benchmarks/collect_throughput.py --limit "$([ "$SMALL" = 1 ] && echo 4 || echo 512)" --n-samples 4 --engines vllm --raw-n 4 \
     --raw-runs 0 --continuous on --continuous-ab 1 --out "$OUT/collect_throughput-continuous-gpu.json"
@@ -127,6 +136,9 @@ else
     train-lower --task arith --engine hf --iterations 1 --no-wandb --no-progress \
     --set lower.problems_per_iteration="$probs" --set task.level=2 \
     --set distributed.deepspeed=configs/deepspeed/zero2.json --out "$W/zero2"
+  step accel 240 "$PY" -m accelerate.commands.launch --config_file configs/accelerate/8gpu-zero2.yaml --num_processes 1 "${port[@]}" \
+    -m tosca_mlmt.cli.main train-lower --task arith --engine hf --iterations 1 --no-wandb --no-progress \
+    --set lower.problems_per_iteration="$probs" --set task.level=2 --out "$W/accel"
 fi
 "$PY" benchmarks/gpu/env_report.py --runs "$W" "$OUT/runs.json" >> "$LOG" 2>&1
 cat "$OUT/steps.jsonl"
