@@ -65,6 +65,29 @@ def test_pack_cuts_files_into_parts_that_fit_and_unpack_restores_them(tmp_path):
     assert sorted(Path(w).name for w in wheels) == sorted(f.name for f in files if f.suffix == ".whl")
 
 
+def test_auto_parts_fill_what_the_working_tree_leaves_of_a_call(tmp_path, monkeypatch):
+    """The device tool ships the tree (tracked files and untracked ones git does not ignore) with
+    every call, 64 MiB in all: a part is sized to what is left, so a growing tree never pushes a
+    call over."""
+    pack = _pack_module()
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", *a], cwd=repo, check=True, capture_output=True, timeout=60)  # noqa: E731
+    git("init", "-q")
+    (repo / ".gitignore").write_text("/big/\n")
+    (repo / "tracked.bin").write_bytes(b"t" * 700_000)
+    git("add", ".gitignore", "tracked.bin")
+    (repo / "untracked.txt").write_bytes(b"u" * 300_000)
+    (repo / "big").mkdir()
+    (repo / "big" / "ignored.bin").write_bytes(b"i" * 5_000_000)
+    tree = len("/big/\n") + 700_000 + 300_000
+    assert pack.tree_bytes(repo) == tree
+    assert pack.auto_part_bytes(repo) == (64 << 20) - (2 << 20) - tree
+    monkeypatch.setattr(pack, "CALL_BYTES", (9 << 20) + tree)  # 7 MiB left past the tree and the margin
+    with pytest.raises(SystemExit, match="too little"):
+        pack.auto_part_bytes(repo)
+
+
 def test_unpack_names_the_parts_never_staged_and_ignores_another_packs_leftovers(tmp_path):
     pack = _pack_module()
     files = _payload(tmp_path)

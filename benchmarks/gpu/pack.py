@@ -1,8 +1,9 @@
 """Ship files to the lent GPU machine in parts that each fit one device call, and put them back there.
 
-A device call carries at most 64 MiB with the working tree (~9 MiB), and the machine keeps what a
-call left outside the checkout while it stays warm (30 s between calls). So stage.sh packs the
-files the machine lacks into ``.gpu/part1 .. partN`` of at most ``--part-mib`` each: a file larger
+A device call carries at most 64 MiB with the working tree (13 MiB on 2026-12-03, growing with
+benchmarks/results), and the machine keeps what a call left outside the checkout while it stays warm
+(30 s between calls). So stage.sh packs the files the machine lacks into ``.gpu/part1 .. partN`` of
+at most ``--part-mib`` each (``auto``: what the tree leaves of 64 MiB, less a margin): a file larger
 than that is cut into pieces (``NAME.piece-KK``), and every part holds a manifest of what it carries
 (whole file name, sha256, piece count) and the pack's id. On the machine, check.sh copies each
 carried part into one staging folder; ``unpack`` then joins the pieces, checks every file against its
@@ -10,7 +11,7 @@ sha256, names the parts that were never staged, and extracts ``*.tar.xz`` trees 
 target; ``wheels`` lists the pack's wheels for pip. The pack is the one whose part was staged last,
 so leftovers of another pack on a warm machine are ignored.
 
-    python benchmarks/gpu/pack.py pack FILE... --out .gpu [--part-mib 50]
+    python benchmarks/gpu/pack.py pack FILE... --out .gpu [--part-mib auto|50]
     python benchmarks/gpu/pack.py unpack STAGE [--site /tmp/site]
     python benchmarks/gpu/pack.py wheels STAGE
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -28,6 +30,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tosca_mlmt.fsutil import sha256_file as sha256  # noqa: E402 -- stdlib only: runs before anything is installed
 
 MANIFEST = "manifest-part{}.json"
+CALL_BYTES = 64 << 20  # what one device call carries, the working tree included
+MARGIN_BYTES = 2 << 20  # manifests, and what the session adds to the tree before its device calls
+
+
+def tree_bytes(repo: Path) -> int:
+    """The working tree as a device call ships it: tracked files and untracked ones git does not ignore."""
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=repo, capture_output=True,
+                         check=True, timeout=120).stdout
+    files = (repo / n for n in out.decode().split("\0") if n)
+    return sum(f.lstat().st_size for f in files if f.is_file() or f.is_symlink())
+
+
+def auto_part_bytes(repo: Path) -> int:
+    """The largest part that still rides in one call beside ``repo``'s working tree."""
+    room = CALL_BYTES - MARGIN_BYTES - tree_bytes(repo)
+    if room < (8 << 20):
+        raise SystemExit(f"the working tree leaves {room >> 20} MiB of a device call's 64 MiB: too little to ship parts")
+    return room
 
 
 def pack(files: list[Path], out: Path, part_bytes: int) -> list[Path]:
@@ -109,14 +129,15 @@ def main(argv=None) -> int:
     p = sub.add_parser("pack")
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--part-mib", type=float, default=50.0)
+    p.add_argument("--part-mib", default="auto", help="MiB per part, or auto: what the working tree leaves of a call")
     u = sub.add_parser("unpack")
     u.add_argument("stage", type=Path)
     u.add_argument("--site", type=Path)
     sub.add_parser("wheels").add_argument("stage", type=Path)
     a = ap.parse_args(argv)
     if a.cmd == "pack":
-        for d in pack(a.files, a.out, int(a.part_mib * (1 << 20))):
+        size = auto_part_bytes(Path.cwd()) if a.part_mib == "auto" else int(float(a.part_mib) * (1 << 20))
+        for d in pack(a.files, a.out, size):
             print(d, sum(f.stat().st_size for f in d.iterdir()) >> 20, "MiB")
     elif a.cmd == "unpack":
         for f in unpack(a.stage, a.site):

