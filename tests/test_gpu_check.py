@@ -16,6 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU = ROOT / "benchmarks" / "gpu"
+# what a copy of the checkout for check.sh leaves out: git's, the venv, staging, results and demo runs
+NOT_COPIED = shutil.ignore_patterns(".git", ".venv", ".gpu*", "results", "runs", "__pycache__")
 
 
 @pytest.mark.parametrize("script", ["check.sh", "stage.sh"])
@@ -193,7 +195,7 @@ def test_runs_report_keeps_each_runs_last_metrics_and_manifest(tmp_path):
 def test_steps_share_one_budget_and_a_spent_one_skips_them(tmp_path, profile, names):
     """A device call is killed at 600 s; steps past the budget are recorded as skipped, not started."""
     repo = tmp_path / "repo"
-    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".git", ".venv", ".gpu*", "results", "__pycache__"))
+    shutil.copytree(ROOT, repo, ignore=NOT_COPIED)
     res = _check(repo, "run", tmp_path, GPU_CHECK_BUDGET_S="0", GPU_CHECK_PROFILE=profile)
     assert res.returncode == 0, res.stderr
     steps = [json.loads(x) for x in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
@@ -213,14 +215,6 @@ def test_an_unknown_profile_is_refused(tmp_path):
     assert res.returncode == 2 and "hf or vllm" in res.stderr
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_the_small_checks_mlmt_steps_run_past_config_validation(tmp_path):
     """The check's own command lines, run for real on the debug base: a device call lost to a
@@ -229,9 +223,10 @@ def test_the_small_checks_mlmt_steps_run_past_config_validation(tmp_path):
     import os
 
     from tosca_mlmt.models.loading import cache_root
+    from tosca_mlmt.parallel import free_port
 
     repo = tmp_path / "repo"
-    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".git", ".venv", ".gpu*", "results", "__pycache__"))
+    shutil.copytree(ROOT, repo, ignore=NOT_COPIED)
     wrap = tmp_path / "py"  # the check's PY, with every mlmt command moved onto the debug base
     wrap.write_text(f'#!/usr/bin/env bash\ncase " $* " in *" -m tosca_mlmt.cli.main "*)\n'
                     f'  exec {sys.executable} "$@" --set model.solver=tiny-random --set model.writer=tiny-random;;\n'
@@ -239,7 +234,7 @@ def test_the_small_checks_mlmt_steps_run_past_config_validation(tmp_path):
     wrap.chmod(0o755)
     res = _check(repo, "run", tmp_path, PY=str(wrap), GPU_CHECK_SMALL="1", GPU_CHECK_BUDGET_S="900", timeout=1200,
                  GPU_CHECK_STEPS="collect lower joint accel", TOSCA_MLMT_CACHE=str(cache_root()),
-                 GPU_CHECK_PORT=str(_free_port()), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+                 GPU_CHECK_PORT=str(free_port()), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     steps = [json.loads(x) for x in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
     log = (tmp_path / "out" / "gpu_check.log").read_text()
     assert [(s["step"], s["rc"]) for s in steps] == [("collect", 0), ("lower", 0), ("joint", 0), ("accel", 0)], log[-3000:]

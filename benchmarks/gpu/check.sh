@@ -96,6 +96,9 @@ if [ "$SMALL" = 1 ]; then n=4; it=1; probs=2; joint=(--set joint.lower_iteration
 # the GPU collect decodes each turn in one call.
 # accelerate's configs fix port 29500; GPU_CHECK_PORT moves it (tests run beside other launchers)
 port=(--main_process_port "${GPU_CHECK_PORT:-29500}")
+ACCEL=("$PY" -m accelerate.commands.launch --num_processes 1 "${port[@]}")
+# what every train-lower step shares; each adds its engine, iterations and --out
+LOWER=(train-lower --task arith --no-wandb --no-progress --set lower.problems_per_iteration="$probs" --set task.level=2)
 hfb=$([ "$SMALL" = 1 ] && echo 32 || echo 256)
 step env 120 "$PY" benchmarks/gpu/env_report.py "$OUT/env.json"
 if [ "$PROFILE" = vllm ]; then
@@ -103,25 +106,22 @@ if [ "$PROFILE" = vllm ]; then
   # the multiprocess engine takes the weights as safetensors bytes over collective_rpc)
   step vcollect 150 "${MLMT[@]}" collect --task arith --level 2 --limit "$n" --n-samples 4 --engine vllm \
     --no-wandb --no-progress --out "$W/vsnapshots"
-  step vlower 150 "${MLMT[@]}" train-lower --task arith --engine vllm --iterations "$it" --no-wandb --no-progress \
-    --set lower.problems_per_iteration="$probs" --set task.level=2 --out "$W/vlower"
+  step vlower 150 "${MLMT[@]}" "${LOWER[@]}" --engine vllm --iterations "$it" --out "$W/vlower"
   step vbench 180 "$PY" benchmarks/collect_throughput.py --limit "$n" --n-samples 4 --engines vllm --raw-n 4 \
     --raw-runs 1 --out "$OUT/collect_throughput-gpu.json"
   step vjoint 200 "${MLMT[@]}" train-joint -c configs/demo.yaml --engine vllm --rounds 1 --no-wandb --no-progress \
     --set joint.collect_problems="$probs" "${joint[@]}" --out "$W/vjoint"
   step vpair 120 "${MLMT[@]}" collect --task arith --level 2 --limit "$probs" --n-samples 4 --engine vllm \
     --set model.writer=tiny-random --no-wandb --no-progress --out "$W/vpair"
-  step vaccel 150 "$PY" -m accelerate.commands.launch --config_file configs/accelerate/8gpu-ddp.yaml --num_processes 1 "${port[@]}" \
-    -m tosca_mlmt.cli.main train-lower --task arith --engine vllm --iterations 1 --no-wandb --no-progress \
-    --set lower.problems_per_iteration="$probs" --set task.level=2 --out "$W/vaccel"
+  step vaccel 150 "${ACCEL[@]}" --config_file configs/accelerate/8gpu-ddp.yaml -m tosca_mlmt.cli.main "${LOWER[@]}" \
+    --engine vllm --iterations 1 --out "$W/vaccel"
   # more episodes than vLLM's max_num_seqs on an H100/H200 (1024), where batched turns pay a tail per turn
   step vcont 240 "$PY" benchmarks/collect_throughput.py --limit "$([ "$SMALL" = 1 ] && echo 4 || echo 512)" --n-samples 4 --engines vllm --raw-n 4 \
     --raw-runs 0 --continuous on --continuous-ab 1 --out "$OUT/collect_throughput-continuous-gpu.json"
 else
   step collect 180 "${MLMT[@]}" collect --task arith --level 2 --limit "$n" --n-samples 4 --engine hf \
     --set engine.batch_size="$hfb" --no-wandb --no-progress --out "$W/snapshots"
-  step lower 150 "${MLMT[@]}" train-lower --task arith --engine hf --iterations "$it" --no-wandb --no-progress \
-    --set lower.problems_per_iteration="$probs" --set task.level=2 --out "$W/lower"
+  step lower 150 "${MLMT[@]}" "${LOWER[@]}" --engine hf --iterations "$it" --out "$W/lower"
   step joint 200 "${MLMT[@]}" train-joint -c configs/demo.yaml --engine hf --rounds 1 --no-wandb --no-progress \
     --set joint.collect_problems="$probs" "${joint[@]}" --out "$W/joint"
   if [ "$SMALL" != 1 ]; then
@@ -132,13 +132,10 @@ else
   # with distributed.deepspeed set, the trainer joins a process group even for one process and
   # builds the ZeRO-2 engine, so the collective setup, ZeRO's gradient partitioning and the weight
   # push run on CUDA.
-  step zero2 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m tosca_mlmt.cli.main \
-    train-lower --task arith --engine hf --iterations 1 --no-wandb --no-progress \
-    --set lower.problems_per_iteration="$probs" --set task.level=2 \
-    --set distributed.deepspeed=configs/deepspeed/zero2.json --out "$W/zero2"
-  step accel 240 "$PY" -m accelerate.commands.launch --config_file configs/accelerate/8gpu-zero2.yaml --num_processes 1 "${port[@]}" \
-    -m tosca_mlmt.cli.main train-lower --task arith --engine hf --iterations 1 --no-wandb --no-progress \
-    --set lower.problems_per_iteration="$probs" --set task.level=2 --out "$W/accel"
+  step zero2 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m tosca_mlmt.cli.main "${LOWER[@]}" \
+    --engine hf --iterations 1 --set distributed.deepspeed=configs/deepspeed/zero2.json --out "$W/zero2"
+  step accel 240 "${ACCEL[@]}" --config_file configs/accelerate/8gpu-zero2.yaml -m tosca_mlmt.cli.main "${LOWER[@]}" \
+    --engine hf --iterations 1 --out "$W/accel"
 fi
 "$PY" benchmarks/gpu/env_report.py --runs "$W" "$OUT/runs.json" >> "$LOG" 2>&1
 cat "$OUT/steps.jsonl"
