@@ -31,6 +31,12 @@ natively (``lower.autocast=auto``); TRL's ``bf16`` flag follows the same decisio
     python benchmarks/train_lower_throughput.py --engines vllm --syncs direct delta file --out results/train_lower_throughput-sync.json
     python benchmarks/train_lower_throughput.py --allocators glibc tcmalloc jemalloc --rounds 2
 
+``--old-pass-ab`` times ours alone (vLLM) with ``lower.old_logprobs`` auto and recompute, alternating
+(``--rounds`` each; results in train_lower_throughput-old-pass.json); with ``--set`` overrides that make
+more than one minibatch, auto scores pi_old on the later minibatches' rows only:
+
+    python benchmarks/train_lower_throughput.py --old-pass-ab --rounds 3 --set lower.minibatch_size=8 --set lower.kl_mode=loss
+
 ``--allocators`` times ours alone (vLLM, no TRL run) once per malloc and round, the arms alternating
 (reversed every other round): each child starts with the library in ``LD_PRELOAD`` (``glibc``: none; other preloads kept),
 as ``engine.allocator`` makes the mlmt command do; ``NAME@CONF`` also sets ``MALLOC_CONF`` (jemalloc's
@@ -64,6 +70,7 @@ SYNCS = {"direct": {}, "delta": {"engine.vllm.direct_sync": False},
 
 def run_ours(args, engine: str, scorer: str = "auto", sync: str = "direct") -> dict:
     from tosca_mlmt.config import load_config
+    from tosca_mlmt.config.load import parse_override
     from tosca_mlmt.pipelines.train_lower import train_lower
 
     cfg = load_config(overrides={
@@ -73,7 +80,7 @@ def run_ours(args, engine: str, scorer: str = "auto", sync: str = "direct") -> d
         "lower.iterations": args.iterations, "lower.problems_per_iteration": args.problems,
         "lower.advantage": "grpo", "lower.minibatch_size": args.problems * args.group, "lower.save_every": 10**6,
         "lower.keep_snapshots": False, "lower.bonus.scorer": scorer, **({"episode.rounds": 0} if args.single_turn else {}),
-        **SYNCS[sync],
+        **SYNCS[sync], **dict(parse_override(x) for x in args.set),
     })
     out = Path(args.workdir) / f"ours-{engine}-{scorer}-{int(time.time())}"
     t0 = time.perf_counter()
@@ -92,7 +99,7 @@ def run_ours(args, engine: str, scorer: str = "auto", sync: str = "direct") -> d
 
     scored = [r["lower/bonus/engine_scored"] for r in timed if "lower/bonus/engine_scored" in r]
     return {"engine": engine, "bonus_scorer": scorer, "sync": sync, "timed_iterations": len(timed),
-            "bonus_engine_scored": max(scored) if scored else None,
+            "bonus_engine_scored": max(scored) if scored else None, "old_pass": timed[-1].get("lower/old_pass"),
             "autocast_bf16": use_bf16_autocast(cfg.lower.autocast),
             "generated_tokens": gen, "engine_generated_tokens": round(engine_gen, 1),
             "seconds": secs, "tokens_per_s": gen / secs,
@@ -168,14 +175,15 @@ def child(args) -> None:
     Path(args.child_out).write_text(json.dumps(res))
 
 
-def spawn(args, what: str, env: dict | None = None) -> dict:
+def spawn(args, what: str, env: dict | None = None, sets: tuple[str, ...] = ()) -> dict:
+    """One run in a child process; ``sets``: config overrides of this run on top of ``--set``."""
     out = Path(args.workdir) / f"result-{what.replace(':', '-')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--child", what, "--child-out", str(out), "--problems", str(args.problems),
            "--group", str(args.group), "--max-new-tokens", str(args.max_new_tokens),
            "--iterations", str(args.iterations), "--workdir", args.workdir, "--trl-bf16", args.trl_bf16] + (
-        ["--single-turn"] if args.single_turn else [])
+        ["--single-turn"] if args.single_turn else []) + [a for x in (*args.set, *sets) for a in ("--set", x)]
     before = os.getloadavg()
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, env=env)
@@ -190,11 +198,45 @@ def spawn(args, what: str, env: dict | None = None) -> dict:
     return res
 
 
-def allocator_ab(args) -> None:
-    """``--allocators``: ours on vLLM under each malloc, ``--rounds`` rounds, the order reversed every
-    other round; medians and ratios to the first arm."""
+def alternate(args, arms: dict[str, tuple[dict | None, tuple[str, ...]]], path: Path, notes: str) -> dict:
+    """Ours on vLLM alone (no TRL run) under each arm's (environment, config overrides), ``--rounds``
+    rounds, the order reversed every other round; the JSON is rewritten after every run."""
+    res = {"date": dt.datetime.now().isoformat(timespec="seconds"), "machine": platform.processor() or platform.machine(),
+           "cores": os.cpu_count(), "args": {k: v for k, v in vars(args).items() if not k.startswith("child")},
+           "notes": "ours on vLLM alone (no TRL run), one process per run, arms alternating; tokens_per_s and "
+                    "time_breakdown (seconds summed over the timed iterations) as in the TRL comparison; "
+                    "process_* and minor_page_faults from os.wait4; " + notes, "runs": []}
+    names = list(arms)
+    for r in range(args.rounds):
+        for arm in (names if r % 2 == 0 else names[::-1]):
+            env, sets = arms[arm]
+            run = spawn(args, "ours:vllm:auto:direct", env=env, sets=sets)
+            res["runs"].append({"arm": arm, "round": r, **run})
+            tb = run["time_breakdown"]
+            print(f"{arm:<28} round {r}: {run['tokens_per_s']:.1f} tok/s, old/ref {tb.get('old_ref_logprobs', 0):.1f} s, "
+                  f"update {tb['update']:.1f} s, {run['minor_page_faults'] / 1e6:.1f} M faults, "
+                  f"peak {run['peak_rss_mb']['self'] / 1024:.2f} GiB ({run['malloc']})", flush=True)
+            path.write_text(json.dumps(res, indent=2))
+    return res
+
+
+def summarise(res: dict, path: Path, fields: dict) -> None:
+    """Per arm: the median of each of ``fields`` (name -> reader of a run) and tokens/s against the first arm."""
     import statistics
 
+    arms = list(dict.fromkeys(x["arm"] for x in res["runs"]))
+    med = {arm: {name: statistics.median(get(x) for x in res["runs"] if x["arm"] == arm)
+                 for name, get in {"tokens_per_s_median": lambda x: x["tokens_per_s"], **fields}.items()}
+           for arm in arms}
+    res["summary"] = {arm: {**{k: round(v, 3) for k, v in m.items()},
+                            "ratio_to_" + arms[0]: round(m["tokens_per_s_median"] / med[arms[0]]["tokens_per_s_median"], 3)}
+                      for arm, m in med.items()}
+    path.write_text(json.dumps(res, indent=2))
+    print(json.dumps(res["summary"], indent=1))
+
+
+def allocator_ab(args) -> None:
+    """``--allocators``: ours on vLLM under each malloc; medians and ratios to the first arm."""
     from tosca_mlmt.errors import ConfigError
     from tosca_mlmt.runtime import LIBRARIES, preload_env, wanted_allocator
 
@@ -208,36 +250,24 @@ def allocator_ab(args) -> None:
         except ConfigError as e:
             raise SystemExit(f"--allocators {arm}: {e}") from None
         env = preload_env(lib, {k: v for k, v in os.environ.items() if k != "MALLOC_CONF"})
-        arms[arm] = dict(env, **({"MALLOC_CONF": conf} if conf else {}))
+        arms[arm] = (dict(env, **({"MALLOC_CONF": conf} if conf else {})), ())
     path = Path(args.out) if args.out else RESULTS / "train_lower_throughput-allocators.json"
-    res = {"date": dt.datetime.now().isoformat(timespec="seconds"), "machine": platform.processor() or platform.machine(),
-           "cores": os.cpu_count(), "args": {k: v for k, v in vars(args).items() if not k.startswith("child")},
-           "notes": "ours on vLLM alone (no TRL run), one process per run, arms alternating; tokens_per_s and "
-                    "time_breakdown (seconds summed over the timed iterations) as in the TRL comparison; "
-                    "process_* and minor_page_faults from os.wait4", "runs": []}
-    for r in range(args.rounds):
-        for arm in (args.allocators if r % 2 == 0 else args.allocators[::-1]):
-            run = spawn(args, "ours:vllm:auto:direct", env=arms[arm])
-            res["runs"].append({"arm": arm, "round": r, **run})
-            print(f"{arm:<28} round {r}: {run['tokens_per_s']:.1f} tok/s, update {run['time_breakdown']['update']:.1f} s, "
-                  f"{run['minor_page_faults'] / 1e6:.1f} M faults, peak {run['peak_rss_mb']['self'] / 1024:.2f} GiB "
-                  f"({run['malloc']})", flush=True)
-            path.write_text(json.dumps(res, indent=2))
+    res = alternate(args, arms, path, "arms: the malloc in LD_PRELOAD")
+    summarise(res, path, {"update_s_median": lambda x: x["time_breakdown"]["update"],
+                          "minor_faults_median": lambda x: x["minor_page_faults"],
+                          "peak_rss_gib_median": lambda x: x["peak_rss_mb"]["self"] / 1024})
 
-    def median(arm, get):
-        return statistics.median(get(x) for x in res["runs"] if x["arm"] == arm)
 
-    first = args.allocators[0]
-    tok = {arm: median(arm, lambda x: x["tokens_per_s"]) for arm in args.allocators}
-    res["summary"] = {arm: {
-        "tokens_per_s_median": round(tok[arm], 2),
-        "ratio_to_" + first: round(tok[arm] / tok[first], 3),
-        "update_s_median": round(median(arm, lambda x: x["time_breakdown"]["update"]), 2),
-        "minor_faults_median": median(arm, lambda x: x["minor_page_faults"]),
-        "peak_rss_gib_median": round(median(arm, lambda x: x["peak_rss_mb"]["self"]) / 1024, 2),
-    } for arm in args.allocators}
-    path.write_text(json.dumps(res, indent=2))
-    print(json.dumps(res["summary"], indent=1))
+def old_pass_ab(args) -> None:
+    """``--old-pass-ab``: lower.old_logprobs auto (pi_old scored on the rows after the first
+    minibatch only) against recompute (every row), the same batches otherwise."""
+    arms = {mode: (None, (f"lower.old_logprobs={mode}",)) for mode in ("auto", "recompute")}
+    path = Path(args.out) if args.out else RESULTS / "train_lower_throughput-old-pass.json"
+    res = alternate(args, arms, path, "arms: lower.old_logprobs; old_pass = the share of rows the pi_old pass "
+                                      "scored (lower/old_pass of the last iteration)")
+    summarise(res, path, {"old_ref_logprobs_s_median": lambda x: x["time_breakdown"]["old_ref_logprobs"],
+                          "update_s_median": lambda x: x["time_breakdown"]["update"],
+                          "seconds_median": lambda x: x["seconds"], "old_pass": lambda x: x["old_pass"]})
 
 
 def main() -> None:
@@ -257,7 +287,11 @@ def main() -> None:
                     help="vLLM weight-sync settings to run ours with (hf: the first only)")
     ap.add_argument("--allocators", nargs="+", metavar="NAME[@MALLOC_CONF]",
                     help="time ours alone on vLLM under each malloc (glibc, tcmalloc, jemalloc), alternating")
-    ap.add_argument("--rounds", type=int, default=2, help="--allocators: runs per arm")
+    ap.add_argument("--old-pass-ab", action="store_true",
+                    help="time ours alone on vLLM with lower.old_logprobs auto and recompute, alternating")
+    ap.add_argument("--rounds", type=int, default=2, help="--allocators, --old-pass-ab: runs per arm")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override of our runs, after the script's own (repeatable)")
     ap.add_argument("--workdir", default="/tmp/tosca-bench-lower")
     ap.add_argument("--trl-bf16", choices=("auto", "on", "off"), default="auto",
                     help="TRL's bf16 autocast; auto = what our lower.autocast=auto picks here")
@@ -269,6 +303,8 @@ def main() -> None:
         return child(args)
     if args.allocators:
         return allocator_ab(args)
+    if args.old_pass_ab:
+        return old_pass_ab(args)
     if args.engine and args.engines:
         ap.error("give --engine or --engines, not both")
     engines = args.engines or [args.engine or "hf"]

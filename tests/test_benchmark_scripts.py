@@ -2,6 +2,7 @@
 repeat from the JSON, and the machine line names the CPU flags that decide bf16 numerics."""
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -86,7 +87,8 @@ def test_allocator_ab_preloads_each_arms_malloc_alternates_and_takes_medians(mon
     speed = {"glibc": [60.0, 70.0, 80.0], "jemalloc@dirty_decay_ms:-1": [30.0, 50.0, 40.0]}
     seen = []
 
-    def spawn(args, what, env=None):
+    def spawn(args, what, env=None, sets=()):
+        assert sets == ()
         arm = "jemalloc@dirty_decay_ms:-1" if "libjemalloc" in env["LD_PRELOAD"] else "glibc"
         seen.append((arm, env.get("LD_PRELOAD"), env.get("MALLOC_CONF")))
         tok = speed[arm][sum(a == arm for a, *_ in seen) - 1]
@@ -113,6 +115,76 @@ def test_allocator_ab_preloads_each_arms_malloc_alternates_and_takes_medians(mon
     with pytest.raises(SystemExit, match="mimalloc"):
         monkeypatch.setattr(sys, "argv", ["x", "--allocators", "mimalloc", "--out", str(out)])
         tlt.main()
+
+
+def test_old_pass_ab_runs_each_arms_old_logprobs_after_the_callers_overrides(monkeypatch, tmp_path):
+    """--old-pass-ab: each child gets --set lower.old_logprobs=<arm> after the caller's --set (so the
+    arm wins), in the caller's environment; the order reverses every other round, and the summary
+    holds each arm's median old/ref seconds and the share of rows its pi_old pass scored."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("train_lower_throughput", None)
+    import train_lower_throughput as tlt
+
+    old_ref = {"auto": [5.0, 6.0], "recompute": [9.0, 8.0]}
+    seen = []
+
+    def spawn(args, what, env=None, sets=()):
+        arm = sets[0].split("=")[1]
+        seen.append((arm, env, tuple(args.set), sets))
+        i = sum(a == arm for a, *_ in seen) - 1
+        return {"tokens_per_s": 100 / old_ref[arm][i], "seconds": 2 * old_ref[arm][i], "old_pass": {"auto": 0.5}.get(arm, 1.0),
+                "time_breakdown": {"update": 1.0, "old_ref_logprobs": old_ref[arm][i]}, "minor_page_faults": 1,
+                "peak_rss_mb": {"self": 1024}, "malloc": "glibc"}
+
+    monkeypatch.setattr(tlt, "spawn", spawn)
+    out = tmp_path / "old.json"
+    monkeypatch.setattr(sys, "argv", ["x", "--old-pass-ab", "--rounds", "2", "--set", "lower.minibatch_size=8",
+                                      "--out", str(out)])
+    tlt.main()
+    assert [s[0] for s in seen] == ["auto", "recompute", "recompute", "auto"]
+    assert {s[1:] for s in seen} == {(None, ("lower.minibatch_size=8",), (f"lower.old_logprobs={a}",))
+                                     for a in ("auto", "recompute")}
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["auto"]["old_ref_logprobs_s_median"] == 5.5 and summary["recompute"]["old_ref_logprobs_s_median"] == 8.5
+    assert summary["auto"]["old_pass"] == 0.5 and summary["recompute"]["old_pass"] == 1.0
+    assert summary["recompute"]["ratio_to_auto"] == round(statistics.median([100 / 9, 100 / 8]) /
+                                                          statistics.median([100 / 5, 100 / 6]), 3)
+
+
+def test_the_benchmark_passes_set_overrides_to_its_child_after_its_own(monkeypatch, tmp_path):
+    """spawn's child command line carries the caller's --set and then the arm's, in that order,
+    and run_ours applies them over the script's own overrides (the later --set wins)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("train_lower_throughput", None)
+    import train_lower_throughput as tlt
+
+    import tosca_mlmt.pipelines.train_lower as tl
+
+    cmds, cfgs = [], []
+
+    class Done(Exception):
+        pass
+
+    def fake_popen(cmd, env=None):
+        cmds.append(cmd)
+        raise Done
+
+    monkeypatch.setattr(tlt.subprocess, "Popen", fake_popen)
+    args = tlt.argparse.Namespace(problems=4, group=4, max_new_tokens=32, iterations=3, workdir=str(tmp_path),
+                                  trl_bf16="auto", single_turn=False, set=["lower.minibatch_size=8"])
+    with pytest.raises(Done):
+        tlt.spawn(args, "ours:vllm:auto:direct", sets=("lower.old_logprobs=recompute",))
+    assert cmds[0][-4:] == ["--set", "lower.minibatch_size=8", "--set", "lower.old_logprobs=recompute"]
+
+    def fake_train(cfg, out):
+        cfgs.append(cfg)
+        raise Done
+
+    monkeypatch.setattr(tl, "train_lower", fake_train)
+    with pytest.raises(Done):
+        tlt.run_ours(tlt.argparse.Namespace(**{**vars(args), "set": ["lower.minibatch_size=8", "lower.kl_mode=loss"]}),
+                     "hf")
+    assert cfgs[0].lower.minibatch_size == 8 and cfgs[0].lower.kl_mode == "loss"  # the script's own: 16
 
 
 def test_rescore_finds_the_turns_a_verifier_change_moves(monkeypatch, tmp_path):

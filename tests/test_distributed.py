@@ -154,6 +154,26 @@ def test_ddp_checkpoint_resumes_into_another_world_size(single, snapshot, initia
     assert_same_update(_tensors(single), _tensors(out), initial, "solver")
 
 
+def test_two_processes_skip_the_first_minibatchs_pi_old_rows_as_one_does(snapshot, initial, tmp_path):
+    """GRPO, no value head, the bonus on the reference (which reads the reference pass, not pi_old):
+    lower.old_logprobs=auto scores pi_old only on the rows after the first minibatch (old_pass
+    0.5), and two ranks share those rows out (one each) and spread them back into the batch as one
+    process does: the same update and pre-update diagnostics."""
+    sets = {"lower.advantage": "grpo", "lower.kl_mode": "loss", "lower.bonus.model": "reference",
+            "lower.minibatch_size": 2}
+    one, two = tmp_path / "skip-1", tmp_path / "skip-2"
+    launch(one, snapshot, 1, stages=("lower",), overrides=sets)
+    launch(two, snapshot, 2, stages=("lower",), overrides=sets)
+    assert_same_update(_tensors(one), _tensors(two), initial, "solver")
+    ref = [m for m in _metric_lines(one / "lower") if "lower/iteration" in m]
+    got = [m for m in _metric_lines(two / "lower") if "lower/iteration" in m]
+    assert len(ref) == len(got) == 2 and all(m["lower/old_pass"] == 0.5 for m in ref + got)
+    assert ref[1]["lower/kl"] > 0  # after an update the policy is off the reference, and the diagnostic sees it
+    for r, g in zip(ref, got):
+        for k in ("lower/grad_norm", "lower/policy_loss", "lower/kl", "lower/entropy"):
+            assert g[k] == pytest.approx(r[k], rel=1e-4, abs=1e-7), k
+
+
 @needs_deepspeed
 @pytest.mark.parametrize("config", ["zero3-offload"])
 def test_deepspeed_zero_gives_the_one_process_update(single, snapshot, initial, tmp_path, config):

@@ -540,7 +540,7 @@ def test_zero_kl_coef_skips_the_reference_pass_and_changes_nothing(debug_cfg, de
 
     def score_with_reference(self, tt, trajs, values, features, **kw):  # what kl_coef > 0 would compute
         s = score(self, tt, trajs, values, features, **kw)
-        return replace(s, ref_logprobs=self._sharded(tt, trajs, reference=True)[0])
+        return replace(s, ref_logprobs=self._sharded(tt, trajs, list(range(len(trajs))), reference=True)[0])
 
     monkeypatch.setattr(SolverScorer, "forward", counting_forward)
     runs = {}
@@ -614,7 +614,8 @@ def test_auto_old_logprobs_skip_the_pass_only_where_pi_old_is_pi_theta(debug_cfg
     """lower.old_logprobs=auto on a batch that is one optimizer step and has no reader of pi_old
     before the update (no bonus on refines, values or reference): no scoring forward runs, and the
     update is bit-for-bit the one recompute makes, entropy diagnostic included. With two
-    minibatches the second step's pi_old is not the current weights, so the pass runs."""
+    minibatches the second step's pi_old is not the current weights, so the pass runs (on the
+    second minibatch's rows: test_auto_old_logprobs_skip_the_first_minibatchs_rows_only)."""
     from peft import set_peft_model_state_dict
 
     from tosca_mlmt.lower.learner import LowerLearner
@@ -647,11 +648,91 @@ def test_auto_old_logprobs_skip_the_pass_only_where_pi_old_is_pi_theta(debug_cfg
     assert skipped0 and nograd0 == 0, f"auto ran {nograd0} scoring forwards"
     assert not skipped1 and nograd1 > 0
     assert runs["auto-two-steps"][2] is False and runs["auto-two-steps"][1] > 0
+    assert runs["auto-two-steps"][0]["old_pass"] == 0.5 and m0["old_pass"] == 0.0 and m1["old_pass"] == 1.0
     moved = max(float((w0[k] - state[k]).abs().max()) for k in state)
     assert moved > 0, "the update did not move the adapter: the weight comparison is vacuous"
     assert all(torch.equal(w0[k], w1[k]) for k in w0), "skipping the pi_old pass changed the update"
     assert m0["policy_loss"] == m1["policy_loss"] and m0["ratio_mean"] == 1.0
     assert m0["entropy"] == pytest.approx(m1["entropy"], rel=1e-5) and m0["entropy"] > 0
+
+
+@pytest.mark.slow
+def test_auto_old_logprobs_skip_the_first_minibatchs_rows_only(debug_cfg, debug_policies, monkeypatch):
+    """With one epoch of two minibatches the first one's loss forward runs with the weights that
+    sampled, so lower.old_logprobs=auto scores pi_old on the second minibatch's rows alone (the
+    reference, for the KL loss, on all). The update matches recompute's up to the fp32 noise of
+    recompute's own pi_old forward on the first rows (there its ratio is ~1, here exactly 1), and
+    the second step reads the very pi_old recompute scored. Skipping the second minibatch's rows
+    instead (pi_old taken after the first step) lands measurably elsewhere: the check can fail."""
+    policies = debug_policies
+    with restored(dict(policies.model("solver").named_parameters())):  # other tests start from the untrained adapter
+        _first_minibatch_skip(debug_cfg, policies, monkeypatch)
+
+
+def _first_minibatch_skip(debug_cfg, policies, monkeypatch):
+    from peft import set_peft_model_state_dict
+
+    from tosca_mlmt.algos.losses import kl_estimate
+    from tosca_mlmt.lower.learner import LowerLearner
+    from tosca_mlmt.lower.scoring import SolverScorer
+    from tosca_mlmt.seeds import stream
+    from tosca_mlmt.tensors import masked_mean
+
+    cfg, trajs = _lower_setup(debug_cfg, policies)
+    trajs = [replace(t, turn_rewards=[float(i % 2)] * len(t.turn_rewards)) for i, t in enumerate(trajs)]
+    n, half = len(trajs), len(trajs) // 2
+    lo = replace(cfg.lower, kl_coef=0.05, kl_mode="loss", advantage="grpo", minibatch_size=half, lr=2e-2,
+                 bonus=replace(cfg.lower.bonus, coef=0.0))
+    # a trained-looking adapter (LoRA B off 0), so pi_old differs from the reference and the KL is not 0
+    gen = torch.Generator().manual_seed(0)
+    state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) if "lora_B" in k else v.clone()
+             for k, v in policies.adapter_state("solver").items()}
+    set_peft_model_state_dict(policies.model("solver"), state, adapter_name="solver")
+    scored, batches = [], []  # rows of each no-grad pi_old forward; the UpdateBatch each run's epochs read
+    forward, epochs = SolverScorer.forward, LowerLearner._epochs
+
+    def counting_forward(self, ids, *args, reference=False, **kw):
+        if not torch.is_grad_enabled() and not reference:
+            scored.append(ids.shape[0])
+        return forward(self, ids, *args, reference=reference, **kw)
+
+    def keeping_epochs(self, batch, step):
+        batches.append(batch)
+        return epochs(self, batch, step)
+
+    monkeypatch.setattr(SolverScorer, "forward", counting_forward)
+    monkeypatch.setattr(LowerLearner, "_epochs", keeping_epochs)
+    first = sorted(int(i) for i in stream(cfg.seed, "minibatch", 0, 0).permutation(n)[:half])
+    second = sorted(set(range(n)) - set(first))
+    runs = {}
+    for mode in ("auto", "recompute", "wrong-rows"):
+        scored.clear()
+        learner = LowerLearner(replace(cfg, lower=replace(lo, old_logprobs=mode.replace("wrong-rows", "auto"))),
+                               policies)
+        if mode == "wrong-rows":
+            monkeypatch.setattr(learner, "current_rows", lambda *a: second)
+        metrics = learner.update(trajs, step=0)
+        runs[mode] = (metrics, sum(scored), copy.deepcopy(policies.adapter_state("solver")))
+        set_peft_model_state_dict(policies.model("solver"), state, adapter_name="solver")
+    (ma, rows_a, wa), (mr, rows_r, wr), (_, _, ww) = runs["auto"], runs["recompute"], runs["wrong-rows"]
+    auto, recompute = batches[0], batches[1]
+    assert rows_a == n - half and rows_r == n, (rows_a, rows_r)
+    assert ma["old_pass"] == 0.5 and mr["old_pass"] == 1.0
+    assert auto.old_current.tolist() == [i in first for i in range(n)]
+    m = auto.tt.mask
+    assert float(auto.old_logprobs[first].abs().sum()) == 0.0  # never read: the loss takes pi_theta there
+    torch.testing.assert_close(auto.old_logprobs[second] * m[second], recompute.old_logprobs[second] * m[second],
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(auto.ref_logprobs, recompute.ref_logprobs, rtol=1e-5, atol=1e-5)
+    # the pre-update KL diagnostic is over the scored rows: recompute's KL on the second minibatch
+    tm = to_tensors(trajs, learner.pad_id).mask[second]
+    kl = kl_estimate(recompute.old_logprobs[second], recompute.ref_logprobs[second], lo.kl_estimator)
+    assert ma["kl"] == pytest.approx(float(masked_mean(kl, tm)), rel=1e-4, abs=1e-7) and ma["kl"] != mr["kl"]
+    moved = max(float((wa[k] - state[k]).abs().max()) for k in state)
+    assert moved > 0, "the update did not move the adapter: the comparison is vacuous"
+    gap = max(float((wa[k] - wr[k]).abs().max()) for k in wa)
+    wrong = max(float((ww[k] - wr[k]).abs().max()) for k in wa)
+    assert gap < 1e-2 * moved and wrong > 10 * max(gap, 1e-7), (gap, wrong, moved)
 
 
 @pytest.mark.slow

@@ -128,10 +128,13 @@ class LowerConfig(Section):
                                        "turns; the policy, value and KL-loss terms skip them, and the turns masked are "
                                        "logged (lower/truncated_turns, lower/loss_tokens).")
     old_logprobs: str = knob("auto", "PPO's pi_old: recompute = a no-grad forward with the weights that sampled "
-                                     "(on-policy); auto = the same, but the forward is skipped where pi_old is "
-                                     "exactly pi_theta at the loss (one optimizer step per batch: epochs 1, the "
-                                     "batch in one minibatch) and nothing else reads it (no value head, critic, "
-                                     "reference, or bonus on refines), as TRL does with num_iterations 1; "
+                                     "(on-policy); auto = the same, but the forward is skipped for the rows where "
+                                     "pi_old is exactly pi_theta at the loss, with epochs 1 the first minibatch's "
+                                     "(a batch of one minibatch: all, as TRL does with num_iterations 1), where "
+                                     "nothing else reads it before the update (no value head, critic, KL in the "
+                                     "reward, or trainer-scored bonus on refines; a one-minibatch batch also no "
+                                     "reference). lower/old_pass logs the share of rows scored, and the pre-update "
+                                     "kl and entropy diagnostics are over those rows; "
                                      "behaviour = the engine's logged sampling logprobs (needed for off-policy "
                                      "snapshots).",
                              choices=("auto", "recompute", "behaviour"))

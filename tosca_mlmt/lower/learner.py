@@ -112,9 +112,10 @@ class LowerLearner:
         # ZeRO-3: weights whole for the scoring block, so ranks may run different forwards
         with torch.no_grad(), self.policies.full_weights(), dist.full_parameters(self.value_head, self.critic):
             with timer("old_ref_logprobs"):
-                self.skipped_old = self.old_is_current(len(trajs), tt.n_turns, needs, by_engine)
+                current = self.current_rows(step, len(trajs), tt.n_turns, needs, by_engine)
+                self.skipped_old = len(current) == len(trajs)
                 scores = self.scorer.score(tt, trajs, values=VALUES in needs, features=CRITIC in needs,
-                                           skip_old=self.skipped_old)
+                                           current=current)
             with timer("advantages"):
                 rewards = objective.token_rewards(trajs, tt, scores, lo, step)
                 adv, returns, critic_targets = self._advantages(trajs, tt, rewards, scores)
@@ -128,14 +129,15 @@ class LowerLearner:
         # a cut turn's reward stays in the estimate above (its group's baseline); only the loss drops its tokens
         loss_tt, masked = without_cut_turns(trajs, tt) if lo.mask_truncated else (tt, 0)
         batch = UpdateBatch(loss_tt, scores.old_logprobs, scores.old_values, scores.ref_logprobs, adv, returns,
-                            rewards.kl_weight, critic_targets)
+                            rewards.kl_weight, critic_targets, scores.old_current)
         with timer("update"):
             upd = self._epochs(batch, step)
         cuts = {"truncated_turns": sum(map(sum, (t.cut for t in trajs))), "truncated_turns_masked": masked,
                 "loss_tokens": int(loss_tt.mask.sum())}
-        # old_pass 0: no pi_old forward ran (lower.old_logprobs=auto found pi_old = pi_theta at the loss)
+        # old_pass: the share of rows a pi_old forward scored (lower.old_logprobs=auto skips the rows where
+        # pi_old = pi_theta at the loss: 0 for a batch of one minibatch, 1 - minibatch/batch for more)
         return {**stats.iteration_stats(tt, rewards, scores, adv, returns), **bstats, **upd, **cuts,
-                "old_pass": float(not self.skipped_old), "bonus/engine_scored": float(by_engine)}
+                "old_pass": 1.0 - len(current) / len(trajs), "bonus/engine_scored": float(by_engine)}
 
     def engine_scores_bonus(self, engine) -> bool:
         """lower.bonus.scorer resolved for one update. auto picks the engine only where that is
@@ -149,16 +151,29 @@ class LowerLearner:
                     and self.lo.logprob_temperature == "raw")
         return bo.scorer == "engine"
 
-    def old_is_current(self, rows: int, n_turns: int, needs, engine_scored_bonus: bool) -> bool:
-        """Whether the scoring pass can be skipped (lower.old_logprobs=auto): the batch is one
-        optimizer step (one epoch, one minibatch), so the loss's forward runs with the very weights
-        that sampled, and nothing reads the pass before the update: no bonus on refines, value
-        head, critic features or reference."""
+    def current_rows(self, step: int, rows: int, n_turns: int, needs, engine_scored_bonus: bool) -> list[int]:
+        """The rows whose pi_old pass can be skipped (lower.old_logprobs=auto): with one epoch, the
+        first minibatch's loss forward runs with the very weights that sampled, so pi_old is that
+        forward detached, exactly, for its rows; later minibatches follow an optimizer step and
+        keep the pass. Skipped only where nothing reads pi_old of every row before the update: no
+        trainer-scored bonus of the policy on refines, value head, critic features or KL in the reward;
+        and a batch of one minibatch keeps the pass where the reference runs (the pre-update
+        KL diagnostics need some scored rows), as before partial skips."""
         lo = self.lo
-        bonus_reads_it = lo.bonus.coef > 0 and n_turns > 1 and not engine_scored_bonus
-        others_read_it = VALUES in needs or CRITIC in needs or self.scorer.needs_reference()
-        return (lo.old_logprobs == "auto" and lo.epochs == 1 and rows <= lo.minibatch_size
-                and not bonus_reads_it and not others_read_it)
+        bonus_reads_it = (lo.bonus.coef > 0 and n_turns > 1 and lo.bonus.model == "policy"
+                          and not engine_scored_bonus)  # bonus.model=reference reads the reference pass
+        kl_in_reward = lo.kl_mode == "reward" and (lo.kl_coef > 0 or lo.score.enabled)
+        if (lo.old_logprobs != "auto" or lo.epochs != 1 or bonus_reads_it or kl_in_reward
+                or VALUES in needs or CRITIC in needs):
+            return []
+        first = self.minibatch_order(step, 0, rows)[: lo.minibatch_size]
+        if len(first) == rows and self.scorer.needs_reference():
+            return []
+        return sorted(int(i) for i in first)
+
+    def minibatch_order(self, step: int, epoch: int, rows: int) -> np.ndarray:
+        """The rows of update ``step``'s epoch in the order its minibatches take them."""
+        return stream(self.cfg.seed, "minibatch", step, epoch).permutation(rows)
 
     def _advantages(self, trajs, tt: TrajectoryTensors, rewards: objective.TokenRewards, scores: Scores):
         """(advantages [B, T], returns [B, T], the critic's targets when it trains)."""
@@ -214,7 +229,7 @@ class LowerLearner:
         means, norms = stats.LossMeans(), []
         self.model.train()
         for epoch in range(lo.epochs):
-            order = stream(self.cfg.seed, "minibatch", step, epoch).permutation(len(batch))
+            order = self.minibatch_order(step, epoch, len(batch))
             for mb_start in range(0, len(batch), lo.minibatch_size):
                 mb = order[mb_start: mb_start + lo.minibatch_size]
                 tokens = float(batch.tt.mask[torch.as_tensor(mb)].sum())

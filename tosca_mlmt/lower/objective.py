@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 class TokenRewards:
     rewards: torch.Tensor  # [B, T] on action tokens only
     kl: torch.Tensor  # [B, T] estimate of KL(pi_old || pi_ref) per action token; 0 without a reference
+    # and in rows whose pi_old pass was skipped (Scores.old_current: only where the reward holds no KL)
     kl_weight: torch.Tensor  # [B, T] beta of each token's turn (SCoRe gives turns different betas)
     stage: int  # SCoRe stage, 0 when off
 
@@ -42,7 +43,8 @@ def token_rewards(trajs: list[SolverTrajectory], tt: TrajectoryTensors, scores: 
     turn_r, kl_w, stage = shaped_turn_rewards(trajs, lo, step)
     old_lp, ref_lp = scores.old_logprobs, scores.ref_logprobs
     rewards = torch.zeros(tt.mask.shape)
-    kl = kl_estimate(old_lp, ref_lp, lo.kl_estimator) * tt.mask if ref_lp is not None else torch.zeros_like(rewards)
+    kl = (kl_estimate(old_lp, ref_lp, lo.kl_estimator) * scores.scored_mask(tt.mask) if ref_lp is not None
+          else torch.zeros_like(rewards))
     kl_weight = torch.zeros_like(rewards)
     for b, t in enumerate(trajs):
         for k, (s, e) in enumerate(t.turn_spans):
@@ -99,6 +101,7 @@ class UpdateBatch:
     returns: torch.Tensor  # [B, T] the value head's target
     kl_weight: torch.Tensor  # [B, T]
     critic: archer.CriticTargets | None  # present exactly when the utterance critic trains
+    old_current: torch.Tensor | None = None  # [B] rows whose pi_old is pi_theta detached (Scores.old_current)
 
     def __len__(self) -> int:
         return self.tt.input_ids.shape[0]
@@ -114,7 +117,8 @@ class UpdateBatch:
 
         return UpdateBatch(self.tt.select(rows, width), take(self.old_logprobs), take(self.old_values), take(self.ref_logprobs),
                            take(self.advantages), take(self.returns), take(self.kl_weight),
-                           None if self.critic is None else self.critic.select(rows))
+                           None if self.critic is None else self.critic.select(rows),
+                           None if self.old_current is None else self.old_current[rows])
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,8 @@ def ppo_loss(lo: "LowerConfig", fwd: Forward, mb: UpdateBatch, critic: archer.Ut
     m = mb.tt.mask
     # no pi_old pass: this forward runs with the weights that sampled, so pi_old is its own detached value
     old = mb.old_logprobs if mb.old_logprobs is not None else fwd.logprobs.detach()
+    if mb.old_current is not None:  # the first minibatch's rows: the same, row by row
+        old = torch.where(mb.old_current[:, None], fwd.logprobs.detach(), old)
     pg, info = POLICY_LOSSES[lo.policy_loss](fwd.logprobs, old, mb.advantages, m, agg=lo.loss_agg,
                                              clip_low=lo.clip_low, clip_high=lo.clip_high)
     loss = pg * (share.rows if lo.loss_agg == "seq-mean-token-mean" else share.tokens)

@@ -41,7 +41,7 @@ class Forward:
 class Scores:
     """What the update needs from the models before it starts; every rank holds all B rows."""
     old_logprobs: torch.Tensor | None  # [B, T] pi_old (the engine's own on action tokens with old_logprobs=behaviour);
-    # None when the pass was skipped: pi_old is pi_theta at the loss (old_logprobs=auto)
+    # None when the pass was skipped for every row: pi_old is pi_theta at the loss (old_logprobs=auto)
     entropy: torch.Tensor | None  # [B, T] of pi_old; None when skipped (the training forward logs it)
     old_values: torch.Tensor | None  # [B, T] value head, for estimators that need values
     ref_logprobs: torch.Tensor | None  # [B, T] adapters off; when KL, SCoRe or a reference bonus needs them
@@ -50,6 +50,14 @@ class Scores:
     # bonus reads it, since its no-feedback term is the trainer's too: log pi_b(y|x,z,g) - log pi(y|x,z)
     # would measure how far the policy drifted since sampling, not what g changed.
     trainer_logprobs: torch.Tensor | None = None
+    # [B] rows the pi_old pass skipped because the first minibatch's forward runs with the weights
+    # that sampled (LowerLearner.current_rows): 0 in old_logprobs, entropy and trainer_logprobs there,
+    # and the loss reads pi_theta detached instead. None: every row was scored
+    old_current: torch.Tensor | None = None
+
+    def scored_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """``mask`` [B, T] cut to the rows the pi_old pass scored: the pre-update diagnostics' rows."""
+        return mask if self.old_current is None else mask * (~self.old_current)[:, None]
 
 
 @dataclass
@@ -101,11 +109,12 @@ class SolverScorer:
         return [rows[i: i + n] for i in range(0, len(rows), n)]
 
     @torch.no_grad()
-    def _sharded(self, tt: TrajectoryTensors, trajs: list[SolverTrajectory], values=False, reference=False,
-                 entropy=False, features=False) -> list[torch.Tensor | None]:
-        """[logprobs, values, entropy, h_state, h_action] over all rows, each rank scoring its shard."""
+    def _sharded(self, tt: TrajectoryTensors, trajs: list[SolverTrajectory], rows: list[int], values=False,
+                 reference=False, entropy=False, features=False) -> list[torch.Tensor | None]:
+        """[logprobs, values, entropy, h_state, h_action] of ``rows`` (all B rows back, 0 in the
+        others), each rank scoring its shard of them."""
         chunks = []
-        for c in self._chunks(dist.shard(tt.input_ids.shape[0])):
+        for c in self._chunks([rows[i] for i in dist.shard(len(rows))]):
             f = self.forward(tt.input_ids[c], tt.attention_mask[c], values=values, reference=reference,
                              entropy=entropy, keep=tt.mask[c])
             # the hidden states are dropped chunk by chunk: only the K turn positions are kept
@@ -115,7 +124,7 @@ class SolverScorer:
             chunks.append((f.logprobs, f.values, f.entropy, hs, ha))
         part = tuple(_cat(chunks, i) for i in range(5)) if chunks else None
         parts = [q for q in dist.gather(part) if q is not None]
-        return [_cat(parts, i) for i in range(5)]
+        return [_spread(_cat(parts, i), rows, tt.input_ids.shape[0]) for i in range(5)]
 
     def needs_reference(self) -> bool:
         lo = self.lo
@@ -123,16 +132,20 @@ class SolverScorer:
 
     @torch.no_grad()
     def score(self, tt: TrajectoryTensors, trajs: list[SolverTrajectory], values: bool, features: bool,
-              skip_old: bool = False) -> Scores:
-        """``skip_old``: pi_old is pi_theta when the loss runs and nothing else reads the pass, so
-        there is no forward (the caller decides; see LowerLearner.old_is_current)."""
-        lo = self.lo
-        if skip_old:
+              current: list[int] = ()) -> Scores:
+        """``current``: rows whose pi_old is pi_theta when the loss runs and that nothing else reads
+        the pass of, so their pi_old forward is skipped (the caller decides; see
+        LowerLearner.current_rows); all B rows: no forward at all. The reference scores every row."""
+        lo, n = self.lo, tt.input_ids.shape[0]
+        skip = set(current)
+        if len(skip) == n:
             return Scores(None, None, None, None, None)
-        own, v, ent, hs, ha = self._sharded(tt, trajs, values=values, entropy=True, features=features)
+        rows = [i for i in range(n) if i not in skip]
+        own, v, ent, hs, ha = self._sharded(tt, trajs, rows, values=values, entropy=True, features=features)
         lp = torch.where(tt.mask > 0, tt.behaviour_logprobs, own) if lo.old_logprobs == "behaviour" else own
-        ref = self._sharded(tt, trajs, reference=True)[0] if self.needs_reference() else None
-        return Scores(lp, ent, v, ref, (hs, ha) if features else None, own)
+        ref = self._sharded(tt, trajs, list(range(n)), reference=True)[0] if self.needs_reference() else None
+        on_current = torch.tensor([i in skip for i in range(n)]) if skip else None
+        return Scores(lp, ent, v, ref, (hs, ha) if features else None, own, on_current)
 
     @torch.no_grad()
     def without_feedback(self, trajs: list[SolverTrajectory], reference: bool, engine=None) -> RefineScores:
@@ -156,3 +169,12 @@ class SolverScorer:
 
 def _cat(parts: list[tuple], i: int) -> torch.Tensor | None:
     return None if parts[0][i] is None else torch.cat([q[i] for q in parts])
+
+
+def _spread(x: torch.Tensor | None, rows: list[int], n: int) -> torch.Tensor | None:
+    """``x`` [len(rows), ...] placed at ``rows`` of an [n, ...] tensor of zeros."""
+    if x is None or len(rows) == n:
+        return x
+    out = x.new_zeros((n, *x.shape[1:]))
+    out[torch.as_tensor(rows, dtype=torch.long)] = x
+    return out

@@ -19,16 +19,18 @@ from tosca_mlmt.tensors import masked_mean
 
 def iteration_stats(tt: TrajectoryTensors, rewards: TokenRewards, scores: Scores, adv: torch.Tensor,
                     returns: torch.Tensor) -> dict:
-    m = tt.mask
+    # pi_old's diagnostics (kl, entropy) are over the rows its pass scored: the first minibatch's
+    # rows may have skipped it (Scores.old_current), and they are a random share of the batch
+    m, ms = tt.mask, scores.scored_mask(tt.mask)
     out = {
-        "stage": rewards.stage, "kl": float(masked_mean(rewards.kl, m)),
+        "stage": rewards.stage, "kl": float(masked_mean(rewards.kl, ms)),
         "adv_mean": float(masked_mean(adv, m)), "adv_std": float(adv[m > 0].std()) if m.sum() > 1 else 0.0,
         "token_reward_sum": float(rewards.rewards.sum() / len(m)), "train_tokens": int(m.sum()),
     }
     if scores.entropy is not None:  # else the update's forward logs it
-        out["entropy"] = float(masked_mean(scores.entropy, m))
+        out["entropy"] = float(masked_mean(scores.entropy, ms))
     for k in range(tt.n_turns):
-        out[f"kl/turn{k}"] = float(masked_mean(rewards.kl, m * (tt.turn_ids == k)))
+        out[f"kl/turn{k}"] = float(masked_mean(rewards.kl, ms * (tt.turn_ids == k)))
     if scores.old_values is not None:
         out["explained_variance"] = explained_variance(scores.old_values, returns, m)
     return out
