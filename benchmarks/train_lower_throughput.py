@@ -268,6 +268,28 @@ def old_pass_ab(args) -> None:
     summarise(res, path, {"old_ref_logprobs_s_median": lambda x: x["time_breakdown"]["old_ref_logprobs"],
                           "update_s_median": lambda x: x["time_breakdown"]["update"],
                           "seconds_median": lambda x: x["seconds"], "old_pass": lambda x: x["old_pass"]})
+    res["summary"]["old_ref_ratio_per_round"] = old_ref_ratios(res["runs"])
+    path.write_text(json.dumps(res, indent=2))
+
+
+# the stages both arms run alike: how much faster or slower the machine was during one run of a pair
+ALIKE = ("generate", "bonus", "update")
+
+
+def old_ref_ratios(runs: list[dict]) -> list[dict]:
+    """Per round: recompute's old/ref seconds over auto's, raw and divided by the same ratio of
+    the ALIKE stages, which takes out a machine that sped up or slowed down between the two runs
+    (shared 2-core hosts drift by 1.3x within minutes)."""
+    out = []
+    for rnd in sorted({x["round"] for x in runs}):
+        arm = {x["arm"]: x["time_breakdown"] for x in runs if x["round"] == rnd}
+        if {"auto", "recompute"} <= arm.keys():
+            a, r = arm["auto"], arm["recompute"]
+            raw = r["old_ref_logprobs"] / a["old_ref_logprobs"]
+            drift = sum(r[k] for k in ALIKE) / sum(a[k] for k in ALIKE)
+            out.append({"round": rnd, "raw": round(raw, 3), "alike_stages": round(drift, 3),
+                        "drift_adjusted": round(raw / drift, 3)})
+    return out
 
 
 def main() -> None:

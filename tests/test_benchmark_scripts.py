@@ -120,12 +120,14 @@ def test_allocator_ab_preloads_each_arms_malloc_alternates_and_takes_medians(mon
 def test_old_pass_ab_runs_each_arms_old_logprobs_after_the_callers_overrides(monkeypatch, tmp_path):
     """--old-pass-ab: each child gets --set lower.old_logprobs=<arm> after the caller's --set (so the
     arm wins), in the caller's environment; the order reverses every other round, and the summary
-    holds each arm's median old/ref seconds and the share of rows its pi_old pass scored."""
+    holds each arm's median old/ref seconds, the share of rows its pi_old pass scored and each
+    round's old/ref ratio divided by the drift of the stages both arms run alike."""
     monkeypatch.syspath_prepend(str(BENCH))
     sys.modules.pop("train_lower_throughput", None)
     import train_lower_throughput as tlt
 
     old_ref = {"auto": [5.0, 6.0], "recompute": [9.0, 8.0]}
+    slow = {"auto": [1.0, 1.0], "recompute": [2.0, 1.0]}  # the machine ran round 0's recompute at half speed
     seen = []
 
     def spawn(args, what, env=None, sets=()):
@@ -133,7 +135,9 @@ def test_old_pass_ab_runs_each_arms_old_logprobs_after_the_callers_overrides(mon
         seen.append((arm, env, tuple(args.set), sets))
         i = sum(a == arm for a, *_ in seen) - 1
         return {"tokens_per_s": 100 / old_ref[arm][i], "seconds": 2 * old_ref[arm][i], "old_pass": {"auto": 0.5}.get(arm, 1.0),
-                "time_breakdown": {"update": 1.0, "old_ref_logprobs": old_ref[arm][i]}, "minor_page_faults": 1,
+                "time_breakdown": {"generate": 3.0 * slow[arm][i], "bonus": 1.0 * slow[arm][i],
+                                   "update": 1.0 * slow[arm][i], "old_ref_logprobs": old_ref[arm][i]},
+                "minor_page_faults": 1,
                 "peak_rss_mb": {"self": 1024}, "malloc": "glibc"}
 
     monkeypatch.setattr(tlt, "spawn", spawn)
@@ -146,6 +150,9 @@ def test_old_pass_ab_runs_each_arms_old_logprobs_after_the_callers_overrides(mon
                                      for a in ("auto", "recompute")}
     summary = json.loads(out.read_text())["summary"]
     assert summary["auto"]["old_ref_logprobs_s_median"] == 5.5 and summary["recompute"]["old_ref_logprobs_s_median"] == 8.5
+    assert summary["old_ref_ratio_per_round"] == [
+        {"round": 0, "raw": 1.8, "alike_stages": 2.0, "drift_adjusted": 0.9},
+        {"round": 1, "raw": round(8 / 6, 3), "alike_stages": 1.0, "drift_adjusted": round(8 / 6, 3)}]
     assert summary["auto"]["old_pass"] == 0.5 and summary["recompute"]["old_pass"] == 1.0
     assert summary["recompute"]["ratio_to_auto"] == round(statistics.median([100 / 9, 100 / 8]) /
                                                           statistics.median([100 / 5, 100 / 6]), 3)

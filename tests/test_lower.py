@@ -204,6 +204,14 @@ def test_bonus_equals_an_independent_two_forward_computation(lower_setup, bf16_s
     tt = to_tensors(trajs, trainers["token"].pad_id)
     with torch.no_grad():  # pi_old does not depend on the level either: one batched forward for both
         old_lp = trainers["token"].scorer.forward(tt.input_ids, tt.attention_mask).logprobs
+    shared = {}  # nor does log pi(y | x, z): the first level's no-feedback forward serves both levels
+
+    for trainer in trainers.values():
+        def without_feedback(ts, reference, engine=None, real=trainer.scorer.without_feedback):
+            if reference not in shared:
+                shared[reference] = real(ts, reference=reference, engine=engine)
+            return shared[reference]
+        trainer.scorer.without_feedback = without_feedback
     for level, trainer in trainers.items():
         bonus, stats = trainer.context_bonus(trajs, old_lp, None, torch.zeros_like(old_lp))
         errors, sizes = [], []
@@ -219,6 +227,7 @@ def test_bonus_equals_an_independent_two_forward_computation(lower_setup, bf16_s
             sizes.append(want.abs().sum())
         assert sum(errors) <= 0.25 * sum(sizes) if precision == "bf16" else True, level
         assert 0.0 <= stats["bonus/clip_rate"] <= 1.0
+    assert list(shared) == [False]  # bonus.model=policy: the adapter's own forward
     set_peft_model_state_dict(model, state, adapter_name="solver")
 
 
@@ -235,8 +244,8 @@ def test_bonus_shifts_only_refine_advantages_after_normalization(lower_setup, po
     monkeypatch.setattr(LowerLearner, "_epochs", lambda self, batch, step: seen.update(
         adv=batch.advantages.clone(), tt=batch.tt) or {"grad_norm": 0.0})
     runs = {}
-    for coef in (0.0, 0.5):
-        c = replace(cfg, lower=replace(cfg.lower, bonus=replace(cfg.lower.bonus, coef=coef, clip=100.0)))
+    for coef in (0.0, 0.5):  # KL off: the reference pass would move no advantage here
+        c = replace(cfg, lower=replace(cfg.lower, kl_coef=0.0, bonus=replace(cfg.lower.bonus, coef=coef, clip=100.0)))
         LowerLearner(c, policies).update(trajs, step=0)
         runs[coef] = seen["adv"]
     tt = seen["tt"]
@@ -264,7 +273,9 @@ def test_turn_gamma_zero_keeps_refine_outcomes_out_of_turn_one(lower_setup, poli
         adv=batch.advantages.clone(), tt=batch.tt) or {"grad_norm": 0.0})
     runs = {}
     for gamma in (0.0, 1.0):
-        c = replace(cfg, lower=replace(cfg.lower, turn_gamma=gamma, bonus=replace(cfg.lower.bonus, coef=0.0)))
+        # no bonus and no KL: the advantages come from the rewards alone, and no scoring forward runs
+        c = replace(cfg, lower=replace(cfg.lower, turn_gamma=gamma, kl_coef=0.0,
+                                       bonus=replace(cfg.lower.bonus, coef=0.0)))
         for name, finals in (("kept", lambda i: float(i % 2)), ("broke", lambda i: float(i % 3 == 0))):
             ts = [replace(t, turn_rewards=[float(i % 2), finals(i)]) for i, t in enumerate(trajs)]
             LowerLearner(c, policies).update(ts, step=0)
@@ -467,7 +478,8 @@ def test_behaviour_old_logprobs_feed_the_ratio_but_the_bonus_reads_one_policy(lo
     monkeypatch.setattr(LowerLearner, "_epochs", lambda self, batch, step: seen.update(batch=batch) or {})
     out = {}
     for mode, data in (("recompute", trajs), ("behaviour", other)):
-        lo = replace(cfg.lower, old_logprobs=mode, bonus=replace(cfg.lower.bonus, scorer="trainer"))
+        # KL off: the reference pass reads neither pi_old nor the bonus
+        lo = replace(cfg.lower, old_logprobs=mode, kl_coef=0.0, bonus=replace(cfg.lower.bonus, scorer="trainer"))
         trainer = LowerLearner(replace(cfg, lower=lo), policies)
         trainer.update(data, step=0)
         out[mode] = (trainer.refine_bonus, seen["batch"])
