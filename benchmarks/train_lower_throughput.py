@@ -220,8 +220,9 @@ def alternate(args, arms: dict[str, tuple[dict | None, tuple[str, ...]]], path: 
     return res
 
 
-def summarise(res: dict, path: Path, fields: dict) -> None:
-    """Per arm: the median of each of ``fields`` (name -> reader of a run) and tokens/s against the first arm."""
+def summarise(res: dict, path: Path, fields: dict, extra: dict | None = None) -> None:
+    """Per arm: the median of each of ``fields`` (name -> reader of a run) and tokens/s against the
+    first arm; ``extra`` entries join the summary as they are."""
     import statistics
 
     arms = list(dict.fromkeys(x["arm"] for x in res["runs"]))
@@ -231,6 +232,7 @@ def summarise(res: dict, path: Path, fields: dict) -> None:
     res["summary"] = {arm: {**{k: round(v, 3) for k, v in m.items()},
                             "ratio_to_" + arms[0]: round(m["tokens_per_s_median"] / med[arms[0]]["tokens_per_s_median"], 3)}
                       for arm, m in med.items()}
+    res["summary"].update(extra or {})
     path.write_text(json.dumps(res, indent=2))
     print(json.dumps(res["summary"], indent=1))
 
@@ -267,9 +269,8 @@ def old_pass_ab(args) -> None:
                                       "scored (lower/old_pass of the last iteration)")
     summarise(res, path, {"old_ref_logprobs_s_median": lambda x: x["time_breakdown"]["old_ref_logprobs"],
                           "update_s_median": lambda x: x["time_breakdown"]["update"],
-                          "seconds_median": lambda x: x["seconds"], "old_pass": lambda x: x["old_pass"]})
-    res["summary"]["old_ref_ratio_per_round"] = old_ref_ratios(res["runs"])
-    path.write_text(json.dumps(res, indent=2))
+                          "seconds_median": lambda x: x["seconds"], "old_pass": lambda x: x["old_pass"]},
+              {"old_ref_ratio_per_round": old_ref_ratios(res["runs"])})
 
 
 # the stages both arms run alike: how much faster or slower the machine was during one run of a pair

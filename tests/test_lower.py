@@ -205,7 +205,6 @@ def test_bonus_equals_an_independent_two_forward_computation(lower_setup, bf16_s
     with torch.no_grad():  # pi_old does not depend on the level either: one batched forward for both
         old_lp = trainers["token"].scorer.forward(tt.input_ids, tt.attention_mask).logprobs
     shared = {}  # nor does log pi(y | x, z): the first level's no-feedback forward serves both levels
-
     for trainer in trainers.values():
         def without_feedback(ts, reference, engine=None, real=trainer.scorer.without_feedback):
             if reference not in shared:
@@ -244,7 +243,7 @@ def test_bonus_shifts_only_refine_advantages_after_normalization(lower_setup, po
     monkeypatch.setattr(LowerLearner, "_epochs", lambda self, batch, step: seen.update(
         adv=batch.advantages.clone(), tt=batch.tt) or {"grad_norm": 0.0})
     runs = {}
-    for coef in (0.0, 0.5):  # KL off: the reference pass would move no advantage here
+    for coef in (0.0, 0.5):  # KL off: 0 at the fresh adapter anyway, and off no reference pass runs
         c = replace(cfg, lower=replace(cfg.lower, kl_coef=0.0, bonus=replace(cfg.lower.bonus, coef=coef, clip=100.0)))
         LowerLearner(c, policies).update(trajs, step=0)
         runs[coef] = seen["adv"]
@@ -478,7 +477,7 @@ def test_behaviour_old_logprobs_feed_the_ratio_but_the_bonus_reads_one_policy(lo
     monkeypatch.setattr(LowerLearner, "_epochs", lambda self, batch, step: seen.update(batch=batch) or {})
     out = {}
     for mode, data in (("recompute", trajs), ("behaviour", other)):
-        # KL off: the reference pass reads neither pi_old nor the bonus
+        # KL off: nothing asserted here reads it, and off no reference pass runs
         lo = replace(cfg.lower, old_logprobs=mode, kl_coef=0.0, bonus=replace(cfg.lower.bonus, scorer="trainer"))
         trainer = LowerLearner(replace(cfg, lower=lo), policies)
         trainer.update(data, step=0)
