@@ -27,6 +27,13 @@ Then:
   ``--decode-prompts`` prompts x ``--decode-tokens`` tokens on both engines (the solver's merged
   weights against its LoRA request).
 
+With ``--multiprocess`` it times instead the routes of an engine in vLLM's multiprocess layout (an
+EngineCore process, as on a GPU), where no in-process shortcut exists: the file round trip, the
+state dict as safetensors bytes through ``collective_rpc`` (``engine.vllm.rpc_transport=bytes``), and
+the shared staging buffer (``rpc_transport=shared``, the default: the trainer writes the tensors into
+memory the worker maps, only the layout crosses the RPC), each for the full state dict and the delta,
+alternating; merge once per repeat, shared by every push. Writes ``weight_sync-multiprocess.json``.
+
 Each sync is split into merge (base + LoRA deltas; the same for every full route) and push
 (transfer + vLLM's reload). No route empties the prefix cache: the engine salts each request's KV
 by its weights (VLLMEngine.requests), so its syncs keep the cache; the weights-key check that every ``sync_weights``
@@ -65,7 +72,58 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="also time the served-adapter sync and the decode cost of serving LoRA")
     ap.add_argument("--decode-prompts", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--multiprocess", action="store_true",
+                    help="time the routes of a multiprocess engine instead (file, bytes, shared)")
     return ap.parse_args(argv)
+
+
+MP_ROUTES = ("file", "bytes", "shared")
+
+
+def multiprocess_routes(cfg, policies, args) -> dict:
+    """Push seconds of each multiprocess route, full and delta, alternating (module docstring)."""
+    import torch
+
+    from tosca_mlmt.rollout.engines import vllm_sync
+    from tosca_mlmt.rollout.engines.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(policies, cfg.engine.vllm, seed=cfg.seed)
+    if vllm_sync.inprocess_runner(engine.llm) is not None:
+        raise SystemExit("the engine runs in this process: --multiprocess needs VLLM_ENABLE_V1_MULTIPROCESSING=1")
+    perturb(policies, "solver", 0.01, torch.Generator().manual_seed(args.seed))
+    modules = engine.delta_plan(policies.adapted_modules("solver"))
+    stage = vllm_sync.SharedStage()
+    push = {"file": lambda sd, part: vllm_sync.push(engine.llm, sd, "file", part, reset=False),
+            "bytes": lambda sd, part: vllm_sync.push(engine.llm, sd, "memory", part, reset=False),
+            "shared": lambda sd, part: vllm_sync.push(engine.llm, sd, "memory", part, reset=False, stage=stage)}
+    variants = [(r, kind) for kind in ("full", "delta") for r in MP_ROUTES]
+    sd = policies.merged_state_dict("solver")
+    t0 = time.perf_counter()
+    push["shared"](sd, False)  # the buffer is made (full size, so deltas fit) and its handle sent
+    first = round(time.perf_counter() - t0, 4)
+    for route, kind in variants:  # warm-up
+        push[route](policies.merged_state_dict("solver", modules if kind == "delta" else None), kind == "delta")
+    rows = {f"{r}/{k}": [] for r, k in variants}
+    merges = {"full": [], "delta": []}
+    for i in range(args.repeats):
+        for route, kind in (variants if i % 2 == 0 else variants[::-1]):
+            t0 = time.perf_counter()
+            sd = policies.merged_state_dict("solver", modules if kind == "delta" else None)
+            t1 = time.perf_counter()
+            got = push[route](sd, kind == "delta")
+            rows[f"{route}/{kind}"].append(round(time.perf_counter() - t1, 4))
+            merges[kind].append(round(t1 - t0, 4))
+            assert got == {"bytes": "rpc"}.get(route, route), (route, got)
+            print(f"repeat {i}: {route}/{kind} push {rows[f'{route}/{kind}'][-1]} s", flush=True)
+    engine.close()
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    merge = {k: statistics.median(v) for k, v in merges.items()}
+    total = {k: round(med[k] + merge[k.split("/")[1]], 4) for k in med}
+    ratio = {f"{a}/shared ({kind}, {part})": round(src[f"{a}/{kind}"] / src[f"shared/{kind}"], 2)
+             for kind in ("full", "delta") for a in ("file", "bytes") for part, src in (("push", med), ("total", total))}
+    return {"median_push_s": med, "median_merge_s": merge, "median_total_s": total, "ratios": ratio,
+            "first_shared_push_s": first, "buffer_mb": round(stage.buf.numel() / 2**20, 1) if stage.buf is not None else None,
+            "runs": rows, "merge_runs": merges}
 
 
 def summary(rows: list[dict], stat=statistics.median) -> dict:
@@ -189,7 +247,9 @@ def main(argv=None) -> int:
     # Thread env must be in place before torch / vllm are imported (see docs: one thread, no binding).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if args.multiprocess else "0")
+    if args.multiprocess:
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # the worker's compiled gather trips over a broken z3 on some boxes
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     load_before = loadavg()
     import torch
@@ -204,6 +264,8 @@ def main(argv=None) -> int:
     cfg = load_config(overrides={"seed": args.seed, "model.dtype": args.dtype, "engine.name": "vllm",
                                  "engine.vllm.kv_cache_gb": args.kv_cache_gb})
     policies = PolicyPair(cfg.model, seed=cfg.seed)
+    if args.multiprocess:
+        return write_multiprocess(multiprocess_routes(cfg, policies, args), cfg, policies, args, load_before)
     engine = VLLMEngine(policies, cfg.engine.vllm, seed=cfg.seed)
     if vllm_sync.inprocess_runner(engine.llm) is None:
         raise SystemExit("the engine is not in-process: the memory route would be the rpc one")
@@ -298,6 +360,25 @@ def main(argv=None) -> int:
           f"file/direct {iterations['ratio_file_direct']}x")
     print(f"decode tok/s (medians): {decode}")
     print(f"load average before {load_before} after {load_after}; wrote {out}")
+    return 0
+
+
+def write_multiprocess(result: dict, cfg, policies, args, load_before) -> int:
+    from tosca_mlmt import runtime
+
+    out = Path(args.out) if args.out != str(RESULTS) else RESULTS.with_name("weight_sync-multiprocess.json")
+    report = {"benchmark": "weight_sync --multiprocess",
+              "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+              "machine": machine_info() | {"load_before": load_before, "load_after": loadavg()},
+              "args": vars(args), "model": cfg.model.solver, "dtype": str(policies.dtype).replace("torch.", ""),
+              "packages": runtime.package_versions(), **result, "peak_rss_mb": runtime.peak_rss_mb()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nmedians of {args.repeats} (push s; merge full {result['median_merge_s']['full']} s, "
+          f"delta {result['median_merge_s']['delta']} s): {result['median_push_s']}")
+    for k, v in result["ratios"].items():
+        print(f"  {k}: {v:.2f}x")
+    print(f"first shared push (buffer made, handle sent): {result['first_shared_push_s']}; wrote {out}")
     return 0
 
 

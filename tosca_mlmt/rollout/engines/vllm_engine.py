@@ -128,6 +128,8 @@ class VLLMEngine:
         self.decoded_tokens = 0
         self.kept_tokens = 0
         self.weight_sync = cfg.weight_sync  # "memory" | "file"; benchmarks switch it on a live engine
+        # a multiprocess engine's staging buffer for memory syncs (rpc_transport=shared); unused in-process
+        self.stage = vllm_sync.SharedStage() if cfg.rpc_transport == "shared" else None
         self.sync_route: str | None = None  # how the last sync travelled: kernels, runner, rpc or file
         # what it carried: "direct" (kernels built), "cached" (kept kernels), "delta", "full" or "adapter"
         self.sync_kind: str | None = None
@@ -170,6 +172,7 @@ class VLLMEngine:
         A second call does nothing."""
         llm, self.llm = getattr(self, "llm", None), None
         self.kernels = None  # packed kernels of an in-process CPU engine hold its layers' memory
+        self.stage = None  # and a multiprocess one's staging buffer its size in shared memory
         if llm is None:
             return
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
@@ -300,7 +303,7 @@ class VLLMEngine:
         """Push an HF-named state dict into the running engine (``self.weight_sync``): complete,
         or with ``partial`` a delta of whole fused layers (vllm_sync.delta_modules). ``reset``: drop
         the prefix cache (vllm_sync.push); a sync keeps it, as its KV is salted (``cache_salt``)."""
-        self.sync_route = vllm_sync.push(self.llm, sd, self.weight_sync, partial, reset)
+        self.sync_route = vllm_sync.push(self.llm, sd, self.weight_sync, partial, reset, self.stage)
         self.sync_kind = "delta" if partial else "full"
 
     # ------------------------------------------------------------------ generation

