@@ -31,8 +31,9 @@ With ``--multiprocess`` it times instead the routes of an engine in vLLM's multi
 EngineCore process, as on a GPU), where no in-process shortcut exists: the file round trip, the
 state dict as safetensors bytes through ``collective_rpc`` (``engine.vllm.rpc_transport=bytes``), and
 the shared staging buffer (``rpc_transport=shared``, the default: the trainer writes the tensors into
-memory the worker maps, only the layout crosses the RPC), each for the full state dict and the delta,
-alternating; merge once per repeat, shared by every push. Writes ``weight_sync-multiprocess.json``.
+memory the worker maps, only the layout crosses the RPC) at ``engine.vllm.rpc_bucket_mb`` and through a
+``--small-bucket-mb`` bucket (``shared_small``: one reload per bucket of whole decoder layers), each
+for the full state dict and the delta, alternating; merge timed once per push. Writes ``weight_sync-multiprocess.json``.
 
 Each sync is split into merge (base + LoRA deltas; the same for every full route) and push
 (transfer + vLLM's reload). No route empties the prefix cache: the engine salts each request's KV
@@ -74,10 +75,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--multiprocess", action="store_true",
                     help="time the routes of a multiprocess engine instead (file, bytes, shared)")
+    ap.add_argument("--small-bucket-mb", type=int, default=16,
+                    help="--multiprocess: also time the shared route through a bucket this small (one reload per "
+                         "bucket of whole decoder layers: what a model bigger than engine.vllm.rpc_bucket_mb pays)")
     return ap.parse_args(argv)
 
 
-MP_ROUTES = ("file", "bytes", "shared")
+MP_ROUTES = ("file", "bytes", "shared", "shared_small")
 
 
 def multiprocess_routes(cfg, policies, args) -> dict:
@@ -92,10 +96,12 @@ def multiprocess_routes(cfg, policies, args) -> dict:
         raise SystemExit("the engine runs in this process: --multiprocess needs VLLM_ENABLE_V1_MULTIPROCESSING=1")
     perturb(policies, "solver", 0.01, torch.Generator().manual_seed(args.seed))
     modules = engine.delta_plan(policies.adapted_modules("solver"))
-    stage = vllm_sync.SharedStage()
+    stage = vllm_sync.SharedStage(cfg.engine.vllm.rpc_bucket_mb * 2**20)
+    small = vllm_sync.SharedStage(args.small_bucket_mb * 2**20)
     push = {"file": lambda sd, part: vllm_sync.push(engine.llm, sd, "file", part, reset=False),
             "bytes": lambda sd, part: vllm_sync.push(engine.llm, sd, "memory", part, reset=False),
-            "shared": lambda sd, part: vllm_sync.push(engine.llm, sd, "memory", part, reset=False, stage=stage)}
+            "shared": lambda sd, part: vllm_sync.push(engine.llm, sd, "memory", part, reset=False, stage=stage),
+            "shared_small": lambda sd, part: vllm_sync.push(engine.llm, sd, "memory", part, reset=False, stage=small)}
     variants = [(r, kind) for kind in ("full", "delta") for r in MP_ROUTES]
     sd = policies.merged_state_dict("solver")
     t0 = time.perf_counter()
@@ -104,7 +110,7 @@ def multiprocess_routes(cfg, policies, args) -> dict:
     for route, kind in variants:  # warm-up
         push[route](policies.merged_state_dict("solver", modules if kind == "delta" else None), kind == "delta")
     rows = {f"{r}/{k}": [] for r, k in variants}
-    merges = {"full": [], "delta": []}
+    merges, reloads = {"full": [], "delta": []}, {}
     for i in range(args.repeats):
         for route, kind in (variants if i % 2 == 0 else variants[::-1]):
             t0 = time.perf_counter()
@@ -113,16 +119,21 @@ def multiprocess_routes(cfg, policies, args) -> dict:
             got = push[route](sd, kind == "delta")
             rows[f"{route}/{kind}"].append(round(time.perf_counter() - t1, 4))
             merges[kind].append(round(t1 - t0, 4))
-            assert got == {"bytes": "rpc"}.get(route, route), (route, got)
+            assert got == {"bytes": "rpc", "shared_small": "shared"}.get(route, route), (route, got)
+            if route.startswith("shared"):
+                reloads[f"{route}/{kind}"] = (stage if route == "shared" else small).reloads
             print(f"repeat {i}: {route}/{kind} push {rows[f'{route}/{kind}'][-1]} s", flush=True)
     engine.close()
     med = {k: statistics.median(v) for k, v in rows.items()}
     merge = {k: statistics.median(v) for k, v in merges.items()}
     total = {k: round(med[k] + merge[k.split("/")[1]], 4) for k in med}
     ratio = {f"{a}/shared ({kind}, {part})": round(src[f"{a}/{kind}"] / src[f"shared/{kind}"], 2)
-             for kind in ("full", "delta") for a in ("file", "bytes") for part, src in (("push", med), ("total", total))}
+             for kind in ("full", "delta") for a in ("file", "bytes", "shared_small")
+             for part, src in (("push", med), ("total", total))}
     return {"median_push_s": med, "median_merge_s": merge, "median_total_s": total, "ratios": ratio,
-            "first_shared_push_s": first, "buffer_mb": round(stage.buf.numel() / 2**20, 1) if stage.buf is not None else None,
+            "first_shared_push_s": first, "reloads_per_push": reloads,
+            "buffer_mb": {r: round(st.buf.numel() / 2**20, 1) if st.buf is not None else None
+                          for r, st in (("shared", stage), ("shared_small", small))},
             "runs": rows, "merge_runs": merges}
 
 

@@ -80,6 +80,43 @@ def test_delta_of_modules_is_the_full_merge_restricted_to_them(debug_policies):
                                base["model.layers.0.self_attn.q_proj.base_layer.weight"])
 
 
+def test_shared_sync_buckets_hold_whole_layers_in_order_and_views_read_back_every_tensor(debug_policies):
+    """rpc_transport=shared (vllm_sync.SharedStage) without an engine: a state dict cut into buckets
+    holds each tensor once, never splits a decoder layer (vLLM would rebuild the rest of a split layer from
+    uninitialised memory), stays within the bucket where a layer fits, and the layout's views of one
+    buffer give back every tensor bit for bit, in each dtype."""
+    from tosca_mlmt.rollout.engines.vllm_sync import SharedStage, layer_groups
+
+    sd = debug_policies.merged_state_dict("solver")
+    sd["extra.bf16"] = torch.arange(7, dtype=torch.bfloat16)  # an odd byte count between aligned tensors
+    groups = layer_groups(list(sd))
+    layers = debug_policies.model("solver").config.num_hidden_layers
+    assert len(groups) == layers + 1  # one per decoder layer, and the embeddings, norm and extra together
+    for i, g in enumerate(groups[1:]):
+        assert all(n.startswith(f"model.layers.{i}.") for n in g), g
+    assert sorted(n for g in groups for n in g) == sorted(sd)
+    layer0 = next(g for g in groups if g[0].startswith("model.layers.0."))
+    assert {n.rpartition(".")[0] for n in layer0} >= {f"model.layers.0.self_attn.{m}_proj" for m in "qkvo"}
+
+    one_layer = sum(SharedStage.nbytes(sd[n]) for n in layer0)
+    for cap, expect_parts in ((2**40, 1), (one_layer, None), (1, len(groups))):
+        stage = SharedStage(bucket_bytes=cap)
+        parts = stage.buckets(sd)
+        assert sorted(k for b in parts for k in b) == sorted(sd), "every tensor in exactly one bucket"
+        assert expect_parts is None or len(parts) == expect_parts
+        for b in parts:  # whole groups only, and within the cap unless one group alone exceeds it
+            assert all(set(g) <= set(b) or not set(g) & set(b) for g in groups)
+            size = sum(SharedStage.nbytes(t) for t in b.values())
+            assert size <= cap or len([g for g in groups if set(g) <= set(b)]) == 1
+        layout, nbytes = SharedStage.layout(sd)
+        buf = torch.zeros(nbytes, dtype=torch.uint8)
+        for (name, view), t in zip(SharedStage.views(buf, layout), sd.values()):
+            view.copy_(t)
+        for name, view in SharedStage.views(buf, layout):
+            assert view.dtype == sd[name].dtype and torch.equal(view, sd[name]), name
+        assert all(off % SharedStage.ALIGN == 0 for *_, off in layout)
+
+
 def test_adapter_key_follows_every_lora_tensor_and_nothing_else(debug_policies):
     """The key a vLLM engine checks before each call: "base" while the B matrices are zero, new
     whenever any A or B entry moves, back to the same value when the tensor is restored, and

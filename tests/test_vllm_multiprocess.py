@@ -98,7 +98,7 @@ def test_salted_prefix_cache_across_rpc_syncs(mp_env, transport, route):
         engine.stage = kept
     assert syncs == (1, 1, 1, 1) and set(routes) == {route}, f"every swap must move weights, as {transport}"
     if stage is not None:  # four syncs of equal deltas: one buffer, its handle sent with the first only
-        assert (stage.id, stage.handle) == (1, None)
+        assert (stage.replaces, stage.handle) == (0, None)
 
 
 def served_vs_trainer(policies, engine, fmt, policy: str) -> float:
@@ -130,12 +130,12 @@ def test_shared_buffer_is_copied_out_grown_for_a_full_reload_and_refused_without
     try:
         with perturbed_lora_b(policies, "solver", seed=11):
             engine.sync_weights("solver")
-            assert (engine.sync_route, engine.sync_kind, engine.stage.id) == ("shared", "delta", 1)
-            delta_bytes = engine.stage.buf.numel()
+            assert (engine.sync_route, engine.sync_kind, engine.stage.replaces) == ("shared", "delta", 0)
+            delta_bytes, first_id = engine.stage.buf.numel(), engine.stage.id
             engine.stage.buf.copy_(torch.randint(0, 256, engine.stage.buf.shape, dtype=torch.uint8))
             assert served_vs_trainer(policies, engine, fmt, "solver") < LOGPROB_TOL
             engine.sync_weights("solver", force=True)
-            assert (engine.sync_route, engine.sync_kind, engine.stage.id) == ("shared", "full", 2)
+            assert (engine.sync_route, engine.sync_kind, engine.stage.replaces) == ("shared", "full", first_id)
             assert engine.stage.buf.numel() > delta_bytes and engine.stage.handle is None
             engine.stage.buf.zero_()
             assert served_vs_trainer(policies, engine, fmt, "solver") < LOGPROB_TOL
@@ -163,6 +163,39 @@ def test_shared_buffer_is_copied_out_grown_for_a_full_reload_and_refused_without
             engine.sync_weights("solver", force=True)
             assert (engine.sync_route, engine.stage.refused, engine.stage.buf) == ("rpc", True, None)
             assert served_vs_trainer(policies, engine, fmt, "solver") < LOGPROB_TOL
+    finally:
+        engine.stage = kept
+
+
+def test_a_sync_bigger_than_the_bucket_goes_in_reloads_of_whole_layers(mp_env):
+    """engine.vllm.rpc_bucket_mb below the delta's size: the sync goes as one reload per bucket of
+    whole decoder layers through a buffer no bigger than a bucket, and vLLM then serves the trainer's
+    weights, for a delta and for a forced full reload (embeddings, norm and head in a bucket of their
+    own)."""
+    from tosca_mlmt.rollout.engines import vllm_sync
+
+    policies, engine, fmt = mp_env
+    layers = policies.model("solver").config.num_hidden_layers
+    delta = policies.merged_state_dict("solver", engine.delta_plan(policies.adapted_modules("solver")))
+    one_layer = sum(vllm_sync.SharedStage.nbytes(t) for k, t in delta.items() if k.startswith("model.layers.0."))
+    kept, engine.stage = engine.stage, vllm_sync.SharedStage(bucket_bytes=one_layer * 3 // 2)
+    try:
+        with perturbed_lora_b(policies, "solver", seed=13):
+            engine.sync_weights("solver")
+            assert (engine.sync_route, engine.sync_kind, engine.stage.reloads) == ("shared", "delta", layers)
+            assert engine.stage.buf.numel() == one_layer and engine.stage.replaces == 0  # two layers do not fit a bucket
+            assert served_vs_trainer(policies, engine, fmt, "solver") < LOGPROB_TOL
+            engine.sync_weights("solver", force=True)
+            assert (engine.sync_route, engine.sync_kind, engine.stage.reloads) == ("shared", "full", layers + 1)
+            assert served_vs_trainer(policies, engine, fmt, "solver") < LOGPROB_TOL
+            # two stages on one worker (benchmarks alternate them): each reload reads its own buffer
+            small, other = engine.stage, vllm_sync.SharedStage()
+            for stage in (other, small, other):
+                engine.stage = stage
+                engine.sync_weights("solver", force=True)
+                assert engine.sync_route == "shared" and engine.stage.handle is None
+                assert served_vs_trainer(policies, engine, fmt, "solver") < LOGPROB_TOL
+            assert small.id != other.id
     finally:
         engine.stage = kept
 

@@ -47,6 +47,11 @@ class VLLMConfig(Section):
                               "socket transfer, and on a GPU a round trip through host memory). A CPU sync falls "
                               "back to bytes, with a warning, where /dev/shm cannot hold the buffer. In-process "
                               "engines hand tensors over directly and ignore it.", choices=("shared", "bytes"))
+    rpc_bucket_mb: int = knob(512, "rpc_transport=shared: the staging buffer's size in MiB. A bigger sync goes in "
+                              "several reloads of whole decoder layers, so the buffer never holds a second copy of "
+                              "a large model (a layer bigger than this gets a buffer of its own size). The buffer "
+                              "lives on the trainer's device (GPU memory on a GPU, /dev/shm on CPU) for the "
+                              "engine's life.", min=1)
     delta_sync: bool = knob(True, "Sync only the weights the LoRA adapters change (their modules, as whole fused vLLM "
                             "layers); vLLM keeps the frozen base it holds for the rest. Full reloads still happen on "
                             "sync_weights(force=True), for adapters with modules_to_save and for MoE models.")

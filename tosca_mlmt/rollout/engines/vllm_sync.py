@@ -38,6 +38,7 @@ gate_proj without up_proj. Layers that get nothing keep their current weights.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import shutil
@@ -73,24 +74,24 @@ class WeightSyncExtension:
         return len(sd)
 
     def tosca_reload_from_shared(self, layout: list, partial: bool = False, stage_id: int = 0,
-                                 handle: bytes | None = None) -> int:
-        """Reload the tensors ``layout`` places in the trainer's staging buffer (SharedStage). The
-        buffer's ``handle`` comes with the first sync after the trainer (re)made it; the worker keeps
-        the mapped buffer and reads it in place from then on."""
+                                 handle: bytes | None = None, replaces: int = 0) -> int:
+        """Reload the tensors ``layout`` places in the trainer's staging buffer ``stage_id``
+        (SharedStage). A buffer's ``handle`` comes with its first reload; the worker keeps the mapped
+        buffer and reads it in place from then on, until one that ``replaces`` it arrives."""
         import pickle
 
+        held = self.__dict__.setdefault("_tosca_stages", {})
         if handle is not None:
+            held.pop(replaces, None)
             try:
-                self._tosca_stage = (stage_id, pickle.loads(handle))  # maps the trainer's memory, no copy
+                held[stage_id] = pickle.loads(handle)  # maps the trainer's memory, no copy
             except Exception as e:  # noqa: BLE001 -- e.g. CUDA IPC refused in a container: the trainer sends bytes
-                self._tosca_stage = (None, None)
                 logging.getLogger(__name__).warning("cannot map the trainer's staging buffer: %r", e)
                 return -1
-        held_id, buf = getattr(self, "_tosca_stage", (None, None))
-        if held_id != stage_id:
-            raise RuntimeError(f"staging buffer {stage_id} was never shared with this worker (it holds {held_id})")
+        if stage_id not in held:
+            raise RuntimeError(f"staging buffer {stage_id} was never shared with this worker (it holds {sorted(held)})")
         with quiet_reload(partial):
-            self.model_runner.reload_weights(weights_iterator=SharedStage.views(buf, layout))
+            self.model_runner.reload_weights(weights_iterator=SharedStage.views(held[stage_id], layout))
         return len(layout)
 
     def tosca_add_lora_from_bytes(self, payload: bytes, lora_id: int, config: dict) -> int:
@@ -232,13 +233,21 @@ def _send_rpc(llm, method: str, tensors: dict[str, torch.Tensor], *args) -> None
         raise RuntimeError(f"{method}: workers took {counts} tensors of {len(tensors)}")
 
 
+_STAGE_IDS = itertools.count(1)
+
+
 class SharedStage:
-    """The trainer's side of ``rpc_transport=shared``: one flat byte buffer that the engine's
-    workers map as well, kept for the engine's life, so a sync is one copy into it and a reload
-    that reads it in place; the RPC carries the layout only. On a GPU the buffer sits on the
-    trainer's device and travels as a CUDA IPC handle (the same pickling torch.multiprocessing uses
-    between processes); on CPU it is POSIX shared memory passed as a file descriptor. A bigger state
-    dict (a full reload after deltas) makes a bigger buffer, shared again.
+    """The trainer's side of ``rpc_transport=shared``: a flat byte buffer that the engine's workers
+    map as well, kept for the engine's life, so a sync is a copy into it and a reload that reads it
+    in place; the RPC carries the layout only. On a GPU the buffer sits on the trainer's device and
+    travels as a CUDA IPC handle (the same pickling torch.multiprocessing uses between processes); on
+    CPU it is POSIX shared memory passed as a file descriptor.
+
+    The buffer holds at most ``bucket_bytes`` (``engine.vllm.rpc_bucket_mb``): a bigger state dict
+    goes in several reloads, each of whole decoder layers (:func:`layer_groups`; vLLM rebuilds a layer
+    from whatever of it one reload brings), so an 8B model's 14 GiB of merged linear layers cost a
+    512 MiB buffer, not a second copy of them. A group bigger than the bucket gets a buffer of its own
+    size; a bigger buffer is shared again.
 
     Where the buffer cannot be shared, it says so once and every later sync goes as bytes: /dev/shm
     too small for it (containers default to 64 MiB; writing past a full tmpfs would kill the process
@@ -249,11 +258,18 @@ class SharedStage:
 
     ALIGN = 64  # every tensor starts on a cache line, so each dtype view is aligned
 
-    def __init__(self):
+    def __init__(self, bucket_bytes: int = 512 * 2**20):
+        self.bucket_bytes = bucket_bytes
         self.buf: torch.Tensor | None = None
-        self.id = 0  # bumped whenever a new buffer is made; the workers check it
-        self.handle: bytes | None = None  # pickled handle, sent with the next sync only
+        self.id = 0  # the buffer's, unique in this process (a worker may map several stages' buffers)
+        self.handle: bytes | None = None  # pickled handle, sent with the next reload only
+        self.replaces = 0  # the id of this stage's previous buffer, which the worker drops with it
         self.refused = False
+        self.reloads = 0  # RPCs (one per bucket) of the last push
+
+    @classmethod
+    def nbytes(cls, t: torch.Tensor) -> int:
+        return -(-t.numel() * t.element_size() // cls.ALIGN) * cls.ALIGN
 
     @classmethod
     def layout(cls, sd: dict[str, torch.Tensor]) -> tuple[list[list], int]:
@@ -261,7 +277,7 @@ class SharedStage:
         out, off = [], 0
         for name, t in sd.items():
             out.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), off])
-            off += -(-t.numel() * t.element_size() // cls.ALIGN) * cls.ALIGN
+            off += cls.nbytes(t)
         return out, off
 
     @staticmethod
@@ -272,6 +288,19 @@ class SharedStage:
             dt = getattr(torch, dtype)
             n = dt.itemsize * (int(torch.Size(shape).numel()))
             out.append((name, buf[off: off + n].view(dt).view(shape)))
+        return out
+
+    def buckets(self, sd: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """``sd`` in parts of whole layer groups (:func:`layer_groups`' order), each within
+        ``bucket_bytes`` where a group fits."""
+        out, size = [{}], 0
+        for group in layer_groups(list(sd)):
+            n = sum(self.nbytes(sd[k]) for k in group)
+            if out[-1] and size + n > self.bucket_bytes:
+                out.append({})
+                size = 0
+            out[-1].update((k, sd[k]) for k in group)
+            size += n
         return out
 
     def ensure(self, nbytes: int, device: torch.device) -> bool:
@@ -289,13 +318,13 @@ class SharedStage:
             free = shm_free_bytes()
             if free is not None and free < nbytes * 1.1:
                 return self.refuse(f"/dev/shm has {free / 2**20:.0f} MiB free, a weight sync needs {nbytes / 2**20:.0f} "
-                                   "MiB (enlarge it, e.g. docker --shm-size, to share)")
+                                   "MiB (enlarge it, e.g. docker --shm-size, or lower engine.vllm.rpc_bucket_mb)")
         try:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
             handle = bytes(ForkingPickler.dumps(buf.share_memory_() if device.type == "cpu" else buf))
         except RuntimeError as e:  # e.g. CUDA IPC unsupported by the allocator's settings
             return self.refuse(f"the staging buffer cannot be shared ({e})")
-        self.buf, self.handle, self.id = buf, handle, self.id + 1
+        self.buf, self.handle, self.replaces, self.id = buf, handle, self.id, next(_STAGE_IDS)
         return True
 
     def refuse(self, why: str) -> bool:
@@ -305,24 +334,43 @@ class SharedStage:
         return False
 
     def push(self, llm, sd: dict[str, torch.Tensor], partial: bool = False) -> str:
-        """Reload ``sd`` in every worker through the buffer; returns the route ("shared", or "rpc"
-        where the buffer could not be made)."""
-        layout, nbytes = self.layout(sd)
+        """Reload ``sd`` in every worker through the buffer, a bucket at a time; returns the route
+        ("shared", or "rpc" where the buffer could not be made or mapped)."""
         device = next(iter(sd.values())).device if sd else torch.device("cpu")
-        if not sd or any(t.device != device for t in sd.values()) or not self.ensure(nbytes, device):
+        parts = [(b, *self.layout(b)) for b in self.buckets(sd)] if sd else []
+        if (not sd or any(t.device != device for t in sd.values())
+                or not self.ensure(max(n for *_, n in parts), device)):
             return push_rpc(llm, sd, partial)
-        for (_, view), t in zip(self.views(self.buf, layout), sd.values()):
-            view.copy_(t.detach())
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()  # the worker reads it from another process
-        handle, self.handle = self.handle, None
-        counts = llm.collective_rpc(SHARED_RPC_METHOD, args=(layout, partial, self.id, handle))
-        if handle is not None and -1 in counts:  # a worker could not map the buffer; nothing was loaded
-            self.refuse("a worker could not map the staging buffer (its log says why)")
-            return push_rpc(llm, sd, partial)
-        if any(c != len(sd) for c in counts):
-            raise RuntimeError(f"{SHARED_RPC_METHOD}: workers took {counts} tensors of {len(sd)}")
+        self.reloads = 0
+        for bucket, layout, _ in parts:
+            for (_, view), t in zip(self.views(self.buf, layout), bucket.values()):
+                view.copy_(t.detach())
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()  # the worker reads it from another process
+            handle, self.handle = self.handle, None
+            # several reloads: each leaves the layers it does not bring as they are, as a delta does
+            counts = llm.collective_rpc(SHARED_RPC_METHOD,
+                                        args=(layout, partial or len(parts) > 1, self.id, handle, self.replaces))
+            self.reloads += 1
+            if handle is not None and -1 in counts:  # a worker could not map the buffer; this bucket did not load
+                self.refuse("a worker could not map the staging buffer (its log says why)")
+                return push_rpc(llm, sd, partial)
+            if any(c != len(layout) for c in counts):
+                raise RuntimeError(f"{SHARED_RPC_METHOD}: workers took {counts} tensors of {len(layout)}")
         return "shared"
+
+
+def layer_groups(names: list[str]) -> list[list[str]]:
+    """``names`` grouped by decoder layer: the outermost integer segment of a name and what precedes
+    it (``model.layers.3.mlp.up_proj.weight`` -> ``model.layers.3``), in order of first appearance;
+    names without one (embeddings, final norm, head) form one group. A vLLM layer's tensors (the
+    shards of a fused qkv or gate_up) never span two groups."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        i = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        groups.setdefault("" if i is None else ".".join(parts[: i + 1]), []).append(name)
+    return list(groups.values())
 
 
 def shm_free_bytes() -> int | None:
