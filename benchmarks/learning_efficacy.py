@@ -230,6 +230,10 @@ def identity(preset: Path, extra: dict | None, common: dict, train: dict,
     # engine.vllm.direct_sync serves, bit for bit, the weights vLLM's reload serves (tests/test_vllm_engine.py):
     # it too defines speed, so units from before it count either way
     cfg["engine"]["vllm"].pop("direct_sync")
+    # engine.vllm.rpc_transport and rpc_bucket_mb: how the same tensors cross into a multiprocess engine
+    # (tests/test_vllm_multiprocess.py: the trainer's log-probs either way); speed and memory, not the method
+    cfg["engine"]["vllm"].pop("rpc_transport")
+    cfg["engine"]["vllm"].pop("rpc_bucket_mb")
     # engine.allocator picks the process's malloc: the demo trained to bit-identical weights on glibc, jemalloc
     # and tcmalloc (memory-allocator*.json), so it defines time and memory, and units count under any
     cfg["engine"].pop("allocator")

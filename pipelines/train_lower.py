@@ -215,6 +215,8 @@ def _train_lower(cfg: Config, out, *, console, resume, allow_drift, verify, snap
                 metrics[f"lower/reward_turn{k}"] = float(np.mean([t.turn_rewards[k] for t in trajs if k < len(t.turn_rewards)]))
             if rollout_hits is not None:  # vLLM: prompt tokens of the rollout its prefix cache served
                 metrics["lower/prefix_hit_rate"] = rollout_hits
+            if offline is None and getattr(engine, "sync_route", None):  # vLLM: how the post-update sync travelled
+                metrics["lower/sync_route"] = engine.sync_route
             if cfg.task.reward:  # failed reward calls scored 0 (never fatal): how many, this batch
                 metrics["lower/reward_errors"] = sum("reward_error" in t.info for e in episodes for t in e.turns)
             wall = time.perf_counter() - t0

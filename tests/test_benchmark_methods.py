@@ -89,13 +89,15 @@ def test_the_measured_units_still_count_for_their_method(bench, env, method):
 
 def test_ending_turns_inside_vllm_does_not_define_a_unit(bench):
     """engine.vllm.stop_in_engine changes how much vLLM decodes, not the kept turns, so units run with the
-    post-hoc cut count for the same method, and engine.vllm.direct_sync changes how weights reach vLLM,
-    not which; a knob that does change the method still changes the hash."""
+    post-hoc cut count for the same method, and engine.vllm.direct_sync, rpc_transport and rpc_bucket_mb
+    change how weights reach vLLM, not which; a knob that does change the method still changes the hash."""
     common, train = bench.run_overrides(sizes("none"))
     preset, extra = bench.METHODS["mlmt"]
     h = bench.identity(preset, extra, common, train)[0]
     assert bench.identity(preset, extra, {**common, "engine.vllm.stop_in_engine": False}, train)[0] == h
     assert bench.identity(preset, extra, {**common, "engine.vllm.direct_sync": False}, train)[0] == h
+    assert bench.identity(preset, extra, {**common, "engine.vllm.rpc_transport": "bytes",
+                                          "engine.vllm.rpc_bucket_mb": 16}, train)[0] == h
     assert bench.identity(preset, extra, {**common, "engine.allocator": "glibc"}, train)[0] == h  # malloc
     # with one base there is no second engine to share memory with
     assert bench.identity(preset, extra, {**common, "engine.vllm.writer_share": 0.3}, train)[0] == h

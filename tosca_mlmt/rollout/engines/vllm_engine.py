@@ -130,7 +130,7 @@ class VLLMEngine:
         self.weight_sync = cfg.weight_sync  # "memory" | "file"; benchmarks switch it on a live engine
         # a multiprocess engine's staging buffer for memory syncs (rpc_transport=shared); unused in-process
         self.stage = vllm_sync.SharedStage(cfg.rpc_bucket_mb * 2**20) if cfg.rpc_transport == "shared" else None
-        self.sync_route: str | None = None  # how the last sync travelled: kernels, runner, rpc or file
+        self.sync_route: str | None = None  # how the last sync travelled: kernels, runner, shared, rpc or file
         # what it carried: "direct" (kernels built), "cached" (kept kernels), "delta", "full" or "adapter"
         self.sync_kind: str | None = None
         # vLLM's fused layers, or None where deltas are off or unsafe (vllm_sync.packed_modules)
