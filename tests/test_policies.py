@@ -80,41 +80,74 @@ def test_delta_of_modules_is_the_full_merge_restricted_to_them(debug_policies):
                                base["model.layers.0.self_attn.q_proj.base_layer.weight"])
 
 
-def test_shared_sync_buckets_hold_whole_layers_in_order_and_views_read_back_every_tensor(debug_policies):
-    """rpc_transport=shared (vllm_sync.SharedStage) without an engine: a state dict cut into buckets
-    holds each tensor once, never splits a decoder layer (vLLM would rebuild the rest of a split layer from
-    uninitialised memory), stays within the bucket where a layer fits, and the layout's views of one
-    buffer give back every tensor bit for bit, in each dtype."""
-    from tosca_mlmt.rollout.engines.vllm_sync import SharedStage, layer_groups
+class _FakeRunner:
+    """What a vLLM worker's reload_weights received, one dict per reload (copies: the buffer is reused)."""
 
-    sd = debug_policies.merged_state_dict("solver")
-    sd["extra.bf16"] = torch.arange(7, dtype=torch.bfloat16)  # an odd byte count between aligned tensors
-    groups = layer_groups(list(sd))
-    layers = debug_policies.model("solver").config.num_hidden_layers
-    assert len(groups) == layers + 1  # one per decoder layer, and the embeddings, norm and extra together
-    for i, g in enumerate(groups[1:]):
-        assert all(n.startswith(f"model.layers.{i}.") for n in g), g
-    assert sorted(n for g in groups for n in g) == sorted(sd)
-    layer0 = next(g for g in groups if g[0].startswith("model.layers.0."))
-    assert {n.rpartition(".")[0] for n in layer0} >= {f"model.layers.0.self_attn.{m}_proj" for m in "qkvo"}
+    def __init__(self):
+        self.loads = []
 
-    one_layer = sum(SharedStage.nbytes(sd[n]) for n in layer0)
-    for cap, expect_parts in ((2**40, 1), (one_layer, None), (1, len(groups))):
-        stage = SharedStage(bucket_bytes=cap)
-        parts = stage.buckets(sd)
-        assert sorted(k for b in parts for k in b) == sorted(sd), "every tensor in exactly one bucket"
-        assert expect_parts is None or len(parts) == expect_parts
-        for b in parts:  # whole groups only, and within the cap unless one group alone exceeds it
-            assert all(set(g) <= set(b) or not set(g) & set(b) for g in groups)
-            size = sum(SharedStage.nbytes(t) for t in b.values())
-            assert size <= cap or len([g for g in groups if set(g) <= set(b)]) == 1
-        layout, nbytes = SharedStage.layout(sd)
-        buf = torch.zeros(nbytes, dtype=torch.uint8)
-        for (name, view), t in zip(SharedStage.views(buf, layout), sd.values()):
-            view.copy_(t)
-        for name, view in SharedStage.views(buf, layout):
-            assert view.dtype == sd[name].dtype and torch.equal(view, sd[name]), name
-        assert all(off % SharedStage.ALIGN == 0 for *_, off in layout)
+    def reload_weights(self, weights_iterator):
+        self.loads.append({k: v.clone() for k, v in weights_iterator})
+
+
+class _FakeLLM:
+    """collective_rpc into one in-process worker that runs the real WeightSyncExtension: the staging
+    buffer's handle is unpickled and its views read as in vLLM's worker, only reload_weights is faked."""
+
+    def __init__(self):
+        from tosca_mlmt.rollout.engines.vllm_sync import WeightSyncExtension
+
+        self.worker = type("Worker", (WeightSyncExtension,), {})()
+        self.worker.model_runner = _FakeRunner()
+
+    def collective_rpc(self, method, args=()):
+        return [getattr(self.worker, method)(*args)]
+
+
+def test_shared_sync_reloads_whole_layers_within_the_bucket_and_every_tensor_arrives(debug_policies):
+    """rpc_transport=shared (vllm_sync.SharedStage) against a worker whose reload only records: a
+    state dict given in parts, lazily merged ones included, arrives bit for bit, in reloads that never
+    split a decoder layer (vLLM would rebuild the rest of a split layer from uninitialised memory) and
+    stay within the bucket where a layer fits, through one buffer of at most a bucket (or the whole
+    sync where it fits one)."""
+    from tosca_mlmt.rollout.engines.vllm_sync import SharedStage, layer_groups, layer_parts
+
+    lora_b = {n: p for n, p in debug_policies.model("solver").named_parameters() if "lora_B.solver" in n}
+    g = torch.Generator().manual_seed(0)
+    with restored(lora_b):
+        for p in lora_b.values():
+            p.data.copy_(torch.randn(p.shape, generator=g) * 0.01)
+        sd = debug_policies.merged_state_dict("solver")
+        names = debug_policies.sync_modules("solver")
+        assert sorted({k.rpartition(".")[0] for k in sd}) == sorted(names)
+        groups = layer_groups(names)
+        layers = debug_policies.model("solver").config.num_hidden_layers
+        assert len(groups) == layers + 1  # a group per decoder layer, and the embeddings, norm and head
+        for i, grp in enumerate(groups[1:]):
+            assert all(n.startswith(f"model.layers.{i}.") for n in grp), grp
+        lazy = list(debug_policies.merged_parts("solver", [set(grp) for grp in groups]))
+        assert sorted(k for part in lazy for k in part) == sorted(sd)
+        assert all(torch.equal(v, sd[k]) for part in lazy for k, v in part.items()), "parts merge as the whole does"
+
+    one_layer = sum(SharedStage.nbytes(t) for k, t in sd.items() if k.startswith("model.layers.0."))
+    total = sum(SharedStage.nbytes(t) for t in sd.values())
+    for cap, reloads in ((2**40, 1), (one_layer * 3 // 2, None), (1, layers + 1)):
+        llm, stage = _FakeLLM(), SharedStage(bucket_bytes=cap)
+        parts = layer_parts(sd) if cap != 1 else iter(lazy)
+        assert stage.push(llm, parts) == "shared"
+        loads = llm.worker.model_runner.loads
+        assert stage.reloads == len(loads) and (reloads is None or len(loads) == reloads)
+        assert sorted(k for load in loads for k in load) == sorted(sd), "every tensor exactly once"
+        for load in loads:
+            assert all(torch.equal(v, sd[k]) and v.dtype == sd[k].dtype for k, v in load.items())
+            assert all(set(grp) <= {k.rpartition(".")[0] for k in load} or
+                       not set(grp) & {k.rpartition(".")[0] for k in load} for grp in groups), "a layer split"
+            size = sum(SharedStage.nbytes(t) for t in load.values())
+            assert size <= cap or len([grp for grp in groups if grp[0] in {k.rpartition(".")[0] for k in load}]) == 1
+        # one buffer: the whole sync where it fits a bucket, else a bucket (or the biggest group)
+        assert stage.buf.numel() == (total if total <= cap else max(cap, max(
+            sum(SharedStage.nbytes(t) for t in load.values()) for load in loads)))
+    assert all(off % SharedStage.ALIGN == 0 for *_, off in SharedStage.layout(sd)[0])
 
 
 def test_adapter_key_follows_every_lora_tensor_and_nothing_else(debug_policies):

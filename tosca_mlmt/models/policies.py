@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -348,6 +349,19 @@ class PolicyPair:
         in floating point, so every sync would nudge the frozen base (the reference policy)."""
         with full_parameters(self._models[role]):
             return self._merged(role, modules, lora)
+
+    def sync_modules(self, role: str) -> list[str]:
+        """HF names of every module :meth:`merged_state_dict` returns tensors of, in its order."""
+        return list(dict.fromkeys(module for _, module, _, _ in self._sync_plan(role).base))
+
+    @torch.no_grad()
+    def merged_parts(self, role: str, groups: list[set[str]]) -> Iterator[dict[str, torch.Tensor]]:
+        """:meth:`merged_state_dict` of each module group in turn, each merged only when the
+        caller asks for it, so only one group's merged tensors need exist at a time (a vLLM sync
+        in buckets). ZeRO-3 gathers once for all of them."""
+        with full_parameters(self._models[role]):
+            for group in groups:
+                yield self._merged(role, group, True)
 
     def weight_shapes(self, role: str) -> dict[str, tuple[int, ...]]:
         """HF module name -> the full shape of its ``weight`` (ZeRO-3 partitions included)."""

@@ -221,10 +221,23 @@ class VLLMEngine:
         return dt
 
     def _sync_reload(self, policy: str, force: bool) -> None:
-        """Push ``policy``'s merged weights by vLLM's reload (``weight_sync``): a delta or in full."""
+        """Push ``policy``'s merged weights by vLLM's reload (``weight_sync``): a delta or in full.
+        Through a multiprocess engine's shared stage each layer group is merged only as its bucket
+        fills, so the whole merged state dict never exists at once (an 8B model's ~14 GiB on a GPU)."""
         adapted = self.policies.adapted_modules(policy)
         modules = self.delta_plan(adapted, force)
-        self.load_state_dict(self.policies.merged_state_dict(policy, modules), partial=modules is not None, reset=force)
+        stage = self.stage
+        if (stage is None or stage.refused or self.weight_sync != "memory"
+                or vllm_sync.inprocess_runner(self.llm) is not None):
+            self.load_state_dict(self.policies.merged_state_dict(policy, modules), partial=modules is not None,
+                                 reset=force)
+        else:
+            names = self.policies.sync_modules(policy) if modules is None else sorted(modules)
+            parts = self.policies.merged_parts(policy, [set(g) for g in vllm_sync.layer_groups(names)])
+            self.sync_route = stage.push(self.llm, parts, partial=modules is not None)
+            self.sync_kind = "delta" if modules is not None else "full"
+            if force:
+                self.llm.reset_prefix_cache()
         if modules is None:  # after a full push, only the adapted modules differ from the base
             modules = None if adapted is None or self.packed is None else vllm_sync.delta_modules(adapted, self.packed)
         self.stale = modules

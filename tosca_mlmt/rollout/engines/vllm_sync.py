@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Iterable
 import logging
 import os
 import shutil
@@ -191,7 +192,7 @@ def push_memory(llm, sd: dict[str, torch.Tensor], partial: bool = False, stage: 
     ``stage``: a multiprocess engine's SharedStage (None: send bytes)."""
     runner = inprocess_runner(llm)
     if runner is None:
-        return stage.push(llm, sd, partial) if stage is not None else push_rpc(llm, sd, partial)
+        return stage.push(llm, layer_parts(sd), partial) if stage is not None else push_rpc(llm, sd, partial)
     with quiet_reload(partial):
         runner.reload_weights(weights_iterator=list(sd.items()))
     return "runner"
@@ -290,19 +291,6 @@ class SharedStage:
             out.append((name, buf[off: off + n].view(dt).view(shape)))
         return out
 
-    def buckets(self, sd: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """``sd`` in parts of whole layer groups (:func:`layer_groups`' order), each within
-        ``bucket_bytes`` where a group fits."""
-        out, size = [{}], 0
-        for group in layer_groups(list(sd)):
-            n = sum(self.nbytes(sd[k]) for k in group)
-            if out[-1] and size + n > self.bucket_bytes:
-                out.append({})
-                size = 0
-            out[-1].update((k, sd[k]) for k in group)
-            size += n
-        return out
-
     def ensure(self, nbytes: int, device: torch.device) -> bool:
         """A buffer of at least ``nbytes`` on ``device`` (False: it cannot be made; use bytes)."""
         if self.buf is not None and self.buf.numel() >= nbytes and self.buf.device == device:
@@ -333,31 +321,57 @@ class SharedStage:
         logging.getLogger(__name__).warning("engine.vllm.rpc_transport=shared: %s; weight syncs go as bytes", why)
         return False
 
-    def push(self, llm, sd: dict[str, torch.Tensor], partial: bool = False) -> str:
-        """Reload ``sd`` in every worker through the buffer, a bucket at a time; returns the route
-        ("shared", or "rpc" where the buffer could not be made or mapped)."""
-        device = next(iter(sd.values())).device if sd else torch.device("cpu")
-        parts = [(b, *self.layout(b)) for b in self.buckets(sd)] if sd else []
-        if (not sd or any(t.device != device for t in sd.values())
-                or not self.ensure(max(n for *_, n in parts), device)):
-            return push_rpc(llm, sd, partial)
-        self.reloads = 0
-        for bucket, layout, _ in parts:
-            for (_, view), t in zip(self.views(self.buf, layout), bucket.values()):
-                view.copy_(t.detach())
-            if device.type == "cuda":
-                torch.cuda.current_stream(device).synchronize()  # the worker reads it from another process
-            handle, self.handle = self.handle, None
-            # several reloads: each leaves the layers it does not bring as they are, as a delta does
-            counts = llm.collective_rpc(SHARED_RPC_METHOD,
-                                        args=(layout, partial or len(parts) > 1, self.id, handle, self.replaces))
-            self.reloads += 1
-            if handle is not None and -1 in counts:  # a worker could not map the buffer; this bucket did not load
-                self.refuse("a worker could not map the staging buffer (its log says why)")
-                return push_rpc(llm, sd, partial)
-            if any(c != len(layout) for c in counts):
-                raise RuntimeError(f"{SHARED_RPC_METHOD}: workers took {counts} tensors of {len(layout)}")
-        return "shared"
+    def push(self, llm, parts: Iterable[dict[str, torch.Tensor]], partial: bool = False) -> str:
+        """Reload a state dict given in ``parts`` (each whole layer groups: :func:`layer_parts`, or
+        PolicyPair.merged_parts, which merges each only when it is asked for) in every worker through
+        the buffer: parts gather until the next would overflow the bucket, then go as one reload, so
+        at most a bucket and a part exist at a time. Returns the route ("shared", or "rpc" where the
+        buffer could not be made or mapped: the rest goes as bytes)."""
+        parts, pending, size, self.reloads = iter(parts), {}, 0, 0
+        for part in _with_end(parts):  # None last: the end flushes what is pending
+            n = sum(self.nbytes(t) for t in part.values()) if part is not None else 0
+            if pending and (part is None or size + n > self.bucket_bytes):
+                more = part is not None or self.reloads > 0  # a bucket's worth when others come
+                if not self._reload(llm, pending, size if not more else max(size, self.bucket_bytes),
+                                    partial or more):
+                    rest = {**pending, **(part or {}), **{k: v for p in parts for k, v in p.items()}}
+                    return push_rpc(llm, rest, partial or self.reloads > 0)
+                pending, size = {}, 0
+            if part is not None:
+                pending.update(part)
+                size += n
+        return "shared" if self.reloads else push_rpc(llm, {}, partial)
+
+    def _reload(self, llm, sd: dict[str, torch.Tensor], nbytes: int, partial: bool) -> bool:
+        """One reload of ``sd`` through the buffer (made or grown to ``nbytes`` first); False where
+        it cannot be shared, with nothing loaded."""
+        layout, need = self.layout(sd)
+        device = next(iter(sd.values())).device
+        if any(t.device != device for t in sd.values()) or not self.ensure(max(need, nbytes), device):
+            return False
+        for (_, view), t in zip(self.views(self.buf, layout), sd.values()):
+            view.copy_(t.detach())
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # the worker reads it from another process
+        handle, self.handle = self.handle, None
+        counts = llm.collective_rpc(SHARED_RPC_METHOD, args=(layout, partial, self.id, handle, self.replaces))
+        if handle is not None and -1 in counts:  # a worker could not map the buffer; this reload did not load
+            return self.refuse("a worker could not map the staging buffer (its log says why)")
+        if any(c != len(layout) for c in counts):
+            raise RuntimeError(f"{SHARED_RPC_METHOD}: workers took {counts} tensors of {len(layout)}")
+        self.reloads += 1
+        return True
+
+
+def _with_end(it):
+    """``it``'s items, then None."""
+    yield from it
+    yield None
+
+
+def layer_parts(sd: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """``sd`` cut by :func:`layer_groups`: the parts SharedStage.push takes."""
+    return [{k: sd[k] for k in group} for group in layer_groups(list(sd))]
 
 
 def layer_groups(names: list[str]) -> list[list[str]]:
