@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import restored
+from conftest import perturbed_lora_b, restored
 from tosca_mlmt.errors import ModelError
 
 
@@ -112,11 +112,7 @@ def test_shared_sync_reloads_whole_layers_within_the_bucket_and_every_tensor_arr
     sync where it fits one)."""
     from tosca_mlmt.rollout.engines.vllm_sync import SharedStage, layer_groups, layer_parts
 
-    lora_b = {n: p for n, p in debug_policies.model("solver").named_parameters() if "lora_B.solver" in n}
-    g = torch.Generator().manual_seed(0)
-    with restored(lora_b):
-        for p in lora_b.values():
-            p.data.copy_(torch.randn(p.shape, generator=g) * 0.01)
+    with perturbed_lora_b(debug_policies, "solver", seed=0, scale=0.01):  # merging computes real deltas
         sd = debug_policies.merged_state_dict("solver")
         names = debug_policies.sync_modules("solver")
         assert sorted({k.rpartition(".")[0] for k in sd}) == sorted(names)
