@@ -42,6 +42,7 @@ import itertools
 from collections.abc import Iterable
 import logging
 import os
+import pickle
 import shutil
 import tempfile
 
@@ -79,20 +80,24 @@ class WeightSyncExtension:
         """Reload the tensors ``layout`` places in the trainer's staging buffer ``stage_id``
         (SharedStage). A buffer's ``handle`` comes with its first reload; the worker keeps the mapped
         buffer and reads it in place from then on, until one that ``replaces`` it arrives."""
-        import pickle
-
         held = self.__dict__.setdefault("_tosca_stages", {})
         if handle is not None:
             held.pop(replaces, None)
             try:
-                held[stage_id] = pickle.loads(handle)  # maps the trainer's memory, no copy
+                held[stage_id] = open_handle(handle)  # maps the trainer's memory, no copy
             except Exception as e:  # noqa: BLE001 -- e.g. CUDA IPC refused in a container: the trainer sends bytes
                 logging.getLogger(__name__).warning("cannot map the trainer's staging buffer: %r", e)
                 return -1
         if stage_id not in held:
             raise RuntimeError(f"staging buffer {stage_id} was never shared with this worker (it holds {sorted(held)})")
+        buf = held[stage_id]
         with quiet_reload(partial):
-            self.model_runner.reload_weights(weights_iterator=SharedStage.views(held[stage_id], layout))
+            self.model_runner.reload_weights(weights_iterator=SharedStage.views(buf, layout))
+        if buf.is_cuda:
+            # The reload's copies out of the buffer are queued on this process's streams; returning
+            # lets the trainer write the next bucket into it, so they must have run by then.
+            for device in {buf.device.index, torch.cuda.current_device()}:
+                torch.cuda.synchronize(device)
         return len(layout)
 
     def tosca_add_lora_from_bytes(self, payload: bytes, lora_id: int, config: dict) -> int:
@@ -253,9 +258,11 @@ class SharedStage:
     Where the buffer cannot be shared, it says so once and every later sync goes as bytes: /dev/shm
     too small for it (containers default to 64 MiB; writing past a full tmpfs would kill the process
     with SIGBUS, not raise, so the free space is checked first), a buffer torch cannot share, or a
-    worker that cannot map it (it then loads nothing and answers -1). Untested on a GPU so far (no
-    device lent since it was written): there the same code pickles a CUDA tensor, i.e. a CUDA IPC
-    handle, which needs trainer and engine on one machine."""
+    worker that cannot map it (it then loads nothing and answers -1). On a GPU the handle is a CUDA IPC
+    handle (trainer and engine on one machine), opened on the GPU with the trainer's UUID whatever the
+    worker numbers it (:func:`share_handle`); the worker waits for its copies out of the buffer before
+    it answers, since the trainer writes the next bucket as soon as it does. The GPU branch has not run
+    on a GPU yet (no device lent since it was written)."""
 
     ALIGN = 64  # every tensor starts on a cache line, so each dtype view is aligned
 
@@ -297,10 +304,6 @@ class SharedStage:
             return True
         if self.refused:
             return False
-        from multiprocessing.reduction import ForkingPickler
-
-        import torch.multiprocessing  # noqa: F401 -- registers torch's tensor reductions on ForkingPickler
-
         self.buf, self.handle = None, None
         if device.type == "cpu":
             free = shm_free_bytes()
@@ -309,7 +312,7 @@ class SharedStage:
                                    "MiB (enlarge it, e.g. docker --shm-size, or lower engine.vllm.rpc_bucket_mb)")
         try:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            handle = bytes(ForkingPickler.dumps(buf.share_memory_() if device.type == "cpu" else buf))
+            handle = share_handle(buf)
         except RuntimeError as e:  # e.g. CUDA IPC unsupported by the allocator's settings
             return self.refuse(f"the staging buffer cannot be shared ({e})")
         self.buf, self.handle, self.replaces, self.id = buf, handle, self.id, next(_STAGE_IDS)
@@ -357,10 +360,61 @@ class SharedStage:
         counts = llm.collective_rpc(SHARED_RPC_METHOD, args=(layout, partial, self.id, handle, self.replaces))
         if handle is not None and -1 in counts:  # a worker could not map the buffer; this reload did not load
             return self.refuse("a worker could not map the staging buffer (its log says why)")
+        if handle is not None and self.replaces and device.type == "cuda":
+            torch.cuda.ipc_collect()  # the workers dropped the buffer this one replaces: its memory can go
         if any(c != len(layout) for c in counts):
             raise RuntimeError(f"{SHARED_RPC_METHOD}: workers took {counts} tensors of {len(layout)}")
         self.reloads += 1
         return True
+
+
+# a CUDA buffer's handle: (CUDA_IPC, the GPU's UUID, rebuild_cuda_tensor's arguments)
+CUDA_IPC = "tosca-cuda-ipc"
+
+
+def share_handle(buf: torch.Tensor) -> bytes:
+    """What a worker process needs to map ``buf``. On CPU, torch's own pickling of it in shared
+    memory (a file descriptor). On a GPU, the CUDA IPC arguments torch would pickle, with the GPU's
+    UUID beside them: a worker may number the GPUs differently (its own CUDA_VISIBLE_DEVICES) and
+    must open the handle on the same physical device (vLLM's IPC weight transfer does the same)."""
+    if buf.device.type != "cuda":
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing  # noqa: F401 -- registers torch's tensor reductions on ForkingPickler
+
+        return bytes(ForkingPickler.dumps(buf.share_memory_()))
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(buf)
+    return pickle.dumps((CUDA_IPC, _gpu_uuid(buf.device.index), args))
+
+
+def open_handle(handle: bytes) -> torch.Tensor:
+    """The buffer :func:`share_handle` describes, mapped in this process (no copy)."""
+    obj = pickle.loads(handle)
+    if not (isinstance(obj, tuple) and obj[:1] == (CUDA_IPC,)):
+        return obj
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    _, uuid, args = obj
+    return rebuild_cuda_tensor(*on_local_gpu(args, uuid, [_gpu_uuid(i) for i in range(torch.cuda.device_count())]))
+
+
+def on_local_gpu(args: tuple, uuid: str, local_uuids: list[str]) -> tuple:
+    """``rebuild_cuda_tensor``'s ``args`` with the storage device set to the index this process
+    gives the GPU ``uuid`` (``local_uuids``: its GPUs' UUIDs by index)."""
+    if uuid not in local_uuids:
+        raise RuntimeError(f"GPU {uuid} holds the staging buffer but is not visible here (CUDA_VISIBLE_DEVICES)")
+    import inspect
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    at = list(inspect.signature(rebuild_cuda_tensor).parameters).index("storage_device")
+    return (*args[:at], local_uuids.index(uuid), *args[at + 1:])
+
+
+def _gpu_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
 
 
 def _with_end(it):
