@@ -68,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     ap.add_argument("--kv-cache-gb", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads for the syncs (0 = all cores, engine.threads' default: what a "
+                         "train-lower run syncs with); runs before 2026-12-06 used 1")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--adapters", action=argparse.BooleanOptionalAction, default=True,
                     help="also time the served-adapter sync and the decode cost of serving LoRA")
@@ -271,7 +274,7 @@ def main(argv=None) -> int:
     from tosca_mlmt.rollout.engines import vllm_sync
     from tosca_mlmt.rollout.engines.vllm_engine import VLLMEngine
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     cfg = load_config(overrides={"seed": args.seed, "model.dtype": args.dtype, "engine.name": "vllm",
                                  "engine.vllm.kv_cache_gb": args.kv_cache_gb})
     policies = PolicyPair(cfg.model, seed=cfg.seed)
