@@ -32,7 +32,7 @@ import torch
 
 from tosca_mlmt.config import VLLMConfig
 from tosca_mlmt.rollout.engines.base import Generation, SamplingParams
-from tosca_mlmt.rollout.engines import vllm_sync
+from tosca_mlmt.rollout.engines import vllm_placement, vllm_sync
 from tosca_mlmt.rollout.engines.stop import apply_stop
 
 
@@ -114,7 +114,8 @@ class VLLMEngine:
         kwargs["logits_processors"] = [AnswerLineStop]
         self.stop_in_engine = cfg.stop_in_engine
         self.continuous = cfg.continuous_episodes  # rollout/continuous.py
-        self.llm = LLM(**kwargs)
+        with vllm_placement.on_rank_gpu(self.on_cpu):  # each rank's engine on the rank's own GPU
+            self.llm = LLM(**kwargs)
         self.loaded_key: str | None = None  # weights_key() of the weights vLLM holds now
         self.sync_seconds = 0.0  # time in syncs that pushed weights (key check + merge + reload)
         self.check_seconds = 0.0  # time in sync checks that found nothing to load (~0.02 s each on the 135M model)
