@@ -63,3 +63,28 @@ def test_the_variable_comes_back_when_the_engine_fails_to_start(monkeypatch):
         with on_rank_gpu(on_cpu=False):
             raise OSError("engine start-up failed")
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,6"
+
+
+def _report_gpus(conn) -> None:
+    import time
+
+    time.sleep(0.5)  # read after the parent has put its variable back
+    conn.send(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def test_a_process_started_inside_keeps_the_rank_gpu_after_the_variable_comes_back(monkeypatch):
+    """What vLLM does with the engine: a spawned process (its EngineCore) started inside keeps the
+    narrowed variable for its life; the trainer's is back as soon as the start returns."""
+    import multiprocessing as mp
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    with on_rank_gpu(on_cpu=False):
+        proc = ctx.Process(target=_report_gpus, args=(child,))
+        proc.start()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,6"
+    assert parent.poll(120) and parent.recv() == "6"
+    proc.join(60)
