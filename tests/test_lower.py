@@ -739,6 +739,11 @@ def _first_minibatch_skip(debug_cfg, policies, monkeypatch):
     tm = to_tensors(trajs, learner.pad_id).mask[second]
     kl = kl_estimate(recompute.old_logprobs[second], recompute.ref_logprobs[second], lo.kl_estimator)
     assert ma["kl"] == pytest.approx(float(masked_mean(kl, tm)), rel=1e-4, abs=1e-7) and ma["kl"] != mr["kl"]
+    # so is the engine/trainer mismatch: the sampler's log-probs against pi_old where it was scored
+    # (the adapter was moved after sampling, so the two differ)
+    gap = (recompute.old_logprobs[second] - auto.tt.behaviour_logprobs[second])[tm > 0].abs()
+    assert ma["engine_logprob_gap_mean"] == pytest.approx(float(gap.mean()), rel=1e-4) and float(gap.mean()) > 1e-4
+    assert ma["engine_logprob_gap_max"] == pytest.approx(float(gap.max()), rel=1e-4)
     moved = max(float((wa[k] - state[k]).abs().max()) for k in state)
     assert moved > 0, "the update did not move the adapter: the comparison is vacuous"
     gap = max(float((wa[k] - wr[k]).abs().max()) for k in wa)

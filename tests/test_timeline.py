@@ -1,11 +1,13 @@
-"""train-joint's one timeline (pipelines/timeline.py), the group statistics of a PPO batch, the
-round's console line, and a reader for wandb's offline run files (test_joint.py uses it)."""
+"""train-joint's one timeline (pipelines/timeline.py), the group statistics of a PPO batch and its
+engine/trainer log-prob mismatch, the round's console line, and a reader for wandb's offline run files (test_joint.py uses it)."""
 
 import json
+import math
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import FP32
 from tosca_mlmt.config import load_config
@@ -147,3 +149,27 @@ def test_one_bar_counts_rounds_times_steps_and_shows_an_eta():
     assert "ETA" in out.getvalue() and "round 2/2" in out.getvalue()
     quiet = RoundsBar(load_config(overrides={**over, "logging.progress": False}), Console(file=StringIO()), 0)
     assert quiet.progress.disable
+
+
+def test_engine_mismatch_against_a_token_by_token_computation():
+    from tosca_mlmt.lower.stats import engine_mismatch
+
+    g = torch.Generator().manual_seed(0)
+    behaviour = -torch.rand(3, 7, generator=g) * 3  # [B, T] the engine's log pi of the sampled tokens
+    trainer = behaviour + torch.randn(3, 7, generator=g) * 0.05
+    mask = (torch.rand(3, 7, generator=g) > 0.4).float()
+    trainer[mask == 0] += 100.0  # prompts and padding: never read
+    got = engine_mismatch(behaviour, trainer, mask)
+    gaps, kls = [], []
+    for b in range(3):
+        for t in range(7):
+            if mask[b, t]:
+                lr = float(trainer[b, t]) - float(behaviour[b, t])  # log pi_trainer / pi_engine
+                gaps.append(abs(lr))
+                kls.append(math.exp(lr) - 1 - lr)
+    assert got["engine_logprob_gap_mean"] == pytest.approx(sum(gaps) / len(gaps), rel=1e-6)
+    assert got["engine_logprob_gap_max"] == pytest.approx(max(gaps), rel=1e-6)
+    assert got["engine_kl"] == pytest.approx(sum(kls) / len(kls), rel=1e-6) and got["engine_kl"] > 0
+    same = engine_mismatch(behaviour, behaviour.clone(), mask)
+    assert same == {"engine_logprob_gap_mean": 0.0, "engine_logprob_gap_max": 0.0, "engine_kl": 0.0}
+    assert engine_mismatch(behaviour, trainer, torch.zeros_like(mask)) == {}

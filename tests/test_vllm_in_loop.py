@@ -254,3 +254,16 @@ def test_rollout_prefix_hits_logged_per_iteration(run):
     print(f"{run['weight_sync']}: lower/prefix_hit_rate per iteration {rates}")
     assert all(x is not None and 0.0 < x <= 1.0 for x in rates), rates
     assert rates[1] > rates[0] - 0.05, rates
+
+
+def test_the_engine_sampled_with_the_weights_the_trainer_holds(run):
+    """lower/engine_logprob_gap_*: the sampler's log-probs of the batch's own tokens against the trainer's
+    pi_old forward, logged wherever that forward ran (with the trainer-scored bonus here: the file
+    route); the second iteration sampled after the first one's sync, so a sync that delivered other
+    weights than the trainer's would show here, on the tokens PPO trains on."""
+    logged = [r for r in run["records"] if "lower/engine_logprob_gap_max" in r]
+    if run["bonus_scorer"] == "trainer":
+        assert len(logged) == ITERATIONS
+    for r in logged:
+        assert r["lower/engine_logprob_gap_max"] < LOGPROB_TOL, r["lower/engine_logprob_gap_max"]
+        assert 0.0 <= r["lower/engine_kl"] < LOGPROB_TOL

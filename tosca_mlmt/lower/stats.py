@@ -33,7 +33,23 @@ def iteration_stats(tt: TrajectoryTensors, rewards: TokenRewards, scores: Scores
         out[f"kl/turn{k}"] = float(masked_mean(rewards.kl, ms * (tt.turn_ids == k)))
     if scores.old_values is not None:
         out["explained_variance"] = explained_variance(scores.old_values, returns, m)
+    if scores.trainer_logprobs is not None:
+        out.update(engine_mismatch(tt.behaviour_logprobs, scores.trainer_logprobs, ms))
     return out
+
+
+def engine_mismatch(behaviour: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> dict:
+    """How far the rollout engine's sampling log-probs are from the trainer's forward with the weights
+    that sampled (verl's rollout_probs_diff): ~1e-5 in fp32, more in bf16; a jump says the engine
+    served other weights than the trainer holds (a weight sync gone wrong) or scored other tokens.
+    ``behaviour``, ``trainer``, ``mask``: [B, T] (raw log pi of each action token; the rows pi_old
+    scored). ``engine_kl`` is KL(engine || trainer) by Schulman's k3 estimator on the engine's own
+    samples: mean of (r - 1) - log r, r = pi_trainer / pi_engine, never negative."""
+    if mask.sum() == 0:
+        return {}
+    d = (trainer - behaviour)[mask > 0].double()  # log r per action token
+    return {"engine_logprob_gap_mean": float(d.abs().mean()), "engine_logprob_gap_max": float(d.abs().max()),
+            "engine_kl": float((torch.expm1(d) - d).mean())}
 
 
 def group_reward_stats(rewards, groups) -> dict:
