@@ -20,8 +20,9 @@
 #   vlower     mlmt train-lower, 2 PPO iterations x 8 problems on vLLM (lower/time/weight_sync: the
 #              in-memory sync's seconds per iteration; lower/sync_route in runs.json: shared = the CUDA
 #              IPC buffer ran, rpc = it fell back to bytes and the log says why; lower/engine_logprob_gap_max:
-#              the sampler's log-probs of the batch against the trainer's, ~1e-2 or less in bf16 where the
-#              sync delivered the trainer's weights; benchmarks/weight_sync.py times CPU engines and is not run here)
+#              the sampler's log-probs of the batch against the trainer's: iteration 2 (after a sync) in the
+#              range of iteration 1 (no sync yet, bf16 rounding only) where the sync delivered the trainer's
+#              weights; benchmarks/weight_sync.py times CPU engines and is not run here)
 #   vbench     benchmarks/collect_throughput.py 64 x 4: the three-turn loop against raw vLLM at its batch
 #   vjoint     mlmt train-joint, one round of configs/demo.yaml on vLLM
 #   vpair      mlmt collect with the writer on a base of its own (model.writer=tiny-random): two vLLM
