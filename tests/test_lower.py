@@ -382,6 +382,8 @@ def test_update_changes_the_solver_adapter_and_nothing_else(lower_setup, policie
     assert changed, "no parameter moved"
     assert all(".solver." in n and "lora_" in n for n in changed), sorted(changed)[:5]
     assert metrics["grad_norm"] > 0 and metrics["optimizer_steps"] >= 1
+    # the engine/trainer mismatch compares raw log-probs only (the engines log raw ones)
+    assert metrics["old_pass"] > 0 and ("engine_logprob_gap_mean" in metrics) == (logprob_temperature == "raw")
     vh_changed = any(not torch.equal(v, trainer.value_head.state_dict()[k]) for k, v in vh_before.items())
     assert vh_changed == (advantage == "gae")
     if advantage == "archer":  # the utterance critic learned, and its target followed by Polyak averaging

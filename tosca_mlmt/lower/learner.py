@@ -136,7 +136,8 @@ class LowerLearner:
                 "loss_tokens": int(loss_tt.mask.sum())}
         # old_pass: the share of rows a pi_old forward scored (lower.old_logprobs=auto skips the rows where
         # pi_old = pi_theta at the loss: 0 for a batch of one minibatch, 1 - minibatch/batch for more)
-        return {**stats.iteration_stats(tt, rewards, scores, adv, returns), **bstats, **upd, **cuts,
+        return {**stats.iteration_stats(tt, rewards, scores, adv, returns, self.scorer.temperature == 1.0),
+                **bstats, **upd, **cuts,
                 "old_pass": 1.0 - len(current) / len(trajs), "bonus/engine_scored": float(by_engine)}
 
     def engine_scores_bonus(self, engine) -> bool:

@@ -18,7 +18,9 @@ from tosca_mlmt.tensors import masked_mean
 
 
 def iteration_stats(tt: TrajectoryTensors, rewards: TokenRewards, scores: Scores, adv: torch.Tensor,
-                    returns: torch.Tensor) -> dict:
+                    returns: torch.Tensor, raw_logprobs: bool) -> dict:
+    """``raw_logprobs``: the trainer scored raw log pi, as the engines log it (lower.logprob_temperature
+    raw), so the two can be compared (engine_mismatch)."""
     # pi_old's diagnostics (kl, entropy) are over the rows its pass scored: the first minibatch's
     # rows may have skipped it (Scores.old_current), and they are a random share of the batch
     m, ms = tt.mask, scores.scored_mask(tt.mask)
@@ -33,7 +35,7 @@ def iteration_stats(tt: TrajectoryTensors, rewards: TokenRewards, scores: Scores
         out[f"kl/turn{k}"] = float(masked_mean(rewards.kl, ms * (tt.turn_ids == k)))
     if scores.old_values is not None:
         out["explained_variance"] = explained_variance(scores.old_values, returns, m)
-    if scores.trainer_logprobs is not None:
+    if scores.trainer_logprobs is not None and raw_logprobs:
         out.update(engine_mismatch(tt.behaviour_logprobs, scores.trainer_logprobs, ms))
     return out
 
