@@ -170,7 +170,7 @@ def test_usage_without_a_mode(tmp_path):
     assert res.returncode == 2 and "usage" in res.stderr
 
 
-def test_runs_report_keeps_each_runs_last_metrics_and_manifest(tmp_path):
+def test_runs_report_keeps_each_runs_last_metrics_manifest_and_sync_diagnostics(tmp_path):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("env_report", GPU / "env_report.py")
@@ -178,14 +178,20 @@ def test_runs_report_keeps_each_runs_last_metrics_and_manifest(tmp_path):
     spec.loader.exec_module(mod)
     lower = tmp_path / "lower"
     lower.mkdir()
-    (lower / "metrics.jsonl").write_text(json.dumps({"step": 1, "lower/iteration_seconds": 9.0}) + "\n"
-                                         + json.dumps({"step": 2, "lower/iteration_seconds": 7.5}) + "\n")
+    first = {"step": 1, "lower/iteration_seconds": 9.0, "lower/engine_logprob_gap_max": 0.2}
+    last = {"step": 2, "lower/iteration_seconds": 7.5, "lower/engine_logprob_gap_max": 0.3, "lower/sync_route": "shared"}
+    (lower / "metrics.jsonl").write_text(json.dumps(first) + "\n" + json.dumps(last) + "\n")
     (lower / "manifest.json").write_text(json.dumps({"git_sha": "abc", "ignored": 1}))
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    (tmp_path / "collect").mkdir()
+    (tmp_path / "collect" / "metrics.jsonl").write_text(json.dumps({"collect/acc_t1": 0.1}) + "\n")
     got = mod.runs(tmp_path)
-    assert got == {"lower": {"rows": 2, "last": {"step": 2, "lower/iteration_seconds": 7.5},
-                             "manifest": {"git_sha": "abc"}}}
+    # the sync's diagnostics per iteration (the first follows no sync), where a run logged them
+    assert got == {"lower": {"rows": 2, "last": last, "manifest": {"git_sha": "abc"},
+                             "per_row": {"lower/sync_route": [None, "shared"],
+                                         "lower/engine_logprob_gap_max": [0.2, 0.3]}},
+                   "collect": {"rows": 1, "last": {"collect/acc_t1": 0.1}}}
 
 
 @pytest.mark.parametrize("profile, names", [

@@ -6,7 +6,8 @@
 The first loads the embedded pair the way every stage does (PolicyPair) and records the device of
 each model's parameters and of one HF-engine generation, so a run that silently stayed on the CPU
 shows here. The second reads every ``metrics.jsonl`` and snapshot ``manifest.json`` under DIR and
-keeps the last row of each run's metrics (tokens/s, seconds per step, peak memory).
+keeps the last row of each run's metrics (tokens/s, seconds per step, peak memory) and, per row, the
+sync's route, seconds and the engine/trainer log-prob gap.
 """
 
 from __future__ import annotations
@@ -53,12 +54,20 @@ def environment() -> dict:
     return out
 
 
+# read across iterations, not from the last row alone: a sync's health is iteration 2 against 1 (no sync yet)
+PER_ROW = ("lower/sync_route", "lower/time/weight_sync", "lower/engine_logprob_gap_mean",
+           "lower/engine_logprob_gap_max", "lower/engine_kl")
+
+
 def runs(folder: Path) -> dict:
     found = {}
     for m in sorted(folder.rglob("metrics.jsonl")):
         rows = [json.loads(x) for x in m.read_text().splitlines() if x.strip()]
         if rows:
-            found[str(m.parent.relative_to(folder))] = {"rows": len(rows), "last": rows[-1]}
+            run = found[str(m.parent.relative_to(folder))] = {"rows": len(rows), "last": rows[-1]}
+            per_row = {k: [r.get(k) for r in rows] for k in PER_ROW if any(k in r for r in rows)}
+            if per_row:
+                run["per_row"] = per_row
     for m in sorted(folder.rglob("manifest.json")):
         d = json.loads(m.read_text())
         keep = {k: d[k] for k in ("metrics", "summary", "seconds", "git_sha", "environment") if k in d}
