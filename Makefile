@@ -11,8 +11,10 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export WANDB_MODE ?= offline
 export WANDB_SILENT := true
+# mkdocs-material prints a banner about its successor on every build
+export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: demo test install clean-demo
+.PHONY: demo test install clean-demo docs docs-gen
 
 install: $(STAMP)
 
@@ -67,3 +69,11 @@ test: $(STAMP)
 
 clean-demo:
 	rm -rf $(DEMO_OUT)
+
+# the generated pages (CLI, config, metrics, results) from the code and the stored results, then the site
+# under site/ (strict: a broken link or anchor fails); tests/docs/ checks both stay current
+docs-gen: $(STAMP)
+	$(PY) docs/gen/build.py
+
+docs: docs-gen
+	$(VENV)/bin/mkdocs build --strict --site-dir site

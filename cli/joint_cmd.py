@@ -18,7 +18,7 @@ def train_joint(
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out after a crash or kill."),
     allow_drift: list[str] = typer.Option([], "--allow-drift", metavar="FIELD",
                                           help="On --resume, accept this changed config field (repeatable; only "
-                                               "fields safe to change, see the README)."),
+                                               "fields safe to change: docs/guides/resuming.md)."),
     config: Optional[Path] = CONFIG,
     set_: list[str] = SET,
     seed: Optional[int] = SEED,

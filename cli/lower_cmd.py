@@ -21,7 +21,7 @@ def train_lower(
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its latest checkpoint."),
     allow_drift: list[str] = typer.Option([], "--allow-drift", metavar="FIELD",
                                           help="On --resume, accept this changed config field (repeatable; only "
-                                               "fields safe to change, see the README)."),
+                                               "fields safe to change: docs/guides/resuming.md)."),
     no_verify: bool = typer.Option(False, "--no-verify",
                                    help="Read snapshots without checking their sizes, hashes and id."),
     config: Optional[Path] = CONFIG,

@@ -1,6 +1,7 @@
 """What the benchmark scripts record about a run: the demo's seeds run the commands a reader can
 repeat from the JSON, and the machine line names the CPU flags that decide bf16 numerics."""
 
+import importlib
 import json
 import statistics
 import sys
@@ -10,19 +11,21 @@ import pytest
 
 from tosca_mlmt.tasks.arith import VERIFIER_VERSION as ARITH_VERIFIER
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _script(module: str):
+    """A benchmark script (or benchmarks.common) as a fresh module: benchmarks/ is a package run from the
+    repository root (python -m benchmarks.<kind>.<script>), its shared helpers in benchmarks.common."""
+    sys.modules.pop(module, None)
+    return importlib.import_module(module)
 
 
 @pytest.fixture
 def scripts(monkeypatch):
-    # benchmarks/ is not a package: its scripts import each other as top-level modules
-    monkeypatch.syspath_prepend(str(BENCH))
-    for name in ("demo_seeds", "collect_throughput"):
-        sys.modules.pop(name, None)
-    import collect_throughput
-    import demo_seeds
-
-    return demo_seeds, collect_throughput
+    monkeypatch.syspath_prepend(str(ROOT))
+    # the machine line lives in benchmarks.common, which every script imports it from
+    return _script("benchmarks.learning.demo_seeds"), _script("benchmarks.common")
 
 
 def test_demo_seeds_passes_every_override_to_all_three_commands(scripts, monkeypatch, tmp_path):
@@ -75,9 +78,8 @@ def test_allocator_ab_preloads_each_arms_malloc_alternates_and_takes_medians(mon
     MALLOC_CONF inherited (a glibc arm must not run on the caller's malloc) but other preloads kept, as
     the mlmt command does; the order reverses every other round, and the summary is the median of
     each arm's runs."""
-    monkeypatch.syspath_prepend(str(BENCH))
-    sys.modules.pop("train_lower_throughput", None)
-    import train_lower_throughput as tlt
+    monkeypatch.syspath_prepend(str(ROOT))
+    tlt = _script("benchmarks.speed.train_lower_throughput")
 
     from tosca_mlmt import runtime
 
@@ -122,9 +124,8 @@ def test_old_pass_ab_runs_each_arms_old_logprobs_after_the_callers_overrides(mon
     arm wins), in the caller's environment; the order reverses every other round, and the summary
     holds each arm's median old/ref seconds, the share of rows its pi_old pass scored and each
     round's old/ref ratio divided by the drift of the stages both arms run alike."""
-    monkeypatch.syspath_prepend(str(BENCH))
-    sys.modules.pop("train_lower_throughput", None)
-    import train_lower_throughput as tlt
+    monkeypatch.syspath_prepend(str(ROOT))
+    tlt = _script("benchmarks.speed.train_lower_throughput")
 
     old_ref = {"auto": [5.0, 6.0], "recompute": [9.0, 8.0]}
     slow = {"auto": [1.0, 1.0], "recompute": [2.0, 1.0]}  # the machine ran round 0's recompute at half speed
@@ -161,9 +162,8 @@ def test_old_pass_ab_runs_each_arms_old_logprobs_after_the_callers_overrides(mon
 def test_the_benchmark_passes_set_overrides_to_its_child_after_its_own(monkeypatch, tmp_path):
     """spawn's child command line carries the caller's --set and then the arm's, in that order,
     and run_ours applies them over the script's own overrides (the later --set wins)."""
-    monkeypatch.syspath_prepend(str(BENCH))
-    sys.modules.pop("train_lower_throughput", None)
-    import train_lower_throughput as tlt
+    monkeypatch.syspath_prepend(str(ROOT))
+    tlt = _script("benchmarks.speed.train_lower_throughput")
 
     import tosca_mlmt.pipelines.train_lower as tl
 
@@ -195,12 +195,11 @@ def test_the_benchmark_passes_set_overrides_to_its_child_after_its_own(monkeypat
 
 
 def test_rescore_finds_the_turns_a_verifier_change_moves(monkeypatch, tmp_path):
-    """benchmarks/rescore.py re-verifies stored turns from their text: a refine stored wrong under the
+    """benchmarks/probes/rescore.py re-verifies stored turns from their text: a refine stored wrong under the
     old reading of "The answer is 2. So" scores right now, the others keep their verdicts, and the
     pooled difference over two snapshots of the same problems is the moved share."""
-    monkeypatch.syspath_prepend(str(BENCH))
-    sys.modules.pop("rescore", None)
-    import rescore
+    monkeypatch.syspath_prepend(str(ROOT))
+    rescore = _script("benchmarks.probes.rescore")
 
     from test_snapshot import make_episodes
     from tosca_mlmt.snapshot import write_snapshot
@@ -226,12 +225,11 @@ def test_rescore_finds_the_turns_a_verifier_change_moves(monkeypatch, tmp_path):
 
 
 def test_compare_grids_pools_each_grid_and_differences_the_seeds_both_have(monkeypatch, tmp_path):
-    """benchmarks/compare_grids.py on hand-made units: each grid's means are over all its seeds, A minus B
+    """benchmarks/learning/compare_grids.py on hand-made units: each grid's means are over all its seeds, A minus B
     over the seeds both have, problems matched by id whatever order a unit stored them in, and a grid
     whose units disagree on their config is refused."""
-    monkeypatch.syspath_prepend(str(BENCH))
-    sys.modules.pop("compare_grids", None)
-    import compare_grids
+    monkeypatch.syspath_prepend(str(ROOT))
+    compare_grids = _script("benchmarks.learning.compare_grids")
 
     monkeypatch.setattr(compare_grids, "UNITS", tmp_path)
     ids = ["p0", "p1", "p2", "p3"]
@@ -266,11 +264,9 @@ def test_a_unit_keeps_its_eval_answers_and_rescore_scores_them_again(monkeypatch
     """learning_efficacy.answer_tails keeps each eval answer's end in problem-id order (as t1/final), and
     rescore.rescore_unit scores a unit from them with today's verifier: a restated sum stored right moves,
     the rest keep their verdicts."""
-    monkeypatch.syspath_prepend(str(BENCH))
-    for name in ("rescore", "learning_efficacy"):
-        sys.modules.pop(name, None)
-    import learning_efficacy
-    import rescore
+    monkeypatch.syspath_prepend(str(ROOT))
+    learning_efficacy = _script("benchmarks.learning.learning_efficacy")
+    rescore = _script("benchmarks.probes.rescore")
 
     from test_snapshot import make_episodes
     from tosca_mlmt.snapshot import write_snapshot

@@ -63,6 +63,13 @@ def test_tiny_train_joint_through_the_cli_then_eval_and_analyze(tmp_path):
 
     fb = [t for e in load_snapshot(ev / "snapshots", rep["snapshot_id"]).episodes() for t in e.turns if t.kind == "feedback"]
     assert all(t.q_values is not None and t.behaviour_prob == 1.0 for t in fb)
+    # every key the run and its eval logged has its meaning in the docs' metrics glossary
+    from tosca_mlmt.analysis.glossary import undocumented
+
+    keys = {k for f in [*run.rglob("metrics.jsonl"), *ev.rglob("metrics.jsonl")]
+            for line in f.read_text().splitlines() if line.strip() for k in json.loads(line)}
+    assert len(keys) > 100
+    assert undocumented(keys) == [], f"add {undocumented(keys)} to tosca_mlmt/analysis/glossary.py"
     a = run_mlmt("analyze", run, ev, "--out", tmp_path / "report", check=True)
     report = tmp_path / "report" / "report.md"
     assert a.stdout.strip().splitlines()[-1] == str(report) and "Correction matrix" in report.read_text()

@@ -138,3 +138,37 @@ def test_q_and_bonus_families_follow_a_joint_run_across_rounds_not_its_restartin
     bt = bonus_per_transition(curves)
     assert bt["transition"].tolist() == ["right_to_wrong", "wrong_to_right"]
     assert bt["count"].tolist() == [0.0, 3.0] and math.isnan(bt["mean"][0]) and bt["mean"][1] == 0.5
+
+
+# Written into a built docs page: whether Material's stylesheet applied (its header is sticky only then) and
+# how many of the page's images decoded, so a page that renders without its assets fails.
+SITE_PROBE = """<script>
+window.addEventListener("load", () => {
+  const header = document.querySelector(".md-header");
+  const pos = header ? getComputedStyle(header).position : "none";
+  document.body.insertAdjacentHTML("beforeend", `<p id="probe">header ${pos}</p>`);
+});
+</script>"""
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no chromium binary (make install adds Debian's `chromium` "
+                                                 "where apt-get is available)")
+@pytest.mark.parametrize("page,text", [("index.html", "Where to go"), ("reference/config/index.html", "engine.allocator")])
+def test_the_docs_site_renders_in_headless_chromium(tmp_path, page, text):
+    from pathlib import Path
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    site = tmp_path / "site"
+    build = subprocess.run([str(Path(sys.executable).with_name("mkdocs")), "build", "--strict", "-f",
+                            str(repo / "mkdocs.yml"), "--site-dir", str(site)], capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    html = site / page
+    html.write_text(html.read_text().replace("</body>", SITE_PROBE + "</body>"))
+    cmd = [_chromium(), "--headless", "--disable-gpu", "--no-sandbox", "--no-first-run", "--disable-extensions",
+           "--disable-background-networking", "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'profile'}",
+           "--virtual-time-budget=20000", "--dump-dom", html.as_uri()]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert '<p id="probe">header sticky</p>' in out.stdout, out.stdout[-1000:]
+    assert text in re.sub(r"<[^>]+>", "", out.stdout)

@@ -235,17 +235,16 @@ def test_cross_field_rules(override, field):
     assert f"'{field}'" in str(e.value)
 
 
-def test_explain_defaults_are_the_resolved_ones_and_the_readme_table_is_generated():
+def test_explain_defaults_are_the_resolved_ones_and_the_config_reference_is_generated():
     from pathlib import Path
 
     rows = {name: default for name, _, default, _ in describe_fields()}
     resolved = load_config()
     assert rows["writer_sampling.max_new_tokens"] == resolved.writer_sampling.max_new_tokens == 64
     assert rows["solver_sampling.max_new_tokens"] == resolved.solver_sampling.max_new_tokens == 128
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    assert markdown_reference() in readme, ("README config reference is stale; regenerate it with "
-                                            "python -c 'from tosca_mlmt.config import markdown_reference as m; "
-                                            "print(m())'")
+    page = (Path(__file__).parent.parent / "docs" / "reference" / "config.md").read_text()
+    assert markdown_reference() in page, "docs/reference/config.md is stale; run python docs/gen/build.py"
+    assert "| `writer_sampling.max_new_tokens` | int | `64` |" in page
 
 
 def test_feedback_token_limit_means_what_it_says():

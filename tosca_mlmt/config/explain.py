@@ -1,4 +1,4 @@
-"""Every knob in words: ``mlmt config --explain`` and the README's config reference table."""
+"""Every knob in words: ``mlmt config --explain`` and the docs' config reference (docs/reference/config.md)."""
 
 from __future__ import annotations
 
@@ -35,12 +35,18 @@ def describe_fields(cls: type = Config, prefix: str = "", inst: Any = None) -> l
 
 
 def markdown_reference() -> str:
-    """The README's config reference table, generated from the knobs."""
+    """The config reference (docs/reference/config.md): one table per top-level section, generated from
+    the knobs."""
     def cell(text: str) -> str:
-        return text.replace("|", "\\|")
+        return " ".join(str(text).split()).replace("|", "\\|")
 
-    lines = ["| field | default | meaning |", "|---|---|---|"]
-    for name, _, default, help_ in describe_fields():
+    lines: list[str] = []
+    section = None
+    for name, type_, default, help_ in describe_fields():
+        top = name.split(".")[0] if "." in name else "(top level)"
+        if top != section:
+            section = top
+            lines += ["", f"## `{top}`", "", "| field | type | default | meaning |", "|---|---|---|---|"]
         shown = "[...]" if isinstance(default, list) and default else repr(default)
-        lines.append(f"| `{name}` | `{cell(shown)}` | {cell(help_)} |")
-    return "\n".join(lines)
+        lines.append(f"| `{name}` | {cell(type_)} | `{cell(shown)}` | {cell(help_)} |")
+    return "\n".join(lines).strip("\n")

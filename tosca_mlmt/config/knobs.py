@@ -1,7 +1,7 @@
 """``knob``: a dataclass field with help text and its valid values, for every config section.
 
 Each knob states what it accepts (``choices``, a numeric range, or a :class:`Rule`); the
-section checks it when it validates itself, and ``mlmt config --explain`` and the README
+section checks it when it validates itself, and ``mlmt config --explain`` and the docs
 print the same range next to the help. Floats must always be finite and integers must fit
 in a signed 32-bit int (sizes, steps and seeds reach torch, numpy and vLLM, which reject
 or overflow on larger ones), whether or not a knob states a tighter range.

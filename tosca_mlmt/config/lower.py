@@ -50,9 +50,9 @@ class ContextBonus(Section):
                                "the rollout engine: log pi(y | x, z, g) is its logged sampling log-prob and "
                                "log pi(y | x, z) one prefill (vLLM prompt log-probs), so no trainer forward runs "
                                "before the update (with lower.old_logprobs=auto and one optimizer step per "
-                               "batch, none at all). Same weights (pi_old), other kernels: equal to ~1e-5 in "
-                               "fp32, ~0.03 nats per token in bf16, as the trainer's own bf16 forwards; the "
-                               "learning benchmark's selector ends level under either. engine: online "
+                               "batch, none at all). Same weights (pi_old), other kernels: equal to float "
+                               "rounding in fp32 and to bf16 rounding in bf16, as the trainer's own bf16 forwards "
+                               "are. engine: online "
                                "train-lower only (snapshots bring no engine), bonus.model=policy only. auto = "
                                "engine where it is faster and allowed (a vLLM engine sampled the batch, "
                                "bonus.model=policy), else trainer; logged per iteration as "
@@ -157,7 +157,7 @@ class LowerConfig(Section):
                                   "shapes; fp32 ones only at ~1e-7).", min=0)
     autocast: str = knob("auto", "bf16 autocast for forward/backward: auto = when the hardware has bf16.",
                          choices=("auto", "bf16", "none"))
-    gradient_checkpointing: bool = knob(False, "Recompute activations in backward (less memory, ~30% slower).")
+    gradient_checkpointing: bool = knob(False, "Recompute activations in backward (less memory, more compute).")
     save_every: int = knob(2, "Checkpoint every N iterations (and always at the end).", min=1)
     keep_checkpoints: int = knob(2, "How many checkpoints to keep.", min=1)
     keep_snapshots: bool = knob(True, "Write each online iteration's batch as a snapshot under <run>/snapshots.")

@@ -2,7 +2,7 @@
 
 ``task.name`` is a built-in task, the name of an installed ``tosca_mlmt.tasks`` entry point, or
 a ``module:Class`` / ``path/to/file.py:Class`` path; ``task.reward`` optionally replaces the
-task's score with a user function (README: bring your own task and reward).
+task's score with a user function (docs/guides/own-task.md).
 """
 
 from __future__ import annotations
@@ -72,12 +72,12 @@ OBJECT_PATH_OR_EMPTY = Rule("empty, 'module:function' or 'path/to/file.py:functi
 class TaskConfig(Section):
     name: str = knob("arith", f"Verifiable task: a built-in ({', '.join(BUILTIN_TASKS)}), the name of an installed "
                               f"'{ENTRY_POINT_GROUP}' entry point, or 'module:Class' / 'path/to/file.py:Class' "
-                              "(README: bring your own task and reward).", rule=NON_EMPTY)
+                              "(docs/guides/own-task.md).", rule=NON_EMPTY)
     data_path: str = knob("", "Data root for gsm8k/math500/mbpp (default: $TOSCA_MLMT_DATA or ../shared/data).",
                           rule=EXISTING_DIR_OR_EMPTY)
     split: str = knob("train", "Which split to draw problems from.", choices=("train", "test"))
     limit: int = knob(16, "Number of problems (0 = the whole split).", min=0)
-    level: int = knob(1, "arith difficulty level (README: levels and measured base rates).", min=1, max=6)
+    level: int = knob(1, "arith difficulty level (docs: guides/own-task.md lists the levels).", min=1, max=6)
     skip_bad_rows: bool = knob(False, "Drop malformed data rows (counted in the manifest) instead of failing.")
     # ---- the generic `jsonl` task
     path: str = knob("", "jsonl task: a .jsonl or .parquet file, or a folder written by datasets' save_to_disk; "

@@ -333,7 +333,7 @@ class PolicyPair:
         """Where a sync reads ``role``'s tensors, found once: adapters are only added in
         ``__init__``. Walking the module tree and copying peft's adapter state dict before every
         engine call made the weights-key check 0.055 s on the 135M model; reading the tensors
-        in place, 0.022 s (benchmarks/weight_sync.py)."""
+        in place, 0.022 s (benchmarks/speed/weight_sync.py)."""
         if role not in self._plans:
             self._plans[role] = SyncPlan.of(self._models[role].get_base_model(), role)
         return self._plans[role]

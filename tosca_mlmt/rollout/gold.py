@@ -1,7 +1,7 @@
 """The solver's probability of the gold answer where it gave its own (``episode.gold_prob``).
 
 A greedy refine of a small solver rarely flips under one feedback sentence or another, so a
-writer rewarded by the refine's 0/1 outcome sees almost nothing (benchmarks/LEARNING_LOG.md).
+writer rewarded by the refine's 0/1 outcome sees almost nothing (docs/results/log/).
 The sentence still moves the solver's answer distribution. Teacher-forcing the gold answer
 after the attempt's own reasoning reads that movement:
 

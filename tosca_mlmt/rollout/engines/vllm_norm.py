@@ -6,7 +6,7 @@ to torch.compile, which the engine does not run: its direct weight sync swaps ke
 model). Its C++ build ships ``rms_norm`` and ``fused_add_rms_norm`` for the CPU, which vLLM calls
 only on GPUs. On the 135M model in bf16 (2 cores) routing RMSNorm to them made the three-turn
 loop's calls and single-turn generation 1.27x and 1.25x faster in tokens/s
-(benchmarks/collect_throughput.py --norm-ab; a 38k-token prefill 1.3x, decoding ~1.2x).
+(benchmarks/speed/collect_throughput.py --norm-ab; a 38k-token prefill 1.3x, decoding ~1.2x).
 
 What changes in the numbers: the kernel multiplies by the weight in fp32 and rounds once, where
 the PyTorch ops (and HF's ``LlamaRMSNorm``, the trainer's) round the normalised activations to the

@@ -9,7 +9,7 @@ the one ``parallel.compute_device`` trains on, and the variable is put back at o
 process keeps what it saw when it started, and this process's CUDA context was made before (CUDA
 reads the variable once). An in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) cannot be
 placed so: vLLM would select GPU 0 in the trainer's own process, so it is refused on any rank but
-local rank 0. Not yet run on several GPUs (README, "Measured on GPU").
+local rank 0. Not yet run on several GPUs (docs/guides/scaling.md).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Learning: does training move accuracy, per method, seed and environment."""

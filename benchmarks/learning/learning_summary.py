@@ -1,0 +1,228 @@
+"""The learning benchmark across environments: the results page's tables, computed from the stored units.
+
+One table holds each environment's headline methods (pooled over their seeds x problems, paired
+bootstrap 95 % intervals) and one holds issue 13's targets, each with the contrasts that decide it and
+whether it is met. Both come from the units under benchmarks/results/learning_efficacy/<env>-L2/ (and the
+later code's grids, <env>-L2-<tag>/, as sections of their own: SECTIONS) at the
+benchmark's default sizes and eval rule (learning_efficacy.Units: a unit counts for a method only under
+its configuration's hash), so a new unit changes them and nothing is copied by hand.
+
+    python -m benchmarks.learning.learning_summary   # writes results/learning_summary/<date>_default.{md,json}
+    python docs/gen/build.py                         # puts them on docs/results/index.md
+
+summarise() is the library's entry: (the tables' lines, their record), from the stored units alone.
+
+tests/test_benchmark_methods.py checks that the results page's tables equal what the stored units give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+
+import numpy as np
+
+from benchmarks.common import result_path
+from benchmarks.learning import learning_efficacy as le
+
+VARIANT = ()  # one summary of every stored grid: no variant (<date>_default)
+
+ENVS = {"verdict": "verdict (privileged)", "confidence": "confidence (honest)", "none": "none (honest)"}
+# section -> (env, grid tag, label): the stored grids of each env, then grids of later code kept apart by
+# --tag (their units ran on other code: pooled with the older ones they would mix two programs)
+SECTIONS = {**{env: (env, "", label) for env, label in ENVS.items()},
+            "confidence-fixes": ("confidence", "fixes", "confidence (honest), grid confidence-L2-fixes: the fixes of 2026-11-29"),
+            "none-v4": ("none", "v4", "none (honest), grid none-L2-v4: verifier v4 on")}
+# (method, label) per environment, in the table's order; the writers are the rows the targets judge
+CONTROLS = [("untrained", "untrained"), ("score", "SCoRe"), ("single-turn-grpo", "single-turn GRPO")]
+WRITERS = {"verdict": [("mlmt", "`mlmt`"), ("mlmt-sentences-only", "selector"),
+                       ("mlmt-verdict-sentences", "verdict selector"),
+                       ("mlmt-verdict-sentences-gold-prob", "verdict selector on p_gold"),
+                       ("mlmt-verdict-sentences-sampled-refines", "verdict selector on sampled refines")],
+           "confidence": [("mlmt", "`mlmt`"), ("mlmt-sentences-only", "selector")],
+           "none": [("mlmt", "`mlmt`"), ("mlmt-sentences-only", "selector")]}
+VERDICT_ONLY = [("verdict-template", "verdict template (control)"),
+                ("solver-only-verdict-sentences", "random verdict sentences, frozen writer")]
+# the issue's ablations of `mlmt` (shown once measured; not judged by the targets)
+ABLATIONS = [("mlmt-no-bonus", "`mlmt` without the bonus"), ("writer-only", "`mlmt` writer-only (solver frozen)"),
+             ("solver-only", "`mlmt` solver-only (writer frozen)")]
+
+
+def _short(section: str) -> str:
+    env, tag, _ = SECTIONS[section]
+    return f"{env} (grid {env}-L2-{tag})" if tag else env
+
+
+def rows(env: str) -> list[tuple[str, str]]:
+    return CONTROLS + (VERDICT_ONLY if env == "verdict" else []) + ABLATIONS + WRITERS[env]
+
+
+def env_units(env: str, tag: str = "") -> tuple[dict[str, list[dict]], dict[str, bool]]:
+    """(method -> its units at the default sizes and eval rule in grid ``tag``, method -> whether it has
+    a refine turn)."""
+    from tosca_mlmt.config import load_config
+
+    # every grid here ran where bf16 is native: its units are found as resolved there, on any machine
+    args = le.parser().parse_args(["--env", env, "--native-bf16", "yes"] + (["--tag", tag] if tag else []))
+    per, _, _ = le.Units(args).per_method()
+    common, train = le.run_overrides(args)
+    every = dict(le.METHODS, **le.VERDICT_CONTROL)
+    refines = {m: load_config(every[m][0], {**common, **train, **(every[m][1] or {})}).episode.rounds > 0
+               for m, _ in rows(env)}
+    return per, refines
+
+
+def pooled(runs: list[dict]) -> dict:
+    from tosca_mlmt.analysis.stats import paired_bootstrap
+
+    t1, fin = np.stack([r["t1"] for r in runs]), np.stack([r["final"] for r in runs])
+    return {"seeds": [r["seed"] for r in runs], "problems": int(t1.shape[1]), "trained": runs[0]["used"] != {},
+            "acc_t1": float(t1.mean()), "acc_final": paired_bootstrap(fin), "delta": float((fin - t1).mean()),
+            "right_to_wrong": float((t1 * (1 - fin)).mean()), "wrong_to_right": float(((1 - t1) * fin).mean())}
+
+
+def contrast(per: dict[str, list[dict]], a: str, b: str) -> dict | None:
+    """Acc@final of a minus b, paired over the seeds both have x problems."""
+    from tosca_mlmt.analysis.stats import paired_bootstrap
+
+    common, fa, fb = le.paired_finals(per, a, b)
+    return {**paired_bootstrap(fa, fb), "seeds": common} if common else None
+
+
+def _num(x: float, sign: str = "") -> str:
+    return f"{x:{sign}.3f}".replace("-", "\u2212")  # a typographic minus sign
+
+
+def _ci(d: dict, sign: str = "") -> str:
+    return f"{_num(d['mean'], sign)} [{_num(d['lo'], sign)}, {_num(d['hi'], sign)}]"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def method_table(data: dict) -> list[str]:
+    lines = ["| env | method | seeds × problems | Acc@t1 | Acc@final [95 % CI] | Δ | c→i / i→c (of all problems) |",
+             "|---|---|---|---|---|---|---|"]
+    for section, (env, _, label) in SECTIONS.items():
+        if section not in data or not data[section]["methods"]:
+            continue
+        cells = data[section]["methods"]
+        best = max(c["acc_final"]["mean"] for c in cells.values())
+        best_writer = max((cells[m]["acc_final"]["mean"] for m, _ in WRITERS[env] if m in cells), default=None)
+        first = True
+        for m, name in rows(env):
+            if m not in cells:
+                continue
+            c = cells[m]
+            fin = _ci(c["acc_final"])
+            if c["acc_final"]["mean"] in (best, best_writer):
+                fin = f"**{fin}**"
+            size = f"{len(c['seeds'])} × {c['problems']}" if c["trained"] else "one unit"
+            flips = (f"{_pct(c['right_to_wrong'])} / {_pct(c['wrong_to_right'])}" if data[section]["refines"][m] else "—")
+            delta = _num(c["delta"], "+") if data[section]["refines"][m] else "0"
+            lines.append(f"| {label if first else ''} | {name} | {size} | {c['acc_t1']:.3f} | {fin} | {delta} | {flips} |")
+            first = False
+    return lines
+
+
+def _judge(results: dict[str, bool]) -> str:
+    met = [name for name, ok in results.items() if ok]
+    if not met:
+        return "**missed** by all" if len(results) > 1 else "**missed**"
+    if len(met) == len(results):
+        return "met" + (" by all" if len(results) > 1 else "")
+    return "met by " + ", ".join(met) + "; missed by " + ", ".join(n for n, ok in results.items() if not ok)
+
+
+def targets(data: dict) -> tuple[list[str], list[dict]]:
+    """Issue 13's targets, each judged per writer method from the contrasts that define it."""
+    lines = ["| target (issue #13) | measured | verdict |", "|---|---|---|"]
+    record = []
+
+    def add(target: str, section: str, measure, ok, context=()) -> None:
+        if section not in data:
+            return
+        per, cells = data[section]["per"], data[section]["methods"]
+        shown, results = [], {}
+        for m, name in WRITERS[SECTIONS[section][0]]:
+            v = measure(per, cells, m)
+            if v is None:
+                continue
+            shown.append(f"{name} {v[0]}")
+            results[name] = ok(v[1])
+        for m, name in context:
+            v = measure(per, cells, m)
+            if v is not None:
+                shown.append(f"{name} {v[0]} (control)")
+        if results:
+            lines.append(f"| {target} | " + "; ".join(shown) + f" | {_judge(results)} |")
+            record.append({"target": target, "env": section, "met_by": [n for n, k in results.items() if k],
+                           "missed_by": [n for n, k in results.items() if not k]})
+
+    def versus(base: str, seeds: bool = False):
+        def measure(per, cells, m):
+            d = contrast(per, m, base)
+            if d is None:
+                return None
+            where = f" (seeds {', '.join(map(str, d['seeds']))})" if seeds else ""
+            return _ci(d, "+") + where, d
+        return measure
+
+    def flips(per, cells, m):
+        c = cells.get(m)
+        return None if c is None else (f"Δ {_num(c['delta'], '+')}, {_pct(c['right_to_wrong'])} / "
+                                       f"{_pct(c['wrong_to_right'])}", c)
+
+    def broken(per, cells, m):
+        c = cells.get(m)
+        return None if c is None else (_pct(c["right_to_wrong"]), c)
+
+    controls = [("verdict-template", "template"), ("single-turn-grpo", "single-turn GRPO")]
+    add("verdict: Acc@final ≥ untrained + 0.30, CI > 0", "verdict", versus("untrained"),
+        lambda d: d["mean"] >= 0.30 and d["lo"] > 0, controls)
+    add("verdict: ≥ SCoRe + 0.10, CI > 0", "verdict", versus("score", seeds=True), lambda d: d["mean"] >= 0.10 and d["lo"] > 0)
+    add("verdict: ≥ template − 0.02", "verdict", versus("verdict-template"), lambda d: d["mean"] >= -0.02)
+    add("verdict: c→i ≤ 3 %", "verdict", broken, lambda c: c["right_to_wrong"] <= 0.03)
+    # every section of the honest envs, each env's grids together
+    honest = [section for e in ENVS if e != "verdict" for section, (env, _, _) in SECTIONS.items() if env == e]
+    for section in honest:
+        add(f"{_short(section)}: Δ ≥ 0 and c→i ≤ i→c", section, flips,
+            lambda c: c["delta"] >= 0 and c["right_to_wrong"] <= c["wrong_to_right"])
+    for section in honest:
+        add(f"{_short(section)}: ≥ SCoRe", section, versus("score", seeds=True), lambda d: d["mean"] >= 0)
+    return lines, record
+
+
+def summarise() -> tuple[list[str], dict]:
+    data = {}
+    for section, (env, tag, _) in SECTIONS.items():
+        per, refines = env_units(env, tag)
+        cells = {m: pooled(per[m]) for m, _ in rows(env) if m in per}
+        data[section] = {"per": per, "refines": refines, "methods": cells}
+    target_lines, record = targets(data)
+    lines = method_table(data) + [""] + target_lines
+    out = {section: {"env": SECTIONS[section][0], "grid_tag": SECTIONS[section][1], "methods": d["methods"],
+                     "code": sorted({r["git_sha"] for m, _ in rows(SECTIONS[section][0]) for r in d["per"].get(m, [])})}
+           for section, d in data.items()}
+    return lines, {"tables": out, "targets": record}
+
+
+def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
+    lines, record = summarise()
+    body = "\n".join(lines) + "\n"
+    out = result_path("learning_summary", VARIANT)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(body)
+    out.write_text(json.dumps({
+        "date": dt.datetime.now().isoformat(timespec="seconds"), "machine": f"{platform.machine()} {os.cpu_count()}",
+        "load_avg": os.getloadavg(), **record}, indent=1, default=float))
+    print(body)
+
+
+if __name__ == "__main__":
+    main()

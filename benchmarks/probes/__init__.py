@@ -1,0 +1,1 @@
+"""Probes: offline questions about stored runs (base rates, verifier changes, strategy signal)."""

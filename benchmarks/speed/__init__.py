@@ -1,0 +1,1 @@
+"""Speed and cost: tokens/s, sync seconds, training throughput, memory and scaling."""
