@@ -10,13 +10,13 @@ from pathlib import Path
 
 import typer
 
-from tosca_mlmt.cli.common import err
+from tosca_mlmt.cli.common import err, out_folder
 
 
 def analyze(
     sources: list[str] = typer.Argument(..., metavar="RUN_OR_SNAPSHOT",
                                         help="Run folders, snapshot folders or snapshot ids / unique id prefixes (under --root)."),
-    out: Path = typer.Option(..., "--out", "-o", help="Output folder for report.html (self-contained), report.md and the PNG figures."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output folder for report.html (self-contained), report.md and the PNG figures.", parser=out_folder),
     root: Path = typer.Option(Path("snapshots"), help="Folder searched (recursively) for arguments given as snapshot ids."),
     no_verify: bool = typer.Option(False, "--no-verify",
                                    help="Read snapshots without checking their sizes, hashes and id."),

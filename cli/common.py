@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -36,21 +38,54 @@ def command_config(path, overrides: dict):
     return cfg
 
 
+def _fail(msg: str):
+    # One line, and the message is text, not markup: a field name or path with
+    # "[/]" in it must not make rich raise instead of reporting.
+    msg = re.sub(r"\s*[\r\n]+\s*", " ", msg).strip()
+    err.print(f"[bold red]error:[/] {escape(msg)}", highlight=False)
+    raise typer.Exit(2) from None
+
+
+def no_space_text(e: OSError) -> str:
+    """A full disk met by a write (``fsutil.NoSpaceError``, or an ENOSPC from code that is not
+    fsutil's, e.g. a snapshot's parquet files), naming the disk: the file's, else that of the run
+    folder this process writes."""
+    from tosca_mlmt import fsutil
+
+    if isinstance(e, fsutil.NoSpaceError):
+        return str(e)
+    rundir = sys.modules.get("tosca_mlmt.pipelines.rundir")
+    where = e.filename or (rundir and rundir.RunDir.latest_path) or Path.cwd()
+    return fsutil.no_space_message(where, cause=e.strerror or e)
+
+
 def user_errors(fn):
-    """Turn MlmtError into a one-line message and exit code 2 (no traceback)."""
+    """Turn MlmtError, and a full disk, into a one-line message and exit code 2 (no traceback)."""
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
+        from tosca_mlmt import fsutil
+
         try:
             return fn(*a, **kw)
         except MlmtError as e:
-            # One line, and the message is text, not markup: a field name or path with
-            # "[/]" in it must not make rich raise instead of reporting.
-            msg = re.sub(r"\s*[\r\n]+\s*", " ", str(e)).strip()
-            err.print(f"[bold red]error:[/] {escape(msg)}", highlight=False)
-            raise typer.Exit(2) from None
+            _fail(str(e))
+        except OSError as e:
+            if not fsutil.is_no_space(e):
+                raise
+            _fail(no_space_text(e))
 
     return wrapper
+
+
+def out_folder(value) -> Path:
+    """The parser of every ``--out``: typer would read an empty ``--out ''`` (an unset shell
+    variable) as the current folder, so it is refused here, where the text is still empty."""
+    if isinstance(value, str) and not value:
+        err.print("[bold red]error:[/] --out is empty: name a folder (use --out . for the current one)",
+                  highlight=False)
+        raise typer.Exit(2)
+    return Path(value)
 
 
 def parse_sets(sets: list[str]) -> dict:

@@ -8,11 +8,11 @@ from typing import Optional
 import typer
 
 from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, TASK, command_config,
-                                  common_overrides, err, parse_sets, print_summary)
+                                  common_overrides, err, out_folder, parse_sets, print_summary)
 
 
 def eval_cmd(
-    out: Path = typer.Option(..., "--out", "-o", help="Folder for eval.json and the eval snapshot."),
+    out: Path = typer.Option(..., "--out", "-o", help="Folder for eval.json and the eval snapshot.", parser=out_folder),
     run: Optional[Path] = typer.Option(None, "--run", help="A training run folder (uses its solver/ and writer/)."),
     solver: Optional[str] = typer.Option(None, help="Solver adapter folder (instead of --run)."),
     writer: Optional[str] = typer.Option(None, help="Writer folder: adapter + Q head + strategies (instead of --run)."),

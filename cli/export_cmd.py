@@ -8,13 +8,13 @@ from typing import Optional
 
 import typer
 
-from tosca_mlmt.cli.common import err
+from tosca_mlmt.cli.common import err, out_folder
 
 
 def export(
     adapter: Path = typer.Option(..., "--adapter", help="A saved solver/writer folder (e.g. runs/mlmt/solver), "
                                                         "or a run folder holding solver/ and writer/."),
-    out: Path = typer.Option(..., "--out", "-o", help="New folder for the merged model (must not exist or be empty)."),
+    out: Path = typer.Option(..., "--out", "-o", help="New folder for the merged model (must not exist or be empty).", parser=out_folder),
     role: Optional[str] = typer.Option(None, "--role", help="solver or writer: which folder of a run folder to "
                                                             "take; checked against what an adapter folder records."),
     base: Optional[str] = typer.Option(None, "--base", help="Base model (embedded name, org/name hub id in the local "

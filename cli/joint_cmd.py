@@ -8,11 +8,11 @@ from typing import Optional
 import typer
 
 from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, command_config, common_overrides,
-                                  err, parse_sets, print_rows)
+                                  err, out_folder, parse_sets, print_rows)
 
 
 def train_joint(
-    out: Path = typer.Option(..., "--out", "-o", help="Run folder (manifest.json links rounds, snapshots, runs)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Run folder (manifest.json links rounds, snapshots, runs).", parser=out_folder),
     rounds: Optional[int] = typer.Option(None, help="Rounds (joint.rounds)."),
     engine: Optional[str] = typer.Option(None, help="Rollout engine: hf or vllm."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out after a crash or kill."),

@@ -8,11 +8,11 @@ from typing import Optional
 import typer
 
 from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, TASK, command_config,
-                                  common_overrides, err, parse_sets, print_summary)
+                                  common_overrides, err, out_folder, parse_sets, print_summary)
 
 
 def train_lower(
-    out: Path = typer.Option(..., "--out", "-o", help="Run folder (checkpoints, metrics, snapshots, final adapter)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Run folder (checkpoints, metrics, snapshots, final adapter).", parser=out_folder),
     snapshot: list[str] = typer.Option([], "--snapshot", help="Train on these snapshots (ids, or prefixes of exactly one id under --root) instead of collecting (repeatable)."),
     root: Path = typer.Option(Path("snapshots"), help="Folder searched (recursively) for --snapshot."),
     iterations: Optional[int] = typer.Option(None, help="PPO iterations (lower.iterations)."),

@@ -19,7 +19,7 @@ from tosca_mlmt.cli import common
 from tosca_mlmt.cli.analyze_cmd import analyze
 from tosca_mlmt.cli.chat_cmd import chat
 from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, TASK, command_config,
-                                  common_overrides, err, parse_sets, print_summary, user_errors)
+                                  common_overrides, err, out_folder, parse_sets, print_summary, user_errors)
 from tosca_mlmt.cli.eval_cmd import eval_cmd
 from tosca_mlmt.cli.export_cmd import export
 from tosca_mlmt.cli.joint_cmd import train_joint
@@ -46,7 +46,7 @@ def collect(
     limit: Optional[int] = typer.Option(None, help="Number of problems (0 = whole split)."),
     split: Optional[str] = typer.Option(None, help="train or test."),
     engine: Optional[str] = typer.Option(None, help="Rollout engine: hf or vllm."),
-    out: Optional[Path] = typer.Option(None, help="Snapshot root folder."),
+    out: Optional[Path] = typer.Option(None, help="Snapshot root folder.", parser=out_folder),
     n_samples: Optional[int] = typer.Option(None, help="Turn-1 samples per problem."),
     rounds: Optional[int] = typer.Option(None, help="Feedback + refine rounds (K)."),
     level: Optional[int] = typer.Option(None, help="arith difficulty level 1-6 (task.level)."),

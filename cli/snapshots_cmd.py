@@ -77,28 +77,36 @@ def _mark(correct) -> Text:
     return Text("right", style="bold green") if correct else Text("wrong", style="bold red")
 
 
+def _safe(text) -> str:
+    """A text from the snapshot (data, model output) with its control characters escaped, newlines kept:
+    an escape code in it must not reach the terminal."""
+    from tosca_mlmt.pipelines.snapshots import terminal_safe
+
+    return terminal_safe("" if text is None else text, keep_newlines=True)
+
+
 def _attempt(title: str, text: str, correct, reward, extracted, extras: dict) -> Panel:
     head = Text.assemble(title, "  ", _mark(correct), f"  reward {reward if reward is not None else '?'}",
                          f"  extracted {extracted!r}")
     for k, v in extras.items():
-        head.append(f"  {k} {v}")
-    return Panel(Text(text or ""), title=head, title_align="left", border_style="green" if correct else "red")
+        head.append(f"  {_safe(k)} {_safe(v)}")
+    return Panel(Text(_safe(text)), title=head, title_align="left", border_style="green" if correct else "red")
 
 
 def render_episode(r: dict, i: int, n: int) -> Group:
     """One decoded episode (samples.episode_record) as rich renderables."""
     from tosca_mlmt.pipelines.snapshots import LOGGED_EXTRAS, bonus_text
 
-    parts = [Rule(Text(f"{i}/{n}  {r['episode_id']}  {r['outcome'].replace('_to_', ' -> ')}"), align="left"),
-             Text.assemble(("problem  ", "bold"), r["problem"]),
-             Text.assemble(("gold     ", "bold"), str(r["gold"])),
+    parts = [Rule(Text(_safe(f"{i}/{n}  {r['episode_id']}  {r['outcome'].replace('_to_', ' -> ')}")), align="left"),
+             Text.assemble(("problem  ", "bold"), _safe(r["problem"])),
+             Text.assemble(("gold     ", "bold"), _safe(r["gold"])),
              _attempt("z (attempt 1)", r["z"], r["correct1"], r["r1"], r["extracted1"], {})]
     for rd in r["rounds"]:
         leak = rd["leaked"]
-        title = Text(f"g (round {rd['round']}, strategy {rd['strategy']})")
+        title = Text(_safe(f"g (round {rd['round']}, strategy {rd['strategy']})"))
         if leak:
             title.append("  LEAKS THE ANSWER", style="bold yellow")
-        parts.append(Panel(Text(rd["g"] or ""), title=title, title_align="left",
+        parts.append(Panel(Text(_safe(rd["g"])), title=title, title_align="left",
                            border_style="yellow" if leak else "blue"))
         extras = {k: v for k, v in rd.items() if k in LOGGED_EXTRAS}
         extras["bonus"] = bonus_text(rd.get("bonus"), rd.get("bonus_raw"))

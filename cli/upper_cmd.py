@@ -13,13 +13,13 @@ from typing import Optional
 import typer
 
 from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, command_config, common_overrides,
-                                  err, parse_sets, print_summary)
+                                  err, out_folder, parse_sets, print_summary)
 
 
 def train_upper(
     snapshot: list[str] = typer.Option(..., "--snapshot", "-s", help="Snapshot id to learn from, or a prefix of exactly one id under --root (repeatable)."),
     root: Optional[Path] = typer.Option(None, help="Snapshot root folder (default: collect.out)."),
-    out: Path = typer.Option(..., help="Run folder (config, metrics, checkpoints, writer/, report.md)."),
+    out: Path = typer.Option(..., help="Run folder (config, metrics, checkpoints, writer/, report.md).", parser=out_folder),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its latest checkpoint."),
     allow_drift: list[str] = typer.Option([], "--allow-drift", metavar="FIELD",
                                           help="On --resume, accept this changed config field (repeatable; only "

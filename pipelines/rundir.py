@@ -12,14 +12,25 @@ length, which may only grow (the data of step i is a pure function of the seed a
 longer run extends the shorter one exactly). A field the run's ``config.yaml`` lacks (written
 before the knob existed) counts as what that version did, its default or its BEFORE_KNOB value, with a
 warning naming it.
+
+Surroundings: a training stage holds an advisory lock on its folder (``.mlmt.lock``, taken in
+``check`` before the folder is read, released by ``close`` or when the process ends, however it
+ends), so a second run on the same ``--out`` is refused naming the holder; a lock file left by a
+killed run holds no lock and is taken over. A path that is empty or too long for the filesystem
+is refused with the other output checks, and so is a disk with less than ``fsutil.MIN_FREE_BYTES``
+free: before any model loads or episode runs.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import socket
 import tempfile
+import time
 import warnings
+import weakref
 from pathlib import Path
 
 import yaml
@@ -28,7 +39,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
 from tosca_mlmt.errors import ConfigError, MlmtError
-from tosca_mlmt.fsutil import atomic_write_text
+from tosca_mlmt.fsutil import NoSpaceError, atomic_write_text, ensure_space
 from tosca_mlmt.metrics import MetricsSink
 from tosca_mlmt.pipelines.provenance import now, software
 
@@ -127,33 +138,192 @@ def check_drift(run: Path, cfg: Config, stage: str, allow) -> None:
 
 def check_writable(path: str | Path, what: str = "--out") -> None:
     """Fail now, before any model loads or episode runs, when ``path`` (a folder, possibly
-    not there yet) could not be created and written. Creates nothing."""
+    not there yet) could not be created and written, or its disk is (almost) full. Creates
+    nothing."""
+    if isinstance(path, str) and not path:
+        raise MlmtError(f"{what} is empty: name a folder (use . for the current one)")
     path = Path(path)
-    probe = path
-    while not probe.exists() and not probe.is_symlink() and probe.parent != probe:
-        probe = probe.parent
+    try:
+        probe = path
+        while not probe.exists() and not probe.is_symlink() and probe.parent != probe:
+            probe = probe.parent
+    except OSError as e:  # a name too long for the filesystem (os.stat raises it on Python < 3.12)
+        raise MlmtError(f"{what} {path}: {_path_problem(e)}") from None
     if probe.exists() and not probe.is_dir():
         where = "is a file" if probe == path else f"cannot be created: {probe} is a file"
         raise MlmtError(f"{what} {path} {where}, not a folder")
+    too_long = _too_long(path, probe)
+    if too_long:
+        raise MlmtError(f"{what} {path}: {too_long}")
     try:
         fd, name = tempfile.mkstemp(prefix=".write-probe-", dir=probe)
     except OSError as e:
         raise MlmtError(f"{what} {path}: cannot write in {probe} ({e.strerror})") from None
     os.close(fd)
     os.unlink(name)
+    try:
+        ensure_space(probe)
+    except NoSpaceError as e:
+        raise MlmtError(f"{what} {path}: {e}") from None
+
+
+def _limit(folder: Path, name: str, default: int) -> int:
+    try:
+        return os.pathconf(folder, name)
+    except (OSError, ValueError, AttributeError):
+        return default
+
+
+def _too_long(path: Path, probe: Path) -> str | None:
+    """Why the folders of ``path`` below ``probe`` (the nearest that exists) could not be made:
+    a name or the whole path longer than the filesystem allows."""
+    name_max = _limit(probe, "PC_NAME_MAX", 255)
+    for part in path.relative_to(probe).parts if path != probe else ():
+        if len(os.fsencode(part)) > name_max:
+            return (f"the name '{part[:40]}...' is {len(os.fsencode(part))} bytes, longer than the "
+                    f"{name_max} its filesystem allows; choose a shorter name")
+    path_max = _limit(probe, "PC_PATH_MAX", 4096)
+    full = len(os.fsencode(os.path.abspath(path)))
+    if full >= path_max:
+        return f"the path is {full} bytes, longer than the {path_max - 1} its filesystem allows; choose a shorter one"
+    return None
+
+
+def _path_problem(e: OSError) -> str:
+    if e.errno == errno.ENAMETOOLONG:
+        return "a name in it is longer than its filesystem allows (File name too long); choose a shorter name"
+    return f"cannot be used ({e.strerror or e})"
+
+
+LOCK_NAME = ".mlmt.lock"
+# This process's locks by folder: a folder locked here may be locked again here (a run that failed in this
+# process, its RunDir kept alive by the traceback, resumed in it); released by the first close, or when the
+# last RunDir holding it is collected.
+_HELD: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+class _Lock:
+    """An flock on ``<folder>/.mlmt.lock`` (pid, host and start time in it, for the message of
+    whoever is refused). The kernel drops it when the process ends, however it ends, so the file a
+    killed run leaves blocks nothing: it is stale, and the next run takes it over."""
+
+    def __init__(self, folder: Path):
+        import fcntl
+
+        made = []  # the folders made here: an empty one is removed again on release
+        p = folder
+        while not p.exists() and p.parent != p:
+            made.append(p)
+            p = p.parent
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / LOCK_NAME
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = _read_holder(fd)
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise MlmtError(f"{folder} is in use by another run ({holder or 'holder unknown'}; "
+                                    f"lock {self.path}); wait for it to end or choose another --out") from None
+                warnings.warn(f"{folder}: cannot lock the run folder ({e.strerror}); a second run on it would not "
+                              "be refused", stacklevel=4)
+                self.fd, self.stale, self._finalizer = None, "", None
+                return
+            try:  # the file may have been removed by a holder releasing it between the open and the lock
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        self.fd = fd
+        self.stale = _read_holder(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        self._finalizer = weakref.finalize(self, _release, fd, str(self.path), [str(m) for m in made], os.getpid())
+
+    @property
+    def held(self) -> bool:
+        return self._finalizer is not None and self._finalizer.alive
+
+    def release(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        return os.pread(fd, 200, 0).decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _release(fd: int, path: str, made: list[str], pid: int) -> None:
+    """Remove the lock file while still holding it (whoever opened it before then sees it gone and
+    opens the new one), then unlock; and remove the folders made for the lock if they stayed empty.
+    A forked child that inherited the lock leaves it to its parent."""
+    if os.getpid() != pid:
+        return
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    os.close(fd)
+    for folder in made:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            break
 
 
 class RunDir:
     """The folder a stage writes: ``RunDir(path, stage)`` checks it can be written (creating
-    nothing); the training stages then ``check`` it before any model loads and ``claim`` it
-    once their inputs are read. Files are written by rank 0, atomically."""
+    nothing); the training stages then ``check`` it before any model loads, which locks it, and
+    ``claim`` it once their inputs are read; ``close`` unlocks it. Files are written by rank 0,
+    atomically."""
+
+    # the folder of the RunDir made last in this process: the disk a failed write is reported on
+    # when the error does not say which file it was writing (cli.common.user_errors)
+    latest_path: Path | None = None
 
     def __init__(self, path: str | Path, stage: str, console=None, what: str = "--out"):
+        check_writable(path, what)
         self.path = Path(path)
         self.stage = stage
         self.console = console
         self._sink: MetricsSink | None = None
-        check_writable(self.path, what)
+        self._lock: _Lock | None = None
+        RunDir.latest_path = self.path
+
+    def lock(self) -> None:
+        """Hold the folder's lock until ``close`` (or the process's end), or raise MlmtError naming
+        the run that holds it. Rank 0 locks for every rank: the others learn its outcome."""
+        problem = None
+        if dist.is_main() and self._lock is None:
+            key = os.path.realpath(self.path)
+            held = _HELD.get(key)
+            held = held if held is not None and held.held else None
+            try:
+                self._lock = held if held is not None else _Lock(self.path)
+            except MlmtError as e:
+                problem = str(e)
+            else:
+                _HELD[key] = self._lock
+                if held is None and self._lock.stale:
+                    self.say(f"{self.path}: took over the lock file of a run that ended without releasing it "
+                             f"({self._lock.stale})")
+        problem = dist.broadcast(problem)
+        if problem:
+            raise MlmtError(problem)
+
+    def unlock(self) -> None:
+        """Release the lock: the stage is over (the lock file goes with it)."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
     def holds_run(self) -> bool:
         # config.yaml is the claim; a checkpoint or train-joint manifest alone is a run that predates it
@@ -166,12 +336,17 @@ class RunDir:
         (train-joint) checked its own config. Returns whether there is a run to continue."""
         if allow_drift is not None:
             allow_drift = check_allow_drift(self.stage, allow_drift)
-        used = self.holds_run()
-        if used and not resume:
-            raise MlmtError(f"{self.path} already holds a {self.stage} run; pass --resume to continue it "
-                            "or choose another --out")
-        if used and allow_drift is not None and (self.path / "config.yaml").exists():
-            check_drift(self.path, cfg, self.stage, allow_drift)
+        self.lock()  # before the folder is read: two runs started together must not both find it unused
+        try:
+            used = self.holds_run()
+            if used and not resume:
+                raise MlmtError(f"{self.path} already holds a {self.stage} run; pass --resume to continue it "
+                                "or choose another --out")
+            if used and allow_drift is not None and (self.path / "config.yaml").exists():
+                check_drift(self.path, cfg, self.stage, allow_drift)
+        except BaseException:
+            self.unlock()
+            raise
         return used
 
     def claim(self, cfg: Config) -> None:
@@ -230,6 +405,7 @@ class RunDir:
     def close(self) -> None:
         if self._sink is not None:
             self._sink.close()
+        self.unlock()
 
     def metrics_bytes(self) -> int:
         """Length of ``metrics.jsonl`` now: saved with each checkpoint, so a resume can drop

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tosca_mlmt.models.loading import resolve_model
 from tosca_mlmt.samples import LOGGED_EXTRAS, bonus_text, episode_record, select  # noqa: F401 (the first two: for cli/)
-from tosca_mlmt.snapshot import read_manifest, verify_snapshot
+from tosca_mlmt.snapshot import read_manifest, terminal_safe, verify_snapshot  # noqa: F401 (terminal_safe: for cli/)
 from tosca_mlmt.snapshot_index import environment_of, open_snapshot, resolve_snapshot, row_line, snapshot_rows
 
 
@@ -23,7 +23,8 @@ def prepare_environment(name: str) -> tuple[Path, str | None]:
 
 
 def summary_lines(root: Path) -> list[str]:
-    """One line per snapshot at any depth under ``root``: id, kind, environment, episodes, created, folder."""
+    """One line per snapshot at any depth under ``root``: id, kind, environment, episodes, created, folder;
+    control characters escaped (snapshot.terminal_safe)."""
     return [row_line(r) for r in snapshot_rows(root)]
 
 
@@ -37,7 +38,7 @@ def problems(root: Path, ref: str) -> tuple[str, list[str]]:
     manifest that cannot be parsed raises instead: that is an error, not a verdict."""
     path = resolve_snapshot(root, ref)
     read_manifest(path)
-    return path.name, verify_snapshot(path)
+    return terminal_safe(path.name), [terminal_safe(p) for p in verify_snapshot(path)]
 
 
 def episode_records(root: Path, ref: str, n: int, which: str | None = None,
@@ -46,4 +47,5 @@ def episode_records(root: Path, ref: str, n: int, which: str | None = None,
     (samples.FILTERS), decoded for reading (samples.episode_record)."""
     snap = open_snapshot(root, ref, verify=verify)
     head = {"id": snap.id, "kind": str(snap.manifest.get("kind") or "?"), "environment": environment_of(snap.manifest)}
+    head = {k: terminal_safe(v) for k, v in head.items()}  # from a manifest anyone can edit
     return head, [episode_record(ep) for ep in select(snap.episodes(), n, which)]

@@ -65,3 +65,47 @@ def test_fsync_tree_flushes_every_file_and_folder_under_it_or_one_folder(tmp_pat
     synced.clear()
     fsutil.fsync_tree(tmp_path / "a", recursive=False)
     assert [os.path.relpath(p, tmp_path) for p in synced] == ["a"]
+
+
+# ---------------------------------------------------------------- a full disk (issue 68, point 8)
+
+
+def _free(monkeypatch, free):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 40, (1 << 40) - free, free))
+
+
+def test_a_write_the_disk_has_no_room_for_is_refused_naming_it_and_the_old_content_stays(tmp_path, monkeypatch):
+    import errno
+
+    p = tmp_path / "manifest.json"
+    atomic_write_text(p, "old")
+    _free(monkeypatch, 10)
+    with pytest.raises(OSError, match=rf"not enough space on the disk of {tmp_path}: 10 bytes free, at least "
+                                      r"2.0 KiB \(2048 bytes\) needed") as e:
+        atomic_write_text(p, "x" * 2048)
+    assert e.value.errno == errno.ENOSPC
+    assert p.read_text() == "old" and os.listdir(tmp_path) == ["manifest.json"]
+
+
+def test_atomic_dir_refuses_a_full_disk_before_making_its_folder(tmp_path, monkeypatch):
+    from tosca_mlmt import fsutil
+
+    _free(monkeypatch, fsutil.MIN_FREE_BYTES - 1)
+    with pytest.raises(OSError, match="not enough space on the disk of"):
+        with atomic_dir(tmp_path / "snap"):
+            raise AssertionError("the block ran on a full disk")
+    assert os.listdir(tmp_path) == []
+
+
+def test_atomic_dir_turns_enospc_in_its_block_into_a_clear_error_leaving_nothing(tmp_path):
+    import errno
+
+    with pytest.raises(OSError, match=f"not enough space on the disk of {tmp_path}: .* free .*No space left") as e:
+        with atomic_dir(tmp_path / "snap") as tmp:
+            (tmp / "part").write_text("half")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert e.value.errno == errno.ENOSPC and os.listdir(tmp_path) == []

@@ -161,6 +161,13 @@ def _write_rows(tmp_path, lines: list[str]):
         (json.dumps({**GOOD_ROW, "task_id": 12, "test_list": "assert True"}), "test_list"),
         (json.dumps({**GOOD_ROW, "task_id": 12, "test_list": ["assert True", 3]}), "test_list"),
         (json.dumps({**GOOD_ROW, "task_id": 12, "test_setup_code": None}), "test_setup_code"),
+        # issue 68: a row no code could pass honestly, or that every code passes
+        (json.dumps({**GOOD_ROW, "task_id": 12, "test_list": ["print('hello')"]}), "test_list"),
+        (json.dumps({**GOOD_ROW, "task_id": 12, "test_list": ["assert add(1, 2) == 3", "x = 1"]}), "test_list"),
+        (json.dumps({**GOOD_ROW, "task_id": 12, "test_list": ["assert add(1, 2) == 3", "assert add(1,"]}), "test_list"),
+        (json.dumps({**GOOD_ROW, "task_id": 12, "test_setup_code": "def broken(:"}), "test_setup_code"),
+        (json.dumps({**GOOD_ROW, "task_id": 12, "test_setup_code": "D = [(1, 3)]",
+                     "test_list": ["assert all(add(a, 2) == b for a, b in D)"]}), "test_list"),
     ],
 )
 def test_malformed_row_raises_data_error_naming_file_line_field(tmp_path, bad_line, field):

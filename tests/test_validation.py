@@ -540,3 +540,11 @@ def test_cli_divergence_stops_with_one_line_and_keeps_the_last_good_checkpoint(t
     assert cks == ["step-000001"], cks
     tensors = [t for f in (run / "checkpoints" / "step-000001").rglob("*.safetensors") for t in load_file(f).values()]
     assert tensors and all(torch.isfinite(t).all() for t in tensors)
+
+
+def test_an_unknown_field_suggests_the_nearest_one():
+    with pytest.raises(ConfigError, match=r"unknown config field 'lower.kl_coeff' \(did you mean 'lower.kl_coef'\?\)"):
+        load_config(overrides={"lower.kl_coeff": 0.05})
+    with pytest.raises(ConfigError) as e:  # nothing close: no guess
+        load_config(overrides={"lower.zzzz": 1})
+    assert "did you mean" not in str(e.value) and "allowed fields here" in str(e.value)

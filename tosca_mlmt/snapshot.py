@@ -9,7 +9,11 @@ and means (the data's value digests, row counts, parents, models, task, seeds, s
 strategies, config without its logging and path fields); only informational fields
 (creation time, timings, summary, software versions) are left out, so that the same
 episodes from the same settings get the same id. Editing a covered field or a data file
-breaks the id, which ``verify`` and every reader check. Format 2 (the same, but ``files``
+breaks the id, which ``verify`` and every reader check. Format 4 (current) is format 3 with the
+environment label (``summary.environment``, "honest" or "privileged:<what>") covered too: the rest of
+the summary is informational, but that label decides whether readers (``snapshots list``, ``analyze``)
+flag the episodes as a privileged control, so an edit of it must break the id. Format 3 snapshots keep
+their ids and are verified without it. Format 2 (the same, but ``files``
 hashed the tables' parquet bytes, so only a pyarrow encoding like the writer's could confirm
 them) and format 1 (id = hash of the data files only) are still read and verified by their
 own rules.
@@ -40,6 +44,7 @@ import json
 import os
 import re
 import shutil
+import unicodedata
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,13 +53,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tosca_mlmt.errors import SnapshotError
-from tosca_mlmt.fsutil import fsync_tree, sha256_file
+from tosca_mlmt.fsutil import MIN_FREE_BYTES, ensure_space, fsync_tree, no_space_is_clear, sha256_file
 from tosca_mlmt.records import Episode
 from tosca_mlmt.snapshot_tables import (SNAPSHOT_ID, canonical_bytes, content_entry, episodes_to_tables, read_tables,
                                         tables_to_episodes, with_snapshot_id, without_snapshot_id)
 
-FORMAT_VERSION = 3
-SUPPORTED_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+SUPPORTED_VERSIONS = (1, 2, 3, 4)
 DATA_FILES = ("episodes.parquet", "turns.parquet")
 # Manifest fields that describe the writing, not the data: left out of the id so that the
 # same episodes written again (later, elsewhere, by a newer build) keep their id.
@@ -80,11 +85,22 @@ def _without(tree: dict, dotted: tuple[str, ...]) -> dict:
 
 
 def covered_content(manifest: dict) -> dict:
-    """The part of a format-2 or -3 manifest that the id stands for."""
+    """The part of a format-2, -3 or -4 manifest that the id stands for. Format 4 adds the environment
+    label (``summary.environment``: "honest" or "privileged:<what>", what every reader shows) from the
+    otherwise informational summary, so relabelling a privileged snapshot honest changes its id; formats
+    2 and 3 are read under their own rules, without it."""
     c = {k: v for k, v in manifest.items() if k not in INFORMATIONAL}
     if isinstance(c.get("config"), dict):
         c["config"] = _without(c["config"], LOCATION_FIELDS)
+    summary = manifest.get("summary")
+    if _version(manifest) >= 4 and isinstance(summary, dict) and "environment" in summary:
+        c["summary"] = {"environment": summary["environment"]}
     return c
+
+
+def _version(manifest: dict) -> int:
+    v = manifest.get("format_version")
+    return v if type(v) is int else FORMAT_VERSION
 
 
 def snapshot_id(manifest: dict) -> str:
@@ -152,8 +168,13 @@ def write_snapshot(root: str | Path, episodes: list[Episode], manifest: dict) ->
         m = build_manifest(manifest, files, {"episodes": tables["episodes.parquet"].num_rows,
                                              "turns": tables["turns.parquet"].num_rows})
         sid = m["id"]
-        for f, t in tables.items():
-            pq.write_table(with_snapshot_id(t, sid), tmp / f)
+        # parquet is smaller than the tables in memory: room for those is room for the files (a full disk is a
+        # clear error before the write, not an OSError after every episode was generated)
+        needed = MIN_FREE_BYTES + sum(t.nbytes for t in tables.values())
+        ensure_space(root, needed)
+        with no_space_is_clear(root, needed):
+            for f, t in tables.items():
+                pq.write_table(with_snapshot_id(t, sid), tmp / f)
         m["stored_files"] = {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in DATA_FILES}
         m["manifest_sha256"] = _manifest_sha(m)
         with open(tmp / "manifest.json", "w") as f:
@@ -363,9 +384,26 @@ def list_snapshots(root: str | Path) -> list[dict]:
     return sorted(out, key=lambda m: str(m.get("created_at", "")))
 
 
+def terminal_safe(value, keep_newlines: bool = False) -> str:
+    """``str(value)`` with control characters (ESC and the other C0/C1 codes, DEL, bidi overrides,
+    line and paragraph separators) written as escapes (``\\x1b``, ``\\u202e``): a manifest, a folder
+    name or a text can be edited by anyone, and printed raw its escape codes would repaint the terminal
+    or hide what is listed. ``keep_newlines`` keeps ``\\n`` and ``\\t`` (multi-line texts)."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    keep = "\n\t" if keep_newlines else ""
+    return "".join(ch if ch.isprintable() and unicodedata.category(ch) != "Cf" or ch in keep or ch == " "
+                   else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
 def summary_line(m: dict) -> str:
     """One line for ``mlmt snapshots list``: id, created, task/split, episodes, accuracies.
     Any field may be missing or odd (old or hand-made manifests): shown as '?'."""
+    return terminal_safe(_summary_line(m))
+
+
+def _summary_line(m: dict) -> str:
     if "error" in m:
         return f"{m.get('id')}  ERROR {m['error']}"
 

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from tosca_mlmt.errors import ConfigError, SnapshotError
-from tosca_mlmt.snapshot import Snapshot, load_snapshot, read_manifest
+from tosca_mlmt.snapshot import Snapshot, load_snapshot, read_manifest, terminal_safe
 
 
 def _is_snapshot(path: Path) -> bool:
@@ -140,7 +140,9 @@ def snapshot_rows(root: str | Path) -> list[dict]:
 
 
 def row_line(r: dict) -> str:
-    """A row as one line, id first (so ``awk '{print $1}'`` gives the ids)."""
+    """A row as one line, id first (so ``awk '{print $1}'`` gives the ids), its control characters
+    escaped (snapshot.terminal_safe): every field comes from a file anyone can edit."""
+    r = {k: terminal_safe(v) for k, v in r.items()}
     if "error" in r:
         return f"{r['id']}  ERROR {r['error']}  ({r['where']})"
     return f"{r['id']}  {r['kind']:<17} {r['environment']:<30} episodes={r['episodes']:<6} {r['created']}  {r['where']}"

@@ -120,7 +120,7 @@ def _turns_v1(folder: Path) -> pd.DataFrame:
 
 # One reader per supported snapshot format version, each returning TURN_COLUMNS (less
 # ``snapshot`` and ``snapshot_id``); tests check that every version in snapshot.SUPPORTED_VERSIONS has one.
-TURN_READERS = {1: _turns_v1, 2: _turns_v1, 3: _turns_v1}  # formats 2 and 3 changed the manifest, not the tables
+TURN_READERS = {1: _turns_v1, 2: _turns_v1, 3: _turns_v1, 4: _turns_v1}  # 2-4 changed the manifest, not the tables
 
 
 def read_turns(snapshots: dict[str, tuple[Path, dict]]) -> pd.DataFrame:

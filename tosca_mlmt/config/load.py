@@ -9,6 +9,7 @@ What a value may be is the section's business: the built tree validates itself
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +60,10 @@ def build(cls: type, data: dict, prefix: str = "") -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = [k for k in data if k not in fields]
     if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), list(fields), n=1, cutoff=0.75)
+        hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
         raise ConfigError(
-            f"unknown config field '{prefix}{_plain(unknown[0])}'; allowed fields here: {', '.join(fields)}"
+            f"unknown config field '{prefix}{_plain(unknown[0])}'{hint}; allowed fields here: {', '.join(fields)}"
         )
     types_ = field_types(cls)
     defaults = cls()

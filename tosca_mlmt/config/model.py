@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from tosca_mlmt.config.knobs import EXISTING_DIR_OR_EMPTY, NON_EMPTY, Rule, knob, path_is
-from tosca_mlmt.config.section import Section
+from tosca_mlmt.config.section import Section, show
+from tosca_mlmt.errors import ConfigError
 
 # peft accepts either form; an empty name would silently adapt nothing.
 TARGET_MODULES = Rule("a non-empty string or a non-empty list of non-empty strings",
@@ -28,6 +30,16 @@ class LoraConfig(Section):
     target_modules: str | list = knob("all-linear", "peft target_modules: 'all-linear' adapts every linear layer; "
                                                     "another string is a regex over module names; a list names "
                                                     "modules (e.g. [q_proj, v_proj]).", rule=TARGET_MODULES)
+
+    def check(self, prefix: str) -> None:
+        # peft matches a string with re.fullmatch once the model has loaded: a bad pattern must fail here
+        tm = self.target_modules
+        if isinstance(tm, str) and tm != "all-linear":
+            try:
+                re.compile(tm)
+            except re.error as e:
+                raise ConfigError(f"invalid value {show(tm)} for field '{prefix}target_modules': not a regular "
+                                  f"expression ({e}); a list names modules literally") from None
 
 
 @dataclass

@@ -46,3 +46,11 @@ class Config(Section):
              "counterfactual needs episode.counterfactual=true (refines scored without their feedback)")
         need(self.upper.reward != "gold_prob" or self.episode.gold_prob, f"{prefix}upper.reward",
              "gold_prob needs episode.gold_prob=true (solver turns scored by their gold-answer probability)")
+        # joint.writer_warmup=update restarts the Q-only warm-up in every writer update: with no fewer warm-up
+        # steps than the update has, the feedback text never trains (train-joint refuses the whole-run case too)
+        jc, uc = self.joint, self.upper
+        need(jc.writer_warmup != "update" or jc.freeze_writer or uc.text_loss == "none"
+             or uc.warmup_steps < jc.upper_steps, f"{prefix}upper.warmup_steps",
+             f"{uc.warmup_steps} Q-only warm-up steps with joint.writer_warmup=update, whose writer takes "
+             f"{jc.upper_steps} steps per update (joint.upper_steps), all of them warm-up, so its feedback text "
+             "never trains; needs upper.warmup_steps < joint.upper_steps (or joint.writer_warmup=run)")

@@ -125,5 +125,11 @@ class TaskConfig(Section):
                                                            "file, or a datasets folder)")
             where = self.path.replace("{split}", self.split)
             need(path_is("file", where) or path_is("dir", where), f"{prefix}path", f"not found: {where}")
+        # impossible row mappings: a gold answer that is its own question, ids that give the gold away
+        need(self.answer_key != self.question_key, f"{prefix}answer_key",
+             f"{show(self.answer_key)} is also {prefix}question_key: every gold answer would be its own question; "
+             "name the row key that holds the answer")
+        need(not self.id_key or self.id_key != self.answer_key, f"{prefix}id_key",
+             f"{show(self.id_key)} is also {prefix}answer_key: every problem id would give its gold answer away")
         need(self.answer_format != "regex" or bool(self.answer_regex), f"{prefix}answer_regex",
              "required by task.answer_format 'regex'")

@@ -3,6 +3,7 @@ guards, and ``include:`` of another preset. Every failure is one ConfigError lin
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,15 @@ class _StrictLoader(yaml.SafeLoader):
                         None, None, f"duplicate key {show(key)} (first at line {first[key]})", key_node.start_mark)
                 first[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.1 reads "1:30" as the base-60 integer 90 (and "1:30.5" as 5430.5), so a config value meant as
+# text ("1:30", a time, a ratio) would silently become another number. YAML 1.2 dropped base 60: here such
+# a scalar is the string it reads as; a field that wants a number then refuses it by name.
+_SEXAGESIMAL_RE = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
+_StrictLoader.yaml_implicit_resolvers = {
+    first: ([("tag:yaml.org,2002:str", _SEXAGESIMAL_RE)] if first and first in "-+0123456789" else []) + list(rs)
+    for first, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 
 
 def _one_line(text: str) -> str:

@@ -32,6 +32,7 @@ from tosca_mlmt.rollout.gold import gold_continuation, gold_prob
 from tosca_mlmt.seeds import stream
 from tosca_mlmt.strategies import behaviour_distribution, sample_strategies
 from tosca_mlmt.tasks.base import Problem, Task
+from tosca_mlmt.tasks.sandbox_values import clean_text
 
 
 def to_params(s: SamplingConfig, seed: int, n: int = 1, max_new_tokens: int | None = None,
@@ -137,7 +138,10 @@ class EpisodeRunner:
     def _score(self, ep: Episode, turn: Turn) -> None:
         v = self.task.verify(ep.problem, final_text(turn.text, self.tags))
         turn.reward, turn.correct, turn.extracted = v.reward, v.correct, v.extracted
-        turn.info = dict(v.info, feedback_context=v.feedback_context) if v.feedback_context else dict(v.info)
+        # Verifier text can be the model's own code's (a sandbox error): made valid UTF-8 (the tokenizer
+        # raises on lone surrogates) and bounded, so a flood cannot push the question out of the prompt.
+        fc = clean_text(v.feedback_context or "")
+        turn.info = dict(v.info, feedback_context=fc) if fc else dict(v.info)
 
     def _writer_signal(self, turn: Turn) -> tuple[int, str]:
         """What ``episode.writer_sees`` tells the writer about one attempt (module doc): the level's

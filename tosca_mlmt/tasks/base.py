@@ -111,9 +111,31 @@ def decode_line(path: Path, line_no: int, raw: bytes) -> str:
                         f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
 
 
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """A JSON object's pairs as a dict, refusing a key given twice (``json`` keeps the last silently)."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
 def parse_json_line(path: Path, line_no: int, line: str) -> Any:
+    """The JSON value of one line; a DataError for invalid JSON and for an object with a key given
+    twice (which of the two values the data meant is unknowable; ``json`` would keep the last)."""
     try:
-        return json.loads(line)
+        return json.loads(line, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        key = e.key if e.key.isprintable() else short_repr(e.key)
+        raise DataError(str(path), line_no, key, "the key appears twice in the row (JSON would keep the last "
+                                                 "value silently)") from None
     except json.JSONDecodeError as e:
         raise DataError(str(path), line_no, "<row>", f"invalid JSON: {e.msg}") from None
     except RecursionError:

@@ -17,6 +17,7 @@ on ``mydata.jsonl`` is labelled ``mydata``, not ``gsm8k``.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from tosca_mlmt.errors import ConfigError, DataError
 from tosca_mlmt.tasks.base import (LoadResult, Problem, Verdict, check_split, check_text, decode_line, no_problems,
                                     parse_json_line, read_lines, short_repr, stable_split)
 from tosca_mlmt.tasks.mathverify import (ANSWER_FORMAT, ANSWER_LINE, echoes_format, extract_answer, extract_gold,
-                                         last_boxed, match_method)
+                                         fold_width, gold_problem, has_answer_marker, last_boxed, match_method)
 
 # v2: the answer line's extraction of math-v4 (an empty last answer line reads only what follows it)
 VERIFIER_VERSION = "jsonl-v2"
@@ -65,10 +66,11 @@ def read_gold(value: str, fmt: str, regex: re.Pattern | None) -> str:
     if fmt == "raw":
         return text
     if fmt == "auto":
-        try:
-            return extract_gold(text)
-        except ValueError:
+        if not has_answer_marker(text):
             return text  # a bare answer ("42", "B")
+        # a field that says where its answer is ('####', 'The answer is', \boxed) must have one there:
+        # "steps ####" or an empty \boxed{} is no answer, not the bare answer "steps ####"
+        return extract_gold(text)
     if fmt == "hash":
         if "####" not in text:
             raise ValueError("no '####' in it (task.answer_format is 'hash')")
@@ -100,6 +102,12 @@ class JsonlTask:
         self.prefix = id_prefix or default_prefix(path)
         self.prompt = prompt
         self.test_fraction = test_fraction
+        if fields.answer == fields.question:
+            raise ConfigError(f"invalid value {fields.answer!r} for field 'task.answer_key': it is also "
+                              "task.question_key, so every gold answer would be its own question")
+        if fields.id and fields.id == fields.answer:
+            raise ConfigError(f"invalid value {fields.id!r} for field 'task.id_key': it is also task.answer_key, "
+                              "so every problem id would give its gold answer away")
         if fields.answer_format == "regex" and not fields.answer_regex:
             raise ConfigError("invalid value for field 'task.answer_regex': required by task.answer_format 'regex'")
         self.regex = re.compile(fields.answer_regex) if fields.answer_format == "regex" else None
@@ -155,9 +163,13 @@ class JsonlTask:
             try:
                 import pyarrow.parquet as pq
 
-                records = pq.read_table(path).to_pylist()
+                table = pq.read_table(path)
+                dupes = sorted({c for c in table.column_names if table.column_names.count(c) > 1})
+                records = [] if dupes else table.to_pylist()
             except Exception as e:  # noqa: BLE001 -- any reader failure is a bad file
                 raise DataError(str(path), None, None, f"cannot read as parquet: {type(e).__name__}: {e}") from None
+            if dupes:  # a row read from it would keep only the last column of each name
+                raise DataError(str(path), None, None, f"duplicate column(s) {', '.join(map(repr, dupes))}")
             return path, list(enumerate(records, start=1)), per_split
         return path, list(self._jsonl_rows(path)), per_split
 
@@ -196,14 +208,22 @@ class JsonlTask:
         question = self._text(source, row_no, row, f.question, "task.question_key")
         answer_field = self._text(source, row_no, row, f.answer, "task.answer_key")
         try:
-            gold = read_gold(answer_field, f.answer_format, self.regex)
+            gold = fold_width(read_gold(answer_field, f.answer_format, self.regex))
         except ValueError as e:
             raise DataError(str(source), row_no, f.answer, f"no final answer: {e}") from None
+        bad_gold = gold_problem(gold)
+        if bad_gold:
+            raise DataError(str(source), row_no, f.answer, f"unusable gold answer: {bad_gold}")
         if f.id:
             rid = row.get(f.id)
             if isinstance(rid, bool) or not isinstance(rid, (str, int)) or not str(rid).strip():
                 raise DataError(str(source), row_no, f.id, _why(rid, "a non-empty string or an integer", row,
                                                                 "task.id_key"))
+            if not str(rid).strip().isprintable():
+                # an id is one token of a log line, a snapshot row, a table cell: a newline or an escape
+                # code in it would split or repaint them
+                raise DataError(str(source), row_no, f.id, f"the id {short_repr(rid)} holds a control or "
+                                                           "line-break character")
             pid = f"{self.prefix}-{str(rid).strip()}"
         else:
             pid = f"{self.prefix}-{data_split}-{row_no:05d}" if data_split else f"{self.prefix}-{row_no:05d}"
@@ -217,6 +237,9 @@ class JsonlTask:
     @staticmethod
     def _text(source: Path, row_no: int, row: dict, key: str, knob: str) -> str:
         value = row.get(key)
+        if isinstance(value, float) and not math.isfinite(value):
+            # JSON's NaN/Infinity (and 1e400, which overflows to inf) would become the text 'nan'/'inf'
+            raise DataError(str(source), row_no, key, f"expected a finite number or a string, got {value!r}")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             value = str(value)  # a numeric answer column
         if not isinstance(value, str) or not value.strip():

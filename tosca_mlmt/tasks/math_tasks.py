@@ -14,12 +14,14 @@ from tosca_mlmt.tasks.base import (DATA_ENV_VAR, LoadResult, Problem, Verdict, c
                                     default_data_path, no_problems, parse_json_line, read_lines, short_repr,
                                     stable_split)
 from tosca_mlmt.tasks.mathverify import (ANSWER_FORMAT, ANSWER_LINE, VERIFIER_VERSION, answer_slot, echoes_format,
-                                         extract_answer, extract_gold, match_method)
+                                         extract_answer, extract_gold, fold_width, gold_problem, match_method)
 
 
 
-def _parse_row(path: Path, line_no: int, line: str) -> tuple[str, str, str]:
-    """(question, full solution, gold answer) of one JSONL line; DataError if malformed."""
+def _parse_row(path: Path, line_no: int, line: str, numeric: bool = False) -> tuple[str, str, str]:
+    """(question, full solution, gold answer) of one JSONL line; DataError if malformed, or when the
+    gold is no answer the verifier can compare (gold_problem; with ``numeric``, also when it is not a
+    number: every GSM8K answer is one)."""
     row = parse_json_line(path, line_no, line)
     if not isinstance(row, dict):
         raise DataError(str(path), line_no, "<row>", "expected a JSON object")
@@ -30,13 +32,16 @@ def _parse_row(path: Path, line_no: int, line: str) -> tuple[str, str, str]:
             raise DataError(str(path), line_no, field, reason)
         check_text(path, line_no, field, value)
     try:
-        gold = extract_gold(row["answer"])
+        gold = fold_width(extract_gold(row["answer"]))
     except ValueError as e:
         raise DataError(str(path), line_no, "answer", str(e)) from None
+    bad = gold_problem(gold, numeric=numeric)
+    if bad:
+        raise DataError(str(path), line_no, "answer", f"unusable gold answer: {bad}")
     return row["question"], row["answer"], gold
 
 
-def _read_rows(path: Path, skip_bad_rows: bool) -> tuple[list[tuple[int, str, str, str]], int]:
+def _read_rows(path: Path, skip_bad_rows: bool, numeric: bool = False) -> tuple[list[tuple[int, str, str, str]], int]:
     """Every valid row of ``path`` as (line_no, question, solution, gold), and the bad-row count.
 
     The whole file is validated (not just the rows a split or limit keeps), so a corrupt
@@ -50,7 +55,7 @@ def _read_rows(path: Path, skip_bad_rows: bool) -> tuple[list[tuple[int, str, st
             line = decode_line(path, line_no, raw)
             if not line.strip():
                 continue
-            rows.append((line_no, *_parse_row(path, line_no, line)))
+            rows.append((line_no, *_parse_row(path, line_no, line, numeric)))
         except DataError:
             if not skip_bad_rows:
                 raise
@@ -94,7 +99,7 @@ class GSM8KTask(_MathTask):
     def load(self, split: str, limit: int | None = None, skip_bad_rows: bool = False) -> LoadResult:
         check_split(split)
         _check_limit(limit)
-        rows, skipped = _read_rows(self.data_path / "gsm8k" / f"{split}.jsonl", skip_bad_rows)
+        rows, skipped = _read_rows(self.data_path / "gsm8k" / f"{split}.jsonl", skip_bad_rows, numeric=True)
         problems = [
             Problem(
                 self.name, f"gsm8k-{split}-{line_no:05d}", question, gold, split, {"solution": solution}

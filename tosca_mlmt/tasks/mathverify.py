@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 import threading
+import unicodedata
 from functools import lru_cache
 
 # v2: gsm8k scores an echo of its answer-format instruction wrong; v3: an answer line's number is
@@ -164,6 +165,46 @@ def extract_gold(answer_field: str) -> str:
     if not gold:
         raise ValueError("no final answer found (expected '#### x', 'The answer is: x' or \\boxed{x})")
     return gold
+
+
+def has_answer_marker(text: str) -> bool:
+    """Whether ``text`` marks where its final answer is: ``####``, "The answer is" or a ``\\boxed``."""
+    return "####" in text or bool(_ANSWER_IS_RE.search(text)) or bool(_BOX_RE.search(text))
+
+
+def fold_width(text: str) -> str:
+    """``text`` with full-width forms (U+FF01-U+FF5E, the ideographic space) as their ASCII letters,
+    digits and signs: "４２" -> "42". Only the ``<wide>`` compatibility mappings, not all of NFKC,
+    which would also turn "x²" into "x2" and "½" into "1⁄2", changing what a math answer says."""
+    if text.isascii():
+        return text
+    return "".join(unicodedata.normalize("NFKC", ch) if unicodedata.decomposition(ch).startswith("<wide>")
+                   else ch for ch in text)
+
+
+def gold_problem(gold: str, numeric: bool = False) -> str | None:
+    """Why ``gold`` cannot serve as a gold answer the verifier compares against, or None: empty, nothing
+    left once spelling is normalised (``$``, ``\\text{}``), a number that is not finite ("nan", "inf",
+    "1e400", a 400-digit integer: every such answer would compare equal to every other), or, with
+    ``numeric``, not a plain number at all (gsm8k's ``#### banana``)."""
+    if not gold.strip():
+        return "is empty"
+    if not normalize_string(gold):
+        return f"{_short(gold)} is empty once normalised; nothing to compare against"
+    try:
+        value = float(gold.strip().replace(",", ""))
+    except (ValueError, OverflowError):
+        value = _to_float(gold)
+    if value is not None and not math.isfinite(value):
+        return f"{_short(gold)} is not a finite number"
+    if numeric and value is None:
+        return f"{_short(gold)} is not a number"
+    return None
+
+
+def _short(text: str) -> str:
+    r = repr(text)
+    return r if len(r) <= 40 else r[:37] + "..."
 
 
 def extract_answer(response: str) -> str | None:

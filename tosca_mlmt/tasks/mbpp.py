@@ -7,6 +7,7 @@ running the code it contains against the row's tests in :mod:`tosca_mlmt.tasks.s
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from tosca_mlmt.errors import ConfigError, DataError
 from tosca_mlmt.tasks.base import (DATA_ENV_VAR, LoadResult, Problem, Verdict, check_split, check_text, decode_line,
                                     default_data_path, no_problems, parse_json_line, read_lines, short_repr)
 from tosca_mlmt.tasks.sandbox import run_python, sandbox_fingerprint
+from tosca_mlmt.tasks.sandbox_checks import Planner
 
 DATA_FILE = Path("mbpp") / "mbpp.jsonl"
 SPLIT_IDS = {"train": range(601, 975), "test": range(11, 511)}
@@ -148,7 +150,30 @@ def _parse_row(path: str, line_no: int, line: str) -> dict[str, Any]:
     for field in ("text", "code", "test_list", "test_setup_code"):
         for value in row.get(field, []) if field == "test_list" else [row.get(field, "")]:
             check_text(Path(path), line_no, field, value)
+    _check_tests(path, line_no, row)
     return row
+
+
+def _check_tests(path: str, line_no: int, row: dict[str, Any]) -> None:
+    """Refuse tests no code could pass honestly or every code passes: a setup or test that does not
+    parse, a test row that is not asserts (``print('hello')`` passed any code), or an assert whose
+    comparison the sandbox could only judge inside the code's own process (sandbox_checks.py)."""
+    where = f"task {row['task_id']}"
+    try:
+        ast.parse(row.get("test_setup_code", ""))
+    except (SyntaxError, ValueError) as e:
+        raise DataError(path, line_no, "test_setup_code", f"{where}: does not parse: {e}") from None
+    planner = Planner("", row.get("test_setup_code", ""))
+    for i, test in enumerate(row["test_list"]):
+        try:
+            body = ast.parse(test).body
+        except (SyntaxError, ValueError) as e:
+            raise DataError(path, line_no, "test_list", f"{where}, test {i}: does not parse: {e}") from None
+        if not body or not all(isinstance(stmt, ast.Assert) for stmt in body):
+            raise DataError(path, line_no, "test_list", f"{where}, test {i}: not an assert: {short_repr(test)}")
+        problem = planner.plan(test).error
+        if problem:
+            raise DataError(path, line_no, "test_list", f"{where}, test {i}: {problem}")
 
 
 def _reason(value: Any, expected: str) -> str:

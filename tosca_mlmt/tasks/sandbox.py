@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tosca_mlmt.tasks.sandbox_checks import decode, Forgery, Planner, run_checks, TestPlan
+from tosca_mlmt.tasks.sandbox_checks import Planner, run_checks, TestPlan
+from tosca_mlmt.tasks.sandbox_values import clean_text, decode, ERROR_CHARS, Forgery
 from tosca_mlmt.tasks.sandbox_isolation import (bwrap_launchers, Child, fallback_launcher, Launcher, MODE_BWRAP,
                                                 MODE_FALLBACK)
 
@@ -57,6 +58,8 @@ _RESULT_LIMIT = 4 * 1024 * 1024  # bytes read from the result pipe; bounds forge
 _FILE_LIMIT = 16 * 1024 * 1024  # RLIMIT_FSIZE: the code may write scratch files, not fill the disk
 _WORK_BYTES = 64 * 1024 * 1024  # size of the sandbox's tmpfs work directory
 _DONE_GRACE_S = 0.5  # after the final record, how long to wait for the child to exit
+_VALUE_BYTES = 256 * 1024  # one encoded value, as the child bounds it (sandbox_child.VALUE_LIMIT)
+_RECORD_SLACK = 8 * ERROR_CHARS + 4096  # a record's error text (6 bytes a char at worst) and framing
 _GUARDS = (Path(__file__).with_name("sandbox_guards.py")).read_text(encoding="utf-8")
 
 logger = logging.getLogger(__name__)
@@ -243,6 +246,11 @@ def read_records(buf: bytes, nonce: str, plans: list[TestPlan], n_judge: int) ->
     lines = bytes(buf).split(b"\n")[:-1]  # a trailing partial line was cut by a kill or the limit
     for line in lines:
         try:
+            # Bounded before it is parsed: the code can write records itself (sandbox_values.py).
+            n_values = n_judge if out.expected is None and n_judge else \
+                plans[len(out.tests)].n_values if out.load_ok and len(out.tests) < len(plans) else 0
+            if len(line) > n_values * _VALUE_BYTES + _RECORD_SLACK:
+                raise Forgery("a record longer than the runner writes")
             _accept(out, json.loads(line), nonce, plans, n_judge)
         except (Forgery, ValueError, TypeError, KeyError, RecursionError) as e:  # JSON nested 100k deep, say
             out.forgery = f"{e}" if isinstance(e, Forgery) else "an unreadable record"
@@ -266,15 +274,16 @@ def _accept(out: Reported, record: Any, nonce: str, plans: list[TestPlan], n_jud
     elif kind == "load":
         if out.load_ok is not None or (n_judge and out.expected is None):
             raise Forgery("a load record out of order")
-        if not isinstance(record["ok"], bool) or not isinstance(record["err"], str):
+        if not isinstance(record["ok"], bool) or not isinstance(record["err"], str) or len(record["err"]) > ERROR_CHARS:
             raise Forgery("a malformed load record")
         out.load_ok, out.load_error = record["ok"], record["err"]
     elif kind == "test":
         i = record["i"]
         if not out.load_ok or type(i) is not int or i != len(out.tests) or i >= len(plans):
-            raise Forgery(f"a test record out of order (test {i!r})")
+            raise Forgery(f"a test record out of order (test {i!r:.40})")
         ok, err, values = record["ok"], record["err"], record["values"]
-        if not isinstance(ok, bool) or not isinstance(err, str) or not isinstance(values, list):
+        if not isinstance(ok, bool) or not isinstance(err, str) or len(err) > ERROR_CHARS \
+                or not isinstance(values, list):
             raise Forgery("a malformed test record")
         if len(values) > plans[i].n_values or (ok and len(values) != plans[i].n_values):
             raise Forgery(f"a wrong number of values for test {i}")
@@ -290,6 +299,9 @@ def _accept(out: Reported, record: Any, nonce: str, plans: list[TestPlan], n_jud
 def _summarize(plans: list[TestPlan], reported: Reported, output: str, timed_out: bool, returncode: int,
                mode: str) -> SandboxResult:
     n = len(plans)
+    # Whatever the records held, the text that leaves here is short, valid UTF-8 (a lone
+    # surrogate in an exception message once crashed the writer's tokenizer).
+    reported.forgery = clean_text(reported.forgery, 300)
     if reported.forgery:
         logger.warning("sandbox: forged result records (%s); every test scored as failed", reported.forgery)
         return SandboxResult(passed=0, total=n, all_passed=False, timed_out=timed_out,
@@ -312,7 +324,7 @@ def _summarize(plans: list[TestPlan], reported: Reported, output: str, timed_out
     else:
         error = test_errors[0] if test_errors else ""
     return SandboxResult(passed=passed, total=n, all_passed=bool(plans) and passed == n, timed_out=timed_out,
-                         error=error, per_test=per_test, output=output, mode=mode)
+                         error=clean_text(error), per_test=per_test, output=output, mode=mode)
 
 
 def _test_failure(plan: TestPlan, reported: Reported, i: int) -> str | None:

@@ -27,6 +27,7 @@ RESERVE_BYTES = 4 * 1024 * 1024
 MAX_DEPTH = 64  # nested containers deeper than this are reported as an error
 VALUE_LIMIT = 256 * 1024  # bytes of one encoded value
 REPR_LIMIT = 200
+INT_BITS = 1 << 16  # larger ints are reported as errors; the parent refuses them (sandbox_values.py)
 
 # Exact references taken before any candidate code runs; the candidate may rebind the
 # builtins, and an honest answer must still encode faithfully.
@@ -84,7 +85,7 @@ def encode(value, depth=0):
     if t is bool:
         return ["bool", value]
     if _issubclass(t, _int):
-        return ["int", _int.__format__(value, "x")]  # hex: no digit limit, exact
+        return ["int", _int.__format__(check_bits(value), "x")]  # hex: no digit limit, exact
     if _issubclass(t, _float):
         return ["float", _float.hex(value)]
     if _issubclass(t, _complex):
@@ -117,7 +118,8 @@ def encode(value, depth=0):
         if cls is not None and _issubclass(t, cls):
             if name == "Decimal":
                 return ["decimal", cls.__str__(value)]
-            return ["fraction", _int.__format__(value.numerator, "x"), _int.__format__(value.denominator, "x")]
+            return ["fraction", _int.__format__(check_bits(value.numerator), "x"),
+                    _int.__format__(check_bits(value.denominator), "x")]
     try:
         text = repr(value)[:REPR_LIMIT]
     except BaseException:
@@ -127,6 +129,12 @@ def encode(value, depth=0):
     except BaseException:
         truth = True
     return ["object", getattr(t, "__qualname__", "?")[:100], _str.__str__(text), truth is True]
+
+
+def check_bits(value):
+    if _int.bit_length(value) > INT_BITS:
+        raise ValueError("an int of %d bits is too large to report (over %d)" % (_int.bit_length(value), INT_BITS))
+    return value
 
 
 def encode_or_error(value):
@@ -149,6 +157,8 @@ def describe(exc):
         while tb is not None and tb.tb_frame.f_code.co_filename == "<string>":
             tb = tb.tb_next
         text = "".join(traceback.format_exception(type(exc), exc, tb))
+        # Valid UTF-8 whatever the message held: chr(0xdcff) becomes the text \\udcff.
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
         return "\n".join(text.rstrip().splitlines()[-12:])[-1500:]
     except BaseException:
         return "MemoryError" if isinstance(exc, MemoryError) else "unprintable " + type(exc).__name__

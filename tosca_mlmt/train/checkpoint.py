@@ -12,6 +12,11 @@ Resuming does not trust the ``latest`` pointer: it takes the newest checkpoint w
 all match ``complete.json``, and warns about each newer one it skips (a file missing,
 truncated or changed), so a damaged checkpoint costs the steps since the one before it,
 never the run. Checkpoints written before ``complete.json`` existed are used unverified.
+
+A full disk: a save first checks that the disk has room for a checkpoint the size of the last
+one (at least ``fsutil.MIN_FREE_BYTES``), and a write that runs out of space (an ENOSPC, or
+torch's "unexpected pos" from a truncated archive on a disk left with no room) is reported as
+``fsutil.NoSpaceError`` naming the disk; the partial folder is removed either way.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ import torch
 
 from tosca_mlmt import parallel as dist
 from tosca_mlmt.errors import MlmtError
-from tosca_mlmt.fsutil import atomic_write_text, fsync_tree, sha256_file
+from tosca_mlmt.fsutil import (MIN_FREE_BYTES, NoSpaceError, atomic_write_text, ensure_space, free_bytes,
+                               fsync_tree, is_no_space, no_space_message, sha256_file)
 
 COMPLETE = "complete.json"
 CHECKPOINT_FORMAT = 1
@@ -118,11 +124,38 @@ class CheckpointManager:
         tmp = self.dir / f".{final.name}.partial"
         self._resume = None  # a new checkpoint changes the answer of latest()
         main = dist.is_main()
+        needed = self._room(main)
         if main:
             self.dir.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crash mid-save
             tmp.mkdir()
         dist.barrier()
+        try:
+            self._write(tmp, step, state, write, main, needed, final)
+        finally:
+            if main and tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        return final
+
+    def _room(self, main: bool) -> int:
+        """Refuse a save the disk has no room for, on every rank, before anything is written:
+        room for a checkpoint the size of the newest one, at least MIN_FREE_BYTES."""
+        needed, problem = MIN_FREE_BYTES, None
+        if main:
+            last = self.checkpoints()[:1]
+            if last:
+                needed = max(needed, sum(p.stat().st_size for p in last[0].rglob("*") if p.is_file()))
+            try:
+                ensure_space(self.dir, needed)
+            except NoSpaceError as e:
+                problem = str(e)
+        needed, problem = dist.broadcast((needed, problem))
+        if problem:
+            raise NoSpaceError(problem, self.dir)
+        return needed
+
+    def _write(self, tmp: Path, step: int, state: dict, write, main: bool, needed: int, final: Path) -> None:
         try:
             write(tmp)
             torch.save(rng_state(), tmp / _rng_file(dist.rank()))
@@ -138,11 +171,17 @@ class CheckpointManager:
                 os.replace(tmp, final)
                 atomic_write_text(self.dir / "latest", final.name)
                 self._prune(final)
-        finally:
-            if main and tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
-        return final
+        except NoSpaceError:
+            raise
+        except (OSError, RuntimeError) as e:
+            # torch.save on a full disk raises RuntimeError("[enforce fail at inline_container.cc] unexpected
+            # pos"), not an OSError: what tells is the disk being (almost) full now, with the partial folder on it
+            free = free_bytes(self.dir)
+            if is_no_space(e) or (isinstance(e, RuntimeError) and free is not None and free < MIN_FREE_BYTES):
+                cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise NoSpaceError(no_space_message(self.dir, needed, f"writing checkpoint {final.name}: {cause}"),
+                                   self.dir) from e
+            raise
 
     def checkpoints(self) -> list[Path]:
         """Published checkpoint folders, newest first (temp folders are not among them)."""
