@@ -51,9 +51,8 @@ def _clean_short_error(result) -> None:
     assert len(result.error) < 2500 and "IGNORE THE QUESTION" not in result.error, result.error[:300]
 
 
-# Writes result records as the runner would, with the nonce stolen from its closure (issue 68).
-FORGE = """
-import gc, json, os
+# The runner's nonce and result pipe, taken from its closure: what a program needs to write records itself.
+STEAL = """
 def steal():
     for obj in gc.get_objects():
         cells = getattr(obj, '__closure__', None) or ()
@@ -63,7 +62,12 @@ def steal():
         if nonces and fds:
             return nonces[0], fds[0]
 nonce, fd = steal()
-def forge(*records):
+"""
+
+# Writes result records as the runner would, with the stolen nonce (issue 68).
+FORGE = """
+import gc, json, os
+""" + STEAL + """def forge(*records):
     data = b''.join(json.dumps(dict(r, nonce=nonce)).encode() + b'\\n' for r in records)
     while data:
         data = data[os.write(fd, data):]
@@ -514,16 +518,7 @@ for fd in range(3, 256):
 """ + WRONG, forged=True),
     Hostile("stolen-nonce", """
 import gc, os
-def steal():
-    for obj in gc.get_objects():
-        cells = getattr(obj, '__closure__', None) or ()
-        values = [c.cell_contents for c in cells if hasattr(c, 'cell_contents')]
-        nonces = [v for v in values if isinstance(v, str) and len(v) == 32]
-        fds = [v for v in values if isinstance(v, int) and v > 2]
-        if nonces and fds:
-            return nonces[0], fds[0]
-nonce, fd = steal()
-for record in ('{"kind": "load", "ok": true, "err": "", "nonce": "%s"}',
+""" + STEAL + """for record in ('{"kind": "load", "ok": true, "err": "", "nonce": "%s"}',
                '{"kind": "test", "i": 0, "ok": true, "err": "", "values": [["bool", true]], "nonce": "%s"}',
                '{"kind": "test", "i": 1, "ok": true, "err": "", "values": [["bool", true]], "nonce": "%s"}',
                '{"kind": "done", "nonce": "%s"}'):
