@@ -158,3 +158,12 @@ def test_the_record_holds_every_measurement_of_the_notebook():
     # the check can fail: a measurement dropped from the record is reported
     old = "| 2026-12-03 | Intel Xeon | 78b53ad, fresh clone | 1092 passed, 1 skipped | 14:05 |"
     assert check.missing(old, "nothing of it") != []
+
+
+def test_the_record_index_lists_every_entry():
+    log = REPO / "docs" / "results" / "log"
+    index = (log / "index.md").read_text()
+    entries = [p.relative_to(log).as_posix() for p in log.rglob("*.md") if p.name != "index.md"]
+    assert entries and [e for e in entries if f"]({e})" not in index] == []
+    dated = re.findall(r"^\| (20\d\d-\d\d-\d\d) \|", index, re.M)
+    assert dated == sorted(dated, reverse=True)  # newest first
