@@ -21,7 +21,9 @@ out = Console(soft_wrap=True, highlight=False)
 
 
 def chat(
-    run: Optional[Path] = typer.Option(None, "--run", help="A training run folder (uses its solver/ and writer/)."),
+    run: Optional[Path] = typer.Option(None, "--run", help="A training run folder: its solver/ and writer/, and the "
+                                       "config it trained with (config.yaml; -c and --set go on top, with a warning "
+                                       "naming each field they change)."),
     solver_adapter: Optional[str] = typer.Option(None, "--solver-adapter", help="Solver adapter folder."),
     writer_adapter: Optional[str] = typer.Option(None, "--writer-adapter",
                                                  help="Writer folder: adapter + Q head + strategies."),
@@ -39,15 +41,13 @@ def chat(
     """Play solve -> feedback -> refine on typed problems: prints each attempt, the writer's strategy
     table (Q-values, selection probabilities, the pick) and feedback, and verdicts given a gold answer."""
     from tosca_mlmt.pipelines.chat import ChatSession, chat_config
-    from tosca_mlmt.pipelines.evaluate import adapters_from_run
 
     ov = {k: v for k, v in {"model.solver_adapter": solver_adapter, "model.writer_adapter": writer_adapter}.items()
           if v is not None}
-    if run is not None:
-        ov.update(adapters_from_run(run))
     ov.update(common_overrides(seed, data, no_wandb=True, no_progress=True))  # a terminal session: no logs
     ov.update(parse_sets(set_))
-    session = ChatSession(chat_config(command_config(config, ov), greedy=not sample), strategy=strategy, console=err)
+    cfg = command_config(config, ov, run=run)
+    session = ChatSession(chat_config(cfg, greedy=not sample), strategy=strategy, console=err)
     try:
         for question, gold in _problems(problem, answer):
             _show(session.play(question, gold))

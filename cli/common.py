@@ -25,16 +25,31 @@ err = Console(stderr=True, soft_wrap=True)  # soft_wrap: never break paths in er
 STANDALONE = False
 
 
-def command_config(path, overrides: dict):
+def command_config(path, overrides: dict, run=None):
     """A model command's config (load_config). In the `mlmt` process itself it first moves onto
     engine.allocator's malloc, which re-executes the process (runtime.use_allocator): so this runs
-    before the command does anything else."""
+    before the command does anything else.
+
+    ``run``: a training run folder (``--run`` of eval, chat, export): the config is the run's
+    saved one with ``path`` (-c) and ``overrides`` on top (pipelines.evaluate.run_config), and
+    each field they change from what training used is named in a warning on stderr (shown once
+    the process runs on its allocator, so not twice)."""
+    import warnings
+
     from tosca_mlmt import runtime
     from tosca_mlmt.config import load_config
 
-    cfg = load_config(path, overrides)
+    notes: list[str] = []
+    if run is None:
+        cfg = load_config(path, overrides)
+    else:
+        from tosca_mlmt.pipelines.evaluate import run_config
+
+        cfg, notes = run_config(run, path, overrides)
     if STANDALONE:
         runtime.use_allocator(cfg.engine.allocator)
+    for note in notes:
+        warnings.warn(note, stacklevel=2)
     return cfg
 
 

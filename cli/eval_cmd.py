@@ -13,7 +13,9 @@ from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SE
 
 def eval_cmd(
     out: Path = typer.Option(..., "--out", "-o", help="Folder for eval.json and the eval snapshot.", parser=out_folder),
-    run: Optional[Path] = typer.Option(None, "--run", help="A training run folder (uses its solver/ and writer/)."),
+    run: Optional[Path] = typer.Option(None, "--run", help="A training run folder: its solver/ and writer/, and the "
+                                       "config it trained with (config.yaml; -c and --set go on top, with a warning "
+                                       "naming each field they change)."),
     solver: Optional[str] = typer.Option(None, help="Solver adapter folder (instead of --run)."),
     writer: Optional[str] = typer.Option(None, help="Writer folder: adapter + Q head + strategies (instead of --run)."),
     task: Optional[str] = TASK,
@@ -34,16 +36,14 @@ def eval_cmd(
     Acc@t1, Acc@final, delta, wrong->right, right->wrong, strategy counts and lengths."""
     import json
 
-    from tosca_mlmt.pipelines.evaluate import adapters_from_run, evaluate
+    from tosca_mlmt.pipelines.evaluate import evaluate
 
     ov = {k: v for k, v in {"task.name": task, "task.split": split, "task.limit": limit,
                             "engine.name": engine, "model.solver_adapter": solver,
                             "model.writer_adapter": writer}.items() if v is not None}
-    if run is not None:
-        ov.update(adapters_from_run(run))
     ov.update(common_overrides(seed, data, no_wandb, no_progress))
     ov.update(parse_sets(set_))
-    rep = evaluate(command_config(config, ov), out, console=err, compare_to=compare_to).report
+    rep = evaluate(command_config(config, ov, run=run), out, console=err, compare_to=compare_to).report
     if "compared_to" in rep:
         _print_comparison(rep["compared_to"])
     print_summary(f"eval on {rep['task']}/{rep['split']}", {k: v for k, v in rep.items() if isinstance(v, (int, float))})

@@ -10,6 +10,12 @@ import typer
 from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, TASK, command_config,
                                   common_overrides, err, out_folder, parse_sets, print_summary)
 
+# The last iteration's numbers printed after a run. Acc counts reward >= 1 as right, so partial credit
+# moves only the reward statistics: a run with a 0.1-step reward must not look as if it learned nothing.
+SUMMARY_KEYS = ("lower/acc_t1", "lower/acc_final", "lower/reward_mean", "lower/reward_std", "lower/frac_reward_zero_std",
+                "lower/reward_mean_t1", "lower/reward_mean_final", "lower/kl", "lower/bonus/mean", "lower/entropy",
+                "lower/clipfrac", "lower/grad_norm", "lower/iteration_seconds")
+
 
 def train_lower(
     out: Path = typer.Option(..., "--out", "-o", help="Run folder (checkpoints, metrics, snapshots, final adapter).", parser=out_folder),
@@ -41,8 +47,6 @@ def train_lower(
     cfg = command_config(config, ov)
     res = run(cfg, out, snapshot_ids=list(snapshot) or None, snapshot_root=root, resume=resume, console=err,
               allow_drift=tuple(allow_drift), verify=not no_verify)
-    keys = ("lower/acc_t1", "lower/acc_final", "lower/kl", "lower/bonus/mean", "lower/entropy", "lower/clipfrac",
-            "lower/grad_norm", "lower/iteration_seconds")
-    print_summary(f"train-lower: {res.iterations} iterations", {k: res.last_metrics[k] for k in keys
+    print_summary(f"train-lower: {res.iterations} iterations", {k: res.last_metrics[k] for k in SUMMARY_KEYS
                                                                  if k in res.last_metrics})
     print(res.run_dir)

@@ -8,12 +8,14 @@ works. User errors (bad config, bad data, missing snapshot) exit with code 2.
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from tosca_mlmt import runtime
+import tosca_mlmt
+from tosca_mlmt import pipelines, runtime
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.cli import common
 from tosca_mlmt.cli.analyze_cmd import analyze
@@ -37,6 +39,20 @@ def _process() -> None:
     # Runs before any command, while torch is not loaded yet: libgomp reads OMP_WAIT_POLICY
     # once, when torch loads, and huggingface_hub reads HF_HUB_OFFLINE when it is imported.
     runtime.process_env()
+    warnings.showwarning = _show_warning
+
+
+# Our own warnings (a config known to collapse, a run's config overridden) are messages to the user: one
+# `warning:` line each on stderr, as errors are one `error:` line, not Python's file:line and source echo.
+_OURS = tuple(str(Path(m.__file__).resolve().parent) for m in (tosca_mlmt, common, pipelines))
+_python_showwarning = warnings.showwarning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    if issubclass(category, UserWarning) and str(Path(filename).resolve()).startswith(_OURS):
+        print(f"warning: {message}", file=sys.stderr if file is None else file)
+    else:
+        _python_showwarning(message, category, filename, lineno, file, line)
 
 
 @app.command()
@@ -104,15 +120,23 @@ def setup(model: str = typer.Option("smollm2-135m", help="Embedded model name, l
 @app.command("config")
 @user_errors
 def config_cmd(
+    pattern: Optional[str] = typer.Argument(None, metavar="[PATTERN]", show_default=False,
+                                            help="With --explain: only the fields whose dotted name matches, a glob "
+                                                 "('lower.kl*') or a substring ('kl_')."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config to resolve: a file, or a "
                                                                        "preset name (mlmt, demo; see --list-presets)."),
-    explain: bool = typer.Option(False, help="List every field with its default and help text."),
+    explain: bool = typer.Option(False, help="List every field (or those PATTERN matches) with its help text and "
+                                             "default; with -c or --set, the value the resolved config holds, the "
+                                             "base default beside it where they differ."),
     list_presets: bool = typer.Option(False, "--list-presets", help="List the shipped presets (usable as -c NAME) "
                                                                      "with what each is for."),
     set_: list[str] = typer.Option([], "--set", help="Overrides, as for collect."),
 ):
-    """Print the fully resolved config (validated), every knob with --explain, or the presets."""
-    from tosca_mlmt.config import describe_fields, load_config
+    """Print the fully resolved config (validated), every knob with --explain, or the presets.
+
+    A combination known to go wrong (lower.kl_mode=reward under grpo's std division) is warned
+    about on stderr."""
+    from tosca_mlmt.config import explain_lines, load_config
 
     if list_presets:
         from tosca_mlmt.config.presets import describe, preset_files
@@ -124,9 +148,12 @@ def config_cmd(
         for name, path in found.items():
             print(f"{name:{width}}  {describe(path)}".rstrip())
         return
+    if pattern is not None and not explain:
+        raise ConfigError(f"a field pattern ({pattern!r}) filters --explain: mlmt config --explain {pattern}")
     if explain:
-        for name, tp, default, help_ in describe_fields():
-            print(f"{name} ({tp}, default {default!r}): {help_}")
+        cfg = load_config(config, parse_sets(set_)) if config is not None or set_ else None
+        for line in explain_lines(cfg, pattern):
+            print(line)
         return
     import yaml
 

@@ -11,6 +11,7 @@ right, so Acc@final measures what a user of the system would get, and right->wro
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,7 +20,7 @@ from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.pipelines.collect import collect
-from tosca_mlmt.pipelines.rundir import RunDir
+from tosca_mlmt.pipelines.rundir import USE_SAFE, RunDir, drifted, predates_text, read_run_config, show_drift
 
 
 @dataclass
@@ -37,6 +38,51 @@ def adapters_from_run(run: Path) -> dict[str, str]:
     if not found:
         raise ConfigError(f"--run {run}: no trained solver/ or writer/ adapter folder in it")
     return found
+
+
+def run_config(run: str | Path, path: str | Path | None = None, overrides: dict | None = None,
+               flag: str = "--run") -> tuple[Config, list[str]]:
+    """The config of a command that uses a trained run (eval, chat, export ``--run``), and the
+    warnings to show for it.
+
+    Its base is the run's ``config.yaml`` (what it trained with: the writer's strategies, whether
+    it writes text or only selects a sentence, the task, the prompts) with the run's trained
+    adapters (``adapters_from_run``); the ``-c`` file (``path``) and ``overrides`` go on top of it,
+    in that order. A train-joint run's top-level config.yaml is the one: each round's stage runs
+    (``rounds/NNN/lower``, ``.../upper``) derive theirs from it by seed, lengths and logging only.
+    Each field that ``-c``/``overrides`` change from what training used is named in a warning
+    (drift, as ``--resume`` reports it), but those of ``rundir.USE_SAFE``: where and how the
+    command runs. A folder without config.yaml (adapters copied by hand) keeps the old way: the
+    ``-c`` config with the adapters, and a warning that the training config is unknown."""
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.config.load import set_dotted
+    from tosca_mlmt.config.presets import resolve_config
+    from tosca_mlmt.config.yamlfile import deep_merge, read_yaml
+
+    run = Path(run)
+    adapters = adapters_from_run(run)
+    if not (run / "config.yaml").exists():
+        cfg = load_config(path, {**adapters, **(overrides or {})})
+        return cfg, [f"{flag} {run}: no config.yaml in it, so what the run trained with is unknown; using "
+                     f"{'-c ' + str(path) if path is not None else 'the default config'} with its adapters"]
+    saved, added = read_run_config(run, flag)
+    notes = [predates_text(run, flag, added)] if added else []
+    try:  # the run's config as it loads now
+        trained = load_config(None, {**saved, **adapters}).to_dict()
+    except ConfigError as e:
+        raise ConfigError(f"{flag}: {run}/config.yaml no longer loads ({e})") from None
+    tree = copy.deepcopy(trained)
+    if path is not None:
+        tree = deep_merge(tree, read_yaml(resolve_config(path)))
+    for dotted, value in (overrides or {}).items():  # as load_config applies them: a section merges field by field
+        set_dotted(tree, dotted, value)
+    cfg = load_config(None, tree)
+    new = cfg.to_dict()
+    changed = drifted(trained, new, USE_SAFE)
+    if changed:
+        notes.append(f"{flag}: the config differs from {run}/config.yaml, what the run was trained with, in "
+                     f"{show_drift(trained, new, changed)}: -c/--set changed it")
+    return cfg, notes
 
 
 def evaluate(cfg: Config, out: str | Path, *, console=None, compare_to: str | Path | None = None) -> EvalResult:

@@ -13,6 +13,10 @@ longer run extends the shorter one exactly). A field the run's ``config.yaml`` l
 before the knob existed) counts as what that version did, its default or its BEFORE_KNOB value, with a
 warning naming it.
 
+The same comparison serves the commands that use a trained run (``eval``/``chat``/``export --run``):
+they start from the run's ``config.yaml`` and only warn, naming each field ``-c``/``--set`` changed
+from what training used, but those of ``USE_SAFE`` (where and how the command runs).
+
 Surroundings: a training stage holds an advisory lock on its folder (``.mlmt.lock``, taken in
 ``check`` before the folder is read, released by ``close`` or when the process ends, however it
 ends), so a second run on the same ``--out`` is refused naming the holder; a lock file left by a
@@ -54,6 +58,11 @@ SAFE_DRIFT = {
 }
 # Lengths: shrinking one below the progress made would leave a run past its own end.
 GROW_ONLY = ("lower.iterations", "upper.steps", "joint.rounds")
+# A command that uses a trained run (eval, chat, export --run) starts from the run's config.yaml; these
+# fields say where and how it runs (engine, logging, processes, seed, which held-out problems, where
+# output goes), not what the policies were trained to do, so changing them draws no drift warning.
+USE_SAFE = (*ALWAYS_ALLOWED, "engine", "distributed", "deterministic", "seed", "task.split", "task.limit",
+            "task.data_path", "task.skip_bad_rows", "collect.out")
 
 
 def _covered(field: str, patterns) -> bool:
@@ -106,33 +115,56 @@ def _fill_missing(old: dict, defaults: dict, prefix: str = "") -> list[str]:
     return added
 
 
-def check_drift(run: Path, cfg: Config, stage: str, allow) -> None:
-    """Raise MlmtError naming every field of ``cfg`` that differs from ``<run>/config.yaml``
-    and may not (``allow`` lists the fields let through, already checked)."""
+def read_run_config(run: Path, flag: str = "--resume") -> tuple[dict, list[str]]:
+    """``<run>/config.yaml`` as a dict (what the run trained with) and the dotted fields it predates,
+    filled in as the version that wrote it ran them (``_fill_missing``); ``flag`` names the option
+    in the error when it cannot be read."""
     try:
         old = yaml.safe_load((run / "config.yaml").read_text())
     except (OSError, yaml.YAMLError) as e:
-        raise MlmtError(f"--resume: {run}/config.yaml unreadable ({e}); cannot tell what the run trained") from None
-    new = cfg.to_dict()
+        raise MlmtError(f"{flag}: {run}/config.yaml unreadable ({e}); cannot tell what the run trained") from None
     old = old if isinstance(old, dict) else {}
-    added = _fill_missing(old, Config().to_dict())
+    return old, _fill_missing(old, Config().to_dict())
+
+
+def predates_text(run: Path, flag: str, added: list[str]) -> str:
+    """The warning for a run's config.yaml that lacks ``added`` (read_run_config)."""
+    return (f"{flag}: {run}/config.yaml predates the fields {', '.join(added)}; each counts as what "
+            "the version that wrote the run did (its default, or the value before the knob)")
+
+
+def drifted(old: dict, new: dict, safe=ALWAYS_ALLOWED) -> list[str]:
+    """The dotted fields of ``new`` that differ from ``old`` (a run's config.yaml), but those
+    ``safe`` covers (a field or a section of them)."""
+    return [f for f in diff_fields(old, new) if not _covered(f, safe)]
+
+
+def show_drift(old: dict, new: dict, fields) -> str:
+    """``fields`` with their old and new values, for a message."""
+    return ", ".join(f"{f} ({_get(old, f)!r} -> {_get(new, f)!r})" for f in fields)
+
+
+def check_drift(run: Path, cfg: Config, stage: str, allow) -> None:
+    """Raise MlmtError naming every field of ``cfg`` that differs from ``<run>/config.yaml``
+    and may not (``allow`` lists the fields let through, already checked)."""
+    old, added = read_run_config(run, "--resume")
+    new = cfg.to_dict()
     if added:
-        warnings.warn(f"--resume: {run}/config.yaml predates the fields {', '.join(added)}; each counts as what "
-                      "the version that wrote the run did (its default, or the value before the knob)", stacklevel=2)
-    changed = [f for f in diff_fields(old, new) if not _covered(f, ALWAYS_ALLOWED)]
-    show = lambda f: f"{f} ({_get(old, f)!r} -> {_get(new, f)!r})"  # noqa: E731
+        warnings.warn(predates_text(run, "--resume", added), stacklevel=2)
+    changed = drifted(old, new)
+    show = lambda fields: show_drift(old, new, fields)  # noqa: E731
     unsafe = [f for f in changed if not _covered(f, SAFE_DRIFT[stage])]
     shrunk = [f for f in changed if f in GROW_ONLY and _covered(f, allow) and isinstance(_get(old, f), int)
               and isinstance(_get(new, f), int) and _get(new, f) < _get(old, f)]
     unallowed = [f for f in changed if f not in unsafe and not _covered(f, allow)]
     if unsafe:
-        raise MlmtError(f"--resume: the config differs from {run}/config.yaml in {', '.join(map(show, unsafe))}; "
+        raise MlmtError(f"--resume: the config differs from {run}/config.yaml in {show(unsafe)}; "
                         f"that changes what the run trains: resume with the run's config or choose a new --out")
     if shrunk:
-        raise MlmtError(f"--resume: {', '.join(map(show, shrunk))}: a run's length may only grow")
+        raise MlmtError(f"--resume: {show(shrunk)}: a run's length may only grow")
     if unallowed:
         flags = " ".join(f"--allow-drift {f}" for f in unallowed)
-        raise MlmtError(f"--resume: the config differs from {run}/config.yaml in {', '.join(map(show, unallowed))}; "
+        raise MlmtError(f"--resume: the config differs from {run}/config.yaml in {show(unallowed)}; "
                         f"safe to change, but say so: pass {flags}")
 
 

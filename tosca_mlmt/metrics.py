@@ -27,7 +27,8 @@ def environment(episodes: list[Episode]) -> str:
 
 
 def summarize(episodes: list[Episode]) -> dict[str, float]:
-    """Acc@t1, Acc@final, their difference and the 2x2 correction rates.
+    """Acc@t1, Acc@final, their difference and the 2x2 correction rates; the rewards behind them
+    (``reward_stats``: partial credit shows there, not in Acc).
 
     ``wrong_to_right`` and ``right_to_wrong`` are fractions of *all* episodes (as in
     SCoRe's Delta_i->c / Delta_c->i), so Acc@final - Acc@t1 = wrong_to_right - right_to_wrong.
@@ -50,6 +51,7 @@ def summarize(episodes: list[Episode]) -> dict[str, float]:
         turns = [ep.solver_turns[idx] for ep in episodes]
         out[f"format_lost_{name}"] = float(np.mean([t.extracted is None for t in turns]))
         out[f"wrong_number_{name}"] = float(np.mean([t.extracted is not None and not t.correct for t in turns]))
+    out.update(reward_stats(episodes))
     finish = Counter((t.kind, t.finish_reason) for ep in episodes for t in ep.turns)
     n_kind = Counter(t.kind for ep in episodes for t in ep.turns)
     for (kind, reason), n in sorted(finish.items()):
@@ -67,6 +69,31 @@ def summarize(episodes: list[Episode]) -> dict[str, float]:
     for name, n in sorted(strat.items()):
         out[f"strategy_count/{name}"] = n
     out.update(strategy_shares(episodes))
+    return out
+
+
+def reward_stats(episodes: list[Episode]) -> dict[str, float]:
+    """The verifier's reward of the first (t1) and the final solver turn, which Acc (reward >= 1 read
+    as right) hides when the task gives partial credit: ``reward_mean_<turn>`` over episodes,
+    ``reward_std_<turn>`` its spread over episodes (population std), and, where some problem has
+    several samples, ``frac_reward_zero_std_<turn>``: the share of those problems whose samples all got
+    the same reward (a GRPO group with no spread teaches nothing). Turns without a reward are left out;
+    a key is absent where nothing was measured (no rewards; one sample per problem)."""
+    out: dict[str, float] = {}
+    for name, idx in (("t1", 0), ("final", -1)):
+        scored = [(ep.problem.id, float(ep.solver_turns[idx].reward)) for ep in episodes
+                  if ep.solver_turns and ep.solver_turns[idx].reward is not None]
+        if not scored:
+            continue
+        r = np.array([x for _, x in scored])
+        out[f"reward_mean_{name}"] = float(r.mean())
+        out[f"reward_std_{name}"] = float(r.std())
+        by: dict[str, list[float]] = {}
+        for pid, x in scored:
+            by.setdefault(pid, []).append(x)
+        groups = [v for v in by.values() if len(v) > 1]
+        if groups:
+            out[f"frac_reward_zero_std_{name}"] = float(np.mean([np.ptp(v) <= 1e-12 for v in groups]))
     return out
 
 

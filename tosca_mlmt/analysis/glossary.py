@@ -33,6 +33,16 @@ SUMMARY = {
     "format_lost_final": "Share of final answers without an answer line the verifier could read.",
     "wrong_number_t1": "Share of first answers with a readable but wrong answer.",
     "wrong_number_final": "Share of final answers with a readable but wrong answer.",
+    "reward_mean_t1": "Mean verifier reward of the first answer z over episodes: partial credit counts here, not "
+                      "in Acc@t1 (reward ≥ 1).",
+    "reward_mean_final": "Mean verifier reward of the final answer over episodes (partial credit included).",
+    "reward_std_t1": "Spread (population std over episodes) of the first answer's reward; unlike `lower/reward_std`, "
+                     "not within groups.",
+    "reward_std_final": "Spread (population std over episodes) of the final answer's reward.",
+    "frac_reward_zero_std_t1": "Share of the problems with several samples whose samples' first answers all got the "
+                               "same reward: no spread, so no GRPO signal (absent with one sample per problem).",
+    "frac_reward_zero_std_final": "The same share for the final answers' rewards (absent with one sample per "
+                                  "problem).",
     "finish_<reason>/<role>": "Share of `<role>` turns (solve, feedback, refine) that ended for `<reason>` "
                               "(`stop`: a stop string or the answer line; `length`: the token limit).",
     "len_<role>": "Mean length in tokens of the `<role>` turns (solve, feedback, refine).",

@@ -15,7 +15,7 @@ ground-floor module), and no torch, so a bad value is reported at once.
 
 from tosca_mlmt.config.engine import EngineConfig, SamplingConfig, VLLMConfig
 from tosca_mlmt.config.episode import DEFAULT_STRATEGIES, SELECTION_MODES, EpisodeConfig
-from tosca_mlmt.config.explain import describe_fields, markdown_reference
+from tosca_mlmt.config.explain import describe_fields, explain_lines, markdown_reference
 from tosca_mlmt.config.joint import JointConfig
 from tosca_mlmt.config.knobs import INT_MAX, knob
 from tosca_mlmt.config.load import load_config, parse_override
@@ -24,15 +24,15 @@ from tosca_mlmt.config.lower import (ADVANTAGE_ESTIMATORS, BONUS_GATES, POLICY_L
 from tosca_mlmt.config.model import LoraConfig, ModelConfig
 from tosca_mlmt.config.root import Config
 from tosca_mlmt.config.run import TRACKERS, CollectConfig, DistributedConfig, LoggingConfig
-from tosca_mlmt.config.section import Section
+from tosca_mlmt.config.section import ConfigWarning, Section
 from tosca_mlmt.config.task import ANSWER_FORMATS, BUILTIN_TASKS, ENTRY_POINT_GROUP, TaskConfig, task_names
 from tosca_mlmt.config.upper import UpperConfig
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "ANSWER_FORMATS", "BONUS_GATES", "BUILTIN_TASKS", "DEFAULT_STRATEGIES",
     "ENTRY_POINT_GROUP", "INT_MAX", "POLICY_LOSSES", "SELECTION_MODES", "TRACKERS",
-    "CollectConfig", "Config", "ContextBonus", "DistributedConfig", "EngineConfig", "EpisodeConfig", "JointConfig",
-    "LoggingConfig", "LoraConfig", "LowerConfig", "ModelConfig", "SamplingConfig", "ScoreShaping", "Section",
-    "TaskConfig", "UpperConfig", "VLLMConfig", "describe_fields", "knob", "load_config", "markdown_reference",
-    "parse_override", "task_names",
+    "CollectConfig", "Config", "ConfigWarning", "ContextBonus", "DistributedConfig", "EngineConfig", "EpisodeConfig",
+    "JointConfig", "LoggingConfig", "LoraConfig", "LowerConfig", "ModelConfig", "SamplingConfig", "ScoreShaping",
+    "Section", "TaskConfig", "UpperConfig", "VLLMConfig", "describe_fields", "explain_lines", "knob", "load_config",
+    "markdown_reference", "parse_override", "task_names",
 ]

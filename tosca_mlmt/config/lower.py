@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tosca_mlmt.config.knobs import Rule, knob
-from tosca_mlmt.config.section import Section, need
+from tosca_mlmt.config.section import Section, advise, need
 
 # The allowed values of lower.advantage, lower.policy_loss and lower.bonus.gate are the names
 # of the algos/ registries (ADVANTAGES, POLICY_LOSSES, GATES). They cannot be read from there:
@@ -114,8 +114,8 @@ class LowerConfig(Section):
     kl_estimator: str = knob("k3", "Per-token KL estimator.", choices=("k1", "k3"))
     kl_mode: str = knob("reward", "KL as a per-token reward penalty or as a loss term. With grpo and grpo_norm_std "
                                   "use loss: as a reward, the std division turns the penalties' tiny spread in a "
-                                  "group whose task rewards tie into +-1 advantages for short answers (the learner "
-                                  "warns).", choices=("reward", "loss"))
+                                  "group whose task rewards tie into +-1 advantages for short answers (a warning "
+                                  "when the config loads).", choices=("reward", "loss"))
     turn_rewards: str = knob("each", "Reward every solver turn by its own correctness, or only the final one.",
                              choices=("each", "final"))
     score: ScoreShaping = field(default_factory=ScoreShaping)
@@ -177,3 +177,25 @@ class LowerConfig(Section):
         need(self.turn_gamma == 1.0 or self.advantage in ("grpo", "rloo", "reinforce"), f"{prefix}turn_gamma",
              f"applies to the turn-level estimators (grpo, rloo, reinforce), not {prefix}advantage={self.advantage}; "
              f"use {prefix}gamma")
+
+
+def kl_reward_collapse(lo: LowerConfig, prefix: str = "lower.") -> str | None:
+    """Why ``lo`` is the combination a benchmark saw collapse a solver, or None: a KL penalty in the
+    reward (kl_coef > 0, or SCoRe's own KL terms) under grpo's division by the group std."""
+    if not (lo.kl_mode == "reward" and (lo.kl_coef > 0 or lo.score.enabled) and lo.advantage == "grpo"
+            and lo.grpo_norm_std):
+        return None
+    kl = f"{prefix}kl_coef={lo.kl_coef}" if lo.kl_coef > 0 else f"{prefix}score.enabled (its KL terms)"
+    return (f"{prefix}kl_mode=reward ({kl}) with {prefix}advantage=grpo and {prefix}grpo_norm_std=true: in a group "
+            "whose task rewards tie (most groups while accuracy is low), dividing by the group std blows the "
+            "per-token KL penalties' tiny spread up to +-1 advantages that favour short answers (benchmarks: a "
+            f"solver collapsed to 6 % Acc@t1). Use {prefix}kl_mode=loss (GRPO's form) or {prefix}grpo_norm_std=false")
+
+
+def warn_kl_reward_collapse(lo: LowerConfig, prefix: str = "lower.") -> None:
+    """A :class:`~tosca_mlmt.config.section.ConfigWarning` for :func:`kl_reward_collapse`. The loader
+    says it (Config.check, once the whole config is valid); LowerLearner calls it again for configs
+    built or replace-d in code. Said once per section object."""
+    message = kl_reward_collapse(lo, prefix)
+    if message:
+        advise(lo, message)

@@ -8,7 +8,7 @@ from tosca_mlmt.config.engine import EngineConfig, SamplingConfig
 from tosca_mlmt.config.episode import EpisodeConfig
 from tosca_mlmt.config.joint import JointConfig
 from tosca_mlmt.config.knobs import knob
-from tosca_mlmt.config.lower import LowerConfig
+from tosca_mlmt.config.lower import LowerConfig, warn_kl_reward_collapse
 from tosca_mlmt.config.model import ModelConfig
 from tosca_mlmt.config.run import CollectConfig, DistributedConfig, LoggingConfig
 from tosca_mlmt.config.section import Section, need
@@ -54,3 +54,6 @@ class Config(Section):
              f"{uc.warmup_steps} Q-only warm-up steps with joint.writer_warmup=update, whose writer takes "
              f"{jc.upper_steps} steps per update (joint.upper_steps), all of them warm-up, so its feedback text "
              "never trains; needs upper.warmup_steps < joint.upper_steps (or joint.writer_warmup=run)")
+        # Warnings last, once every rule has passed: a config that is refused is not warned about too.
+        # A warning, not an error: configs/score.yaml reproduces SCoRe as specified with it.
+        warn_kl_reward_collapse(self.lower, f"{prefix}lower.")

@@ -12,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import types
 import typing
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,6 +71,33 @@ def need(cond: bool, field_: str, msg: str) -> None:
     """A cross-field rule: ``msg`` says what ``field_`` (dotted) must be when ``cond`` fails."""
     if not cond:
         raise ConfigError(f"invalid value for field '{field_}': {msg}")
+
+
+class ConfigWarning(UserWarning):
+    """A config that loads but is known to go wrong (a combination a benchmark saw collapse): said
+    when the config loads, before any model does. Kept a warning, not an error, where a shipped
+    preset reproduces a published method with it (configs/score.yaml)."""
+
+
+# runtime.use_allocator sets it for the process it re-executes (runtime._MARK; config/ cannot
+# import runtime): that process loads the same config again, and its parent has said the warnings.
+_REEXECUTED = "MLMT_ALLOCATOR_EXEC"
+
+
+def advise(section: Any, message: str) -> None:
+    """Warn (:class:`ConfigWarning`, on stderr) that ``section`` holds a known-bad combination.
+
+    Once per section object: the loader says it while validating, and a stage that calls the
+    same rule again (LowerLearner, for configs built in code) stays quiet about a section the
+    loader already warned about. A section built or ``replace``-d in code is a new object and is
+    warned about again. The process runtime.use_allocator re-executes marks it said and stays quiet."""
+    said = section.__dict__.setdefault("_config_warnings_said", set())
+    if message in said:
+        return
+    said.add(message)
+    if os.environ.get(_REEXECUTED):
+        return
+    warnings.warn(message, ConfigWarning, stacklevel=1)
 
 
 def _type_problem(tp: Any, value: Any) -> str | None:

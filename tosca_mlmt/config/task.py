@@ -2,14 +2,23 @@
 
 ``task.name`` is a built-in task, the name of an installed ``tosca_mlmt.tasks`` entry point, or
 a ``module:Class`` / ``path/to/file.py:Class`` path; ``task.reward`` optionally replaces the
-task's score with a user function (docs/guides/own-task.md).
+task's score with a user function (docs/guides/own-task.md). Both paths are resolved when the
+config validates (:func:`load_object`: the user's module is imported, once per process, and the
+attribute must exist), so a typo is refused before any model loads; this is the one place config/
+runs code that is not its own, and only where such a path is configured.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.util
 import re
+import sys
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
+from typing import Any
 
 from tosca_mlmt.config.knobs import EXISTING_DIR_OR_EMPTY, NON_EMPTY, Rule, knob, path_is
 from tosca_mlmt.config.section import Section, need, show
@@ -50,6 +59,54 @@ def object_path_problem(value: str) -> str | None:
     return None
 
 
+def _bad(field: str, value: str, why: str) -> ConfigError:
+    return ConfigError(f"invalid value {show(value)} for field '{field}': {why}")
+
+
+def load_file(path: Path) -> Any:
+    """The module of a ``.py`` file, executed once per process: every spec naming the file (a task
+    and its reward function; the config's check at load and the registry's build later) gets the
+    same module and the same globals."""
+    path = path.expanduser().resolve()
+    name = "tosca_mlmt_user_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"not a Python file: {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def load_object(spec: str, field: str) -> Any:
+    """The object ``module:attr`` or ``file.py:attr`` names; a ConfigError naming ``field`` when
+    the module cannot be imported or lacks the attribute. The user's module is imported (once per
+    process): the config resolves ``task.name`` and ``task.reward`` with it at load, the task
+    registry (tasks/registry.py) builds the task from it later."""
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        raise _bad(field, spec, "must be 'module:attribute' or 'path/to/file.py:attribute'")
+    try:
+        module = load_file(Path(module_name)) if module_name.endswith(".py") else importlib.import_module(module_name)
+    except (ConfigError, KeyboardInterrupt):
+        raise
+    except BaseException as e:  # noqa: BLE001 -- user code: a SystemExit or SyntaxError is a bad value too
+        raise _bad(field, spec, f"cannot import {module_name}: {type(e).__name__}: {e}") from e
+    obj = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise _bad(field, spec, f"{module_name} has no attribute {attr!r}") from None
+    return obj
+
+
 def _regex_ok(value: str) -> bool:
     try:
         return not value or re.compile(value).groups <= 1
@@ -64,15 +121,17 @@ def _template_ok(value: str) -> bool:
         return False
 
 
+# the form only: whether the file exists and holds the function, TaskConfig.check says (naming what is missing)
 OBJECT_PATH_OR_EMPTY = Rule("empty, 'module:function' or 'path/to/file.py:function'",
-                            lambda v: not v or object_path_problem(v) is None)
+                            lambda v: not v or bool(OBJECT_PATH_RE.fullmatch(v)))
 
 
 @dataclass
 class TaskConfig(Section):
     name: str = knob("arith", f"Verifiable task: a built-in ({', '.join(BUILTIN_TASKS)}), the name of an installed "
                               f"'{ENTRY_POINT_GROUP}' entry point, or 'module:Class' / 'path/to/file.py:Class' "
-                              "(docs/guides/own-task.md).", rule=NON_EMPTY)
+                              "(docs/guides/own-task.md). A path is imported when the config loads: a missing "
+                              "file, module or class is refused then.", rule=NON_EMPTY)
     data_path: str = knob("", "Data root for gsm8k/math500/mbpp (default: $TOSCA_MLMT_DATA or ../shared/data).",
                           rule=EXISTING_DIR_OR_EMPTY)
     split: str = knob("train", "Which split to draw problems from.", choices=("train", "test"))
@@ -107,7 +166,8 @@ class TaskConfig(Section):
     reward: str = knob("", "A reward function 'module:function' or 'path/to/file.py:function', "
                            "fn(problem, response_text) -> bool | float | Verdict, that replaces the task's score "
                            "(the task still extracts the answer). A call that raises or returns anything else "
-                           "scores 0 and is counted (collect summary: reward_errors); it never stops a run.",
+                           "scores 0 and is counted (collect summary: reward_errors); it never stops a run. Imported "
+                           "when the config loads: a missing file, module or function is refused then.",
                        rule=OBJECT_PATH_OR_EMPTY)
 
     def check(self, prefix: str) -> None:
@@ -120,6 +180,19 @@ class TaskConfig(Section):
                 problem = object_path_problem(self.name)
                 if problem:
                     raise ConfigError(f"invalid value {show(self.name)} for field '{prefix}name': {problem}")
+                # resolved now, not when the run reaches make_task: a missing module, file or class is
+                # refused before any model loads (entry points stay names: importing them is the plugin's cost)
+                factory = load_object(self.name, f"{prefix}name")
+                if not callable(factory):
+                    raise _bad(f"{prefix}name", self.name,
+                               f"names a {type(factory).__name__}, not a Task class or factory")
+        if self.reward:
+            problem = object_path_problem(self.reward)
+            if problem:
+                raise _bad(f"{prefix}reward", self.reward, problem)
+            fn = load_object(self.reward, f"{prefix}reward")
+            if not callable(fn):
+                raise _bad(f"{prefix}reward", self.reward, f"names a {type(fn).__name__}, not a function")
         if self.name == "jsonl":
             need(bool(self.path.strip()), f"{prefix}path", "required by task.name 'jsonl' (a .jsonl or .parquet "
                                                            "file, or a datasets folder)")

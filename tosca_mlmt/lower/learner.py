@@ -26,6 +26,7 @@ from tosca_mlmt import parallel as dist
 from tosca_mlmt.algos.advantages import ADVANTAGES, CRITIC, VALUES, AdvantageInputs, turn_sums
 from tosca_mlmt.algos.qlearning import polyak_update
 from tosca_mlmt.config import Config
+from tosca_mlmt.config.lower import warn_kl_reward_collapse
 from tosca_mlmt.errors import MlmtError
 from tosca_mlmt.lower import archer, objective, stats
 from tosca_mlmt.lower.objective import UpdateBatch
@@ -79,12 +80,9 @@ class LowerLearner:
                                    temperature=cfg.solver_sampling.temperature if tempered else 1.0)
         self.optimizer_steps = 0
         self._warned_clip = False
-        if lo.kl_mode == "reward" and (lo.kl_coef > 0 or lo.score.enabled) and lo.advantage == "grpo" and lo.grpo_norm_std:
-            warnings.warn(
-                "lower.kl_mode=reward with grpo and grpo_norm_std: in a group whose task rewards tie (most groups "
-                "while accuracy is low), dividing by the group std blows the per-token KL penalties' tiny spread up "
-                "to +-1 advantages that favour short answers (benchmarks: a solver collapsed to 6 % Acc@t1). Use "
-                "lower.kl_mode=loss (GRPO's form) or lower.grpo_norm_std=false", stacklevel=2)
+        # the known collapse (KL in the reward under grpo's std division): the loader warned about a loaded
+        # config already (said once per section); this covers configs built or replace-d in code
+        warn_kl_reward_collapse(lo)
         self.skipped_old = False  # whether the last update ran without a pi_old pass
         # the last update's bonus per refine, (row, solver turn, raw term, value used): what
         # train-lower stores with each batch snapshot's refine turns (stats.with_refine_bonus)

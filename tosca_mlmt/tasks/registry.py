@@ -14,17 +14,15 @@ with none. ``task.reward`` then wraps the task (:mod:`tosca_mlmt.tasks.reward`).
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 from tosca_mlmt.config import ENTRY_POINT_GROUP, TaskConfig
+# load_object comes from the config, which resolves task.name and task.reward paths with it at load:
+# one module cache (a .py file runs once per process), one wording of the errors
+from tosca_mlmt.config.task import load_object
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.tasks.base import Task
 
@@ -84,47 +82,6 @@ def task_names() -> tuple[str, ...]:
 
 def _bad(field: str, value: str, why: str) -> ConfigError:
     return ConfigError(f"invalid value {value!r} for field '{field}': {why}")
-
-
-def _load_file(path: Path) -> Any:
-    """The module of a ``.py`` file, executed once per process: every spec naming the file
-    (a task and its reward function, say) gets the same module and the same globals."""
-    path = path.expanduser().resolve()
-    name = "tosca_mlmt_user_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"not a Python file: {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and pickling look the module up by name
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
-def load_object(spec: str, field: str) -> Any:
-    """The object ``module:attr`` or ``file.py:attr`` names; a ConfigError naming ``field`` when
-    the module cannot be imported or lacks the attribute."""
-    module_name, _, attr = spec.rpartition(":")
-    if not module_name or not attr:
-        raise _bad(field, spec, "must be 'module:attribute' or 'path/to/file.py:attribute'")
-    try:
-        module = _load_file(Path(module_name)) if module_name.endswith(".py") else importlib.import_module(module_name)
-    except (ConfigError, KeyboardInterrupt):
-        raise
-    except BaseException as e:  # noqa: BLE001 -- user code: a SystemExit or SyntaxError is a bad value too
-        raise _bad(field, spec, f"cannot import {module_name}: {type(e).__name__}: {e}") from e
-    obj = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise _bad(field, spec, f"{module_name} has no attribute {attr!r}") from None
-    return obj
 
 
 def _entry_point(name: str) -> Any | None:
