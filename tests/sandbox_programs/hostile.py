@@ -546,16 +546,9 @@ os._exit(0)
 """, forged=True),
     Hostile("deeply-nested-record", """
 import gc, os
-for obj in gc.get_objects():
-    cells = getattr(obj, '__closure__', None) or ()
-    values = [c.cell_contents for c in cells if hasattr(c, 'cell_contents')]
-    nonces = [v for v in values if isinstance(v, str) and len(v) == 32]
-    fds = [v for v in values if isinstance(v, int) and v > 2]
-    if nonces and fds:
-        deep = '[' * 200000 + ']' * 200000
-        os.write(fds[0], ('{"kind": "load", "ok": true, "err": "", "values": %s, "nonce": "%s"}\\n'
-                          % (deep, nonces[0])).encode())
-        break
+""" + STEAL + """
+deep = '[' * 200000 + ']' * 200000
+os.write(fd, ('{"kind": "load", "ok": true, "err": "", "values": %s, "nonce": "%s"}\\n' % (deep, nonce)).encode())
 """ + WRONG, forged=True),
     Hostile("patched-builtins", """
 import builtins
