@@ -1,7 +1,7 @@
 """``mlmt chat``: solve -> feedback -> refine on problems typed in the terminal.
 
-The transcript goes to stdout (it is what the command is for); loading messages and the
-``problem>`` prompt go to stderr, so ``echo "2+3" | mlmt chat > out.txt`` keeps out.txt clean.
+The transcript goes to stdout (it is what the command is for); loading messages, library logs and
+the ``problem>`` prompt go to stderr, so ``echo "2+3" | mlmt chat > out.txt`` keeps out.txt clean.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from tosca_mlmt.cli.common import CONFIG, DATA, SEED, SET, command_config, common_overrides, err, parse_sets
+from tosca_mlmt.cli.common import CONFIG, DATA, SEED, SET, command_config, common_overrides, err, parse_sets, results
 
+# the transcript's console; its file is set when the command starts, to the stream its results go to
 out = Console(soft_wrap=True, highlight=False)
 
 
@@ -42,6 +43,7 @@ def chat(
     table (Q-values, selection probabilities, the pick) and feedback, and verdicts given a gold answer."""
     from tosca_mlmt.pipelines.chat import ChatSession, chat_config
 
+    out.file = results()
     ov = {k: v for k, v in {"model.solver_adapter": solver_adapter, "model.writer_adapter": writer_adapter}.items()
           if v is not None}
     ov.update(common_overrides(seed, data, no_wandb=True, no_progress=True))  # a terminal session: no logs

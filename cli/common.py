@@ -1,5 +1,6 @@
 """What every ``mlmt`` command shares: the stderr console, user-error handling, the
-``--set`` / logging-switch overrides and the summary table.
+``--set`` / logging-switch overrides, the summary table, and the split of the process's output
+between results (stdout) and everything else (stderr; third-party logs quiet unless ``--verbose``).
 
 Its own module so that the command modules and ``cli/main.py`` (which registers them) both
 import it, instead of the command modules importing back from ``main``.
@@ -7,7 +8,10 @@ import it, instead of the command modules importing back from ``main``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -23,6 +27,11 @@ err = Console(stderr=True, soft_wrap=True)  # soft_wrap: never break paths in er
 # True in the `mlmt` process itself (cli.main.main), not where a test or notebook calls the app:
 # only then may a command replace the process (command_config)
 STANDALONE = False
+# `mlmt --verbose`: commands print their long tables whole (eval's every metric)
+VERBOSE = False
+# True once third_party_logs quieted this process (the `mlmt` process without --verbose): library
+# warnings and logs below ERROR are not shown
+QUIET = False
 
 
 def command_config(path, overrides: dict, run=None):
@@ -47,7 +56,11 @@ def command_config(path, overrides: dict, run=None):
 
         cfg, notes = run_config(run, path, overrides)
     if STANDALONE:
-        runtime.use_allocator(cfg.engine.allocator)
+        with _real_stdout():  # a re-executed process must start with the real stdout as its fd 1
+            runtime.use_allocator(cfg.engine.allocator)
+    from tosca_mlmt.config.origin import origin_line
+
+    err.print(origin_line(cfg, path, len(overrides), run), highlight=False, markup=False)
     for note in notes:
         warnings.warn(note, stacklevel=2)
     return cfg
@@ -158,3 +171,122 @@ def print_rows(title: str, rows: list[dict]) -> None:
     for r in rows:
         t.add_row(*("-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()))
     err.print(t)
+
+
+# --- stdout carries results only ---
+# A model command's stdout is its result (eval's JSON line, a snapshot id, a folder, chat's transcript), so
+# `mlmt eval ... | jq` and `ID=$(mlmt collect ...)` work. Libraries write to stdout in many ways: vLLM's and
+# DeepSpeed's logging handlers keep the sys.stdout object they got at import, C++ code (torch, vLLM's kernels)
+# and child processes (vLLM's engine core, compilers of DeepSpeed ops) write to file descriptor 1. Swapping
+# sys.stdout misses all three, so while a model command runs fd 1 itself points at stderr (os.dup2): every
+# writer, in any language and in every child, lands on stderr, whenever it was set up. The real stdout lives
+# on as a duplicate descriptor that only `print_result` / `results()` write to: nothing reaches stdout unless
+# a command hands it over as a result. Where the app runs without a process stdout of its own (a test's
+# CliRunner, a notebook), only sys.stdout is swapped, the same split at the Python level.
+_results = None  # the stream results go to while a command runs (results_on_stdout), else None
+_saved_fd: int | None = None  # the real stdout's descriptor while fd 1 points at stderr
+
+
+def results_on_stdout(fn):
+    """Run the command with stdout reserved for what it passes to ``print_result``/``results()``."""
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        with _stdout_for_results():
+            return fn(*a, **kw)
+
+    return wrapper
+
+
+def results():
+    """The text stream of the command's results: the real stdout."""
+    return _results if _results is not None else sys.stdout
+
+
+def print_result(*values) -> None:
+    print(*values, file=results(), flush=True)
+
+
+def _stdout_is_fd1() -> bool:
+    try:
+        return sys.stdout.fileno() == 1
+    except (AttributeError, OSError, ValueError):  # no stdout, or one that is no file (CliRunner)
+        return False
+
+
+@contextlib.contextmanager
+def _stdout_for_results():
+    global _results, _saved_fd
+    if _results is not None:  # nested: already split
+        yield
+        return
+    kept = sys.stdout
+    kept.flush()
+    saved = None
+    if _stdout_is_fd1():
+        try:
+            saved = os.dup(1)  # not inherited across exec or by children (PEP 446)
+            os.dup2(2, 1)
+        except OSError:  # fd 1 or 2 closed: nothing at the descriptor level to protect
+            saved = None
+    if saved is not None:
+        _results = os.fdopen(saved, "w", buffering=1, encoding=getattr(kept, "encoding", None) or "utf-8",
+                             errors=getattr(kept, "errors", None) or "strict")
+        _saved_fd = saved
+    else:
+        _results = kept
+    sys.stdout = sys.stderr  # Python-level prints keep their order with the rest of stderr
+    try:
+        yield
+    finally:
+        sys.stdout = kept
+        stream, _results, _saved_fd = _results, None, None
+        stream.flush()
+        if saved is not None:
+            sys.stderr.flush()
+            os.dup2(saved, 1)
+            stream.close()
+
+
+@contextlib.contextmanager
+def _real_stdout():
+    """fd 1 back on the real stdout for a moment (around os.execve: the new process starts from fd 1)."""
+    if _saved_fd is None:
+        yield
+        return
+    sys.stderr.flush()
+    os.dup2(_saved_fd, 1)
+    try:
+        yield
+    finally:
+        os.dup2(2, 1)
+
+
+# --- third-party logs: quiet unless --verbose ---
+# Set in the `mlmt` process before torch, transformers or vLLM is imported (the CLI callback): each reads
+# its variable once, at import, and child processes (vLLM's engine core, DeepSpeed's op builds, a
+# re-executed mlmt) inherit them. An explicit setting in the environment wins.
+QUIET_ENV = {
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' "Loading weights" bars; vLLM's follow it (vllm_engine)
+    "TORCH_CPP_LOG_LEVEL": "ERROR",  # c10 warnings from C++ (vLLM's "NUMA binding" notice)
+}
+
+
+def third_party_logs(verbose: bool) -> None:
+    """Route every library's log to stderr (vLLM logs to stdout by default) and, unless ``verbose``,
+    keep only its errors (Python warnings of libraries too: cli.main). Changes the process (environment,
+    logging): the `mlmt` process only."""
+    global QUIET
+    QUIET = not verbose
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    if verbose:
+        return
+    for k, v in QUIET_ENV.items():
+        os.environ.setdefault(k, v)
+    # Python logging of any library (torch's "Triton not available", DeepSpeed's accelerator notice,
+    # vLLM's in-process engine): errors only. mlmt's own messages to the user are warnings.warn (one
+    # `warning:` line each, cli.main) or the rich console, which this leaves alone.
+    logging.disable(logging.WARNING)
+

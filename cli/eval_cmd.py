@@ -7,8 +7,15 @@ from typing import Optional
 
 import typer
 
+from tosca_mlmt.cli import common
 from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, TASK, command_config,
-                                  common_overrides, err, out_folder, parse_sets, print_summary)
+                                  common_overrides, err, out_folder, parse_sets, print_result, print_summary)
+
+# The summary table's rows: what the eval says about the pair. The other metrics (lengths, finish reasons,
+# strategy counts and shares, timings) are in eval.json, and in the table with `mlmt --verbose eval`.
+HEADLINE = ("episodes", "acc_t1", "acc_final", "delta", "wrong_to_right", "right_to_wrong", "leak_rate",
+            # a partial-credit reward shows in its mean where Acc (reward >= 1) sees nothing
+            "reward_mean_t1", "reward_mean_final", "reward_std_final", "tokens_per_s")
 
 
 def eval_cmd(
@@ -33,7 +40,8 @@ def eval_cmd(
     no_progress: bool = NO_PROGRESS,
 ):
     """Run solve -> feedback -> refine greedily on held-out problems (no oracle stop) and report
-    Acc@t1, Acc@final, delta, wrong->right, right->wrong, strategy counts and lengths."""
+    Acc@t1, Acc@final, delta, wrong->right, right->wrong on stderr (with --verbose also strategy counts,
+    lengths and timings; all in eval.json), and snapshot_id, acc_t1, acc_final, delta as one JSON line on stdout."""
     import json
 
     from tosca_mlmt.pipelines.evaluate import evaluate
@@ -43,11 +51,17 @@ def eval_cmd(
                             "model.writer_adapter": writer}.items() if v is not None}
     ov.update(common_overrides(seed, data, no_wandb, no_progress))
     ov.update(parse_sets(set_))
-    rep = evaluate(command_config(config, ov, run=run), out, console=err, compare_to=compare_to).report
+    res = evaluate(command_config(config, ov, run=run), out, console=err, compare_to=compare_to)
+    rep = res.report
     if "compared_to" in rep:
         _print_comparison(rep["compared_to"])
-    print_summary(f"eval on {rep['task']}/{rep['split']}", {k: v for k, v in rep.items() if isinstance(v, (int, float))})
-    print(json.dumps({k: rep[k] for k in ("snapshot_id", "acc_t1", "acc_final", "delta")}))
+    metrics = {k: v for k, v in rep.items() if isinstance(v, (int, float))}
+    shown = metrics if common.VERBOSE else {k: metrics[k] for k in HEADLINE if k in metrics}
+    print_summary(f"eval on {rep['task']}/{rep['split']}", shown)
+    if len(shown) < len(metrics):
+        err.print(f"{len(metrics) - len(shown)} more metrics in {res.path} (`mlmt --verbose eval` prints them all)",
+                  highlight=False)
+    print_result(json.dumps({k: rep[k] for k in ("snapshot_id", "acc_t1", "acc_final", "delta")}))
 
 
 def _print_comparison(c: dict) -> None:

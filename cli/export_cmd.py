@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from tosca_mlmt.cli.common import CONFIG, SET, command_config, err, out_folder, parse_sets
+from tosca_mlmt.cli.common import CONFIG, SET, command_config, err, out_folder, parse_sets, print_result
 from tosca_mlmt.errors import ConfigError
 
 
@@ -25,6 +25,9 @@ def export(
     base: Optional[str] = typer.Option(None, "--base", help="Base model (embedded name, org/name hub id in the local "
                                                             "cache, or folder) instead of the one the adapter records."),
     dtype: str = typer.Option("auto", "--dtype", help="Weights dtype: auto (the base's), float32, bfloat16, float16."),
+    evals: list[Path] = typer.Option([], "--eval", help="An `mlmt eval --out` folder of these weights, reported in "
+                                     "the model card (repeatable; checked against the weights' fingerprints). "
+                                     "Default: eval folders in and beside the run that ran exactly these weights."),
     config: Optional[Path] = CONFIG,
     set_: list[str] = SET,
 ):
@@ -40,11 +43,11 @@ def export(
         from tosca_mlmt.pipelines.export import export_run
 
         cfg = command_config(config, parse_sets(set_), run=run)
-        meta = export_run(run, out, cfg, role=role, base=base, dtype=dtype)
+        meta = export_run(run, out, cfg, role=role, base=base, dtype=dtype, evals=evals or None)
     else:
         from tosca_mlmt.pipelines.export import export as merge
 
-        meta = merge(adapter, out, role=role, base=base, dtype=dtype)
+        meta = merge(adapter, out, role=role, base=base, dtype=dtype, evals=evals or None)
     err.print(f"export: {meta['role']} adapter merged into {meta.get('base_at_export') or meta['base']} "
               f"({meta['dtype']}, weights {meta['merged_sha']})", highlight=False)
-    print(out)
+    print_result(out)

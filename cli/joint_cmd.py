@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, command_config, common_overrides,
-                                  err, out_folder, parse_sets, print_rows)
+                                  err, out_folder, parse_sets, print_result, print_rows)
 
 
 def train_joint(
@@ -37,4 +37,4 @@ def train_joint(
     res = run(command_config(config, ov), out, resume=resume, console=err, allow_drift=tuple(allow_drift))
     # each round already had its line as it finished; the end repeats only one row per round
     print_rows("train-joint rounds", summary_rows(res.manifest))
-    print(res.run_dir)
+    print_result(res.run_dir)

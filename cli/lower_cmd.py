@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 
 from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, TASK, command_config,
-                                  common_overrides, err, out_folder, parse_sets, print_summary)
+                                  common_overrides, err, out_folder, parse_sets, print_result,
+                                  print_summary)
 
 # The last iteration's numbers printed after a run. Acc counts reward >= 1 as right, so partial credit
 # moves only the reward statistics: a run with a 0.1-step reward must not look as if it learned nothing.
@@ -49,4 +50,4 @@ def train_lower(
               allow_drift=tuple(allow_drift), verify=not no_verify)
     print_summary(f"train-lower: {res.iterations} iterations", {k: res.last_metrics[k] for k in SUMMARY_KEYS
                                                                  if k in res.last_metrics})
-    print(res.run_dir)
+    print_result(res.run_dir)

@@ -2,7 +2,8 @@
 
 Progress bars, tables and messages go to stderr; stdout carries only machine-readable
 results (for ``collect``: the snapshot id as its last line), so ``ID=$(mlmt collect ...)``
-works. User errors (bad config, bad data, missing snapshot) exit with code 2.
+works. Library logs (vLLM, transformers, DeepSpeed, torch) go to stderr, errors only unless
+``--verbose``. User errors (bad config, bad data, missing snapshot) exit with code 2.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from tosca_mlmt.cli import common
 from tosca_mlmt.cli.analyze_cmd import analyze
 from tosca_mlmt.cli.chat_cmd import chat
 from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, TASK, command_config,
-                                  common_overrides, err, out_folder, parse_sets, print_summary, user_errors)
+                                  common_overrides, err, out_folder, parse_sets, print_result, print_summary,
+                                  results_on_stdout, user_errors)
 from tosca_mlmt.cli.eval_cmd import eval_cmd
 from tosca_mlmt.cli.export_cmd import export
 from tosca_mlmt.cli.joint_cmd import train_joint
@@ -35,10 +37,16 @@ app.add_typer(snapshots_app, name="snapshots")
 
 
 @app.callback()
-def _process() -> None:
+def _process(verbose: bool = typer.Option(False, "--verbose", "-v", help="Show the logs and warnings of the libraries "
+                                          "underneath (vLLM, transformers, DeepSpeed, torch) on stderr; without it, "
+                                          "only their errors. stdout carries the command's result either way.")
+             ) -> None:
     # Runs before any command, while torch is not loaded yet: libgomp reads OMP_WAIT_POLICY
     # once, when torch loads, and huggingface_hub reads HF_HUB_OFFLINE when it is imported.
     runtime.process_env()
+    common.VERBOSE = verbose
+    if common.STANDALONE:  # where a test or notebook calls the app, its logging stays the caller's
+        common.third_party_logs(verbose)
     warnings.showwarning = _show_warning
 
 
@@ -49,14 +57,17 @@ _python_showwarning = warnings.showwarning
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
-    if issubclass(category, UserWarning) and str(Path(filename).resolve()).startswith(_OURS):
+    # ours: raised in our code, or of a category of ours raised where a stacklevel points (a user's plugin)
+    ours = str(Path(filename).resolve()).startswith(_OURS) or category.__module__.startswith("tosca_mlmt")
+    if issubclass(category, UserWarning) and ours:
         print(f"warning: {message}", file=sys.stderr if file is None else file)
-    else:
+    elif ours or not common.QUIET:  # a library's FutureWarning etc. only with --verbose
         _python_showwarning(message, category, filename, lineno, file, line)
 
 
 @app.command()
 @user_errors
+@results_on_stdout
 def collect(
     task: Optional[str] = TASK,
     limit: Optional[int] = typer.Option(None, help="Number of problems (0 = whole split)."),
@@ -99,11 +110,12 @@ def collect(
     print_summary(f"snapshot {res.snapshot_id}" + ("" if res.created else " (identical snapshot already existed)"),
                   res.summary)
     err.print(f"written to {res.path}")
-    print(res.snapshot_id)
+    print_result(res.snapshot_id)
 
 
 @app.command()
 @user_errors
+@results_on_stdout
 def setup(model: str = typer.Option("smollm2-135m", help="Embedded model name, local folder, or org/name hub id "
                                                          "already in the local HF cache.")):
     """Convert the embedded model once into the cache ($TOSCA_MLMT_CACHE) and print its folder;
@@ -114,7 +126,7 @@ def setup(model: str = typer.Option("smollm2-135m", help="Embedded model name, l
     folder, built = prepare_environment(model)
     if built:
         print(f"DeepSpeed op built: {built}", file=sys.stderr)
-    print(folder)
+    print_result(folder)
 
 
 @app.command("config")
@@ -131,6 +143,9 @@ def config_cmd(
     list_presets: bool = typer.Option(False, "--list-presets", help="List the shipped presets (usable as -c NAME) "
                                                                      "with what each is for."),
     set_: list[str] = typer.Option([], "--set", help="Overrides, as for collect."),
+    diff: Optional[str] = typer.Option(None, "--diff", metavar="PRESET", help="List the fields where the resolved "
+                                       "config (the base defaults without -c) differs from a preset or YAML file, "
+                                       "e.g. --diff mlmt: how far a config is from the method."),
 ):
     """Print the fully resolved config (validated), every knob with --explain, or the presets.
 
@@ -150,6 +165,12 @@ def config_cmd(
         return
     if pattern is not None and not explain:
         raise ConfigError(f"a field pattern ({pattern!r}) filters --explain: mlmt config --explain {pattern}")
+    if diff is not None:
+        from tosca_mlmt.config.origin import diff_lines, source_name
+
+        for line in diff_lines(load_config(config, parse_sets(set_)), load_config(diff), source_name(diff)):
+            print(line)
+        return
     if explain:
         cfg = load_config(config, parse_sets(set_)) if config is not None or set_ else None
         for line in explain_lines(cfg, pattern):
@@ -160,14 +181,16 @@ def config_cmd(
     print(yaml.safe_dump(load_config(config, parse_sets(set_)).to_dict(), sort_keys=False))
 
 
-# Registered here, after the commands above, so that `mlmt --help` lists them in this order.
-app.command("train-lower")(user_errors(train_lower))
-app.command("eval")(user_errors(eval_cmd))
-app.command("train-joint")(user_errors(train_joint))
+# Registered here, after the commands above, so that `mlmt --help` lists them in this order. The
+# commands that load models (and so vLLM, transformers, DeepSpeed) keep stdout for their results
+# (common.results_on_stdout); config, analyze and snapshots print results only.
+app.command("train-lower")(user_errors(results_on_stdout(train_lower)))
+app.command("eval")(user_errors(results_on_stdout(eval_cmd)))
+app.command("train-joint")(user_errors(results_on_stdout(train_joint)))
 app.command("analyze")(user_errors(analyze))
-app.command("train-upper")(user_errors(train_upper))
-app.command("export")(user_errors(export))
-app.command("chat")(user_errors(chat))
+app.command("train-upper")(user_errors(results_on_stdout(train_upper)))
+app.command("export")(user_errors(results_on_stdout(export)))
+app.command("chat")(user_errors(results_on_stdout(chat)))
 
 
 def main() -> None:  # pragma: no cover - console entry point

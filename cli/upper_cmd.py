@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from tosca_mlmt.cli.common import (CONFIG, DATA, NO_PROGRESS, NO_WANDB, SEED, SET, command_config, common_overrides,
-                                  err, out_folder, parse_sets, print_summary)
+                                  err, out_folder, parse_sets, print_result, print_summary)
 
 
 def train_upper(
@@ -50,4 +50,4 @@ def train_upper(
     res = run(cfg, out, resume=resume, console=err, allow_drift=tuple(allow_drift), verify=not no_verify)
     print_summary(f"train-upper {out} (step {res.step})", res.metrics)
     err.print(f"report: {out / 'report.md'}")
-    print(res.writer_dir)
+    print_result(res.writer_dir)

@@ -208,6 +208,9 @@ def _collect(cfg, rec, manifest, snap_root, policies, engine, r, console) -> lis
     rec["snapshot"] = res.snapshot_id
     rec["collect_metrics"] = {k: res.summary[k] for k in ("acc_t1", "acc_final", "delta", "wrong_to_right",
                                                           "right_to_wrong", "leak_rate") if k in res.summary}
+    # and where its seconds went (generation, scoring, named steps): the hierarchy's cost profile reads them
+    rec["collect_metrics"].update({k: v for k, v in res.summary.items()
+                                   if k in ("gen_seconds", "score_seconds") or k.startswith("time/")})
     return res.samples
 
 

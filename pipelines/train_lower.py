@@ -241,7 +241,7 @@ def _train_lower(cfg: Config, out, *, console, resume, allow_drift, verify, snap
     samples = sample_rows(last_batch) if last_batch else []
     sink.log_table("lower/samples", samples, step=done)
     if done == lo.iterations:
-        _describe_final(policies, run, snapshot_ids, metrics, done)
+        _describe_final(policies, run, snapshot_ids, metrics, done, cfg.solver_sampling.temperature)
         policies.save_role("solver", run / "solver")  # every rank: a collective under ZeRO-3
     trainer.close()
     rd.close()
@@ -249,13 +249,17 @@ def _train_lower(cfg: Config, out, *, console, resume, allow_drift, verify, snap
     return LowerResult(run, done, metrics, samples)
 
 
-def _describe_final(policies: PolicyPair, run: Path, snapshot_ids, metrics: dict, done: int) -> None:
+def _describe_final(policies: PolicyPair, run: Path, snapshot_ids, metrics: dict, done: int,
+                    temperature: float) -> None:
     """The final solver's card: its source snapshots (online: the batches this run kept) and
-    the last iteration's accuracies, labelled as what they are."""
+    the last iteration's accuracies, labelled as what they are: a few sampled training episodes."""
     kept = sorted(p.name for p in (run / "snapshots").glob("snap-*")) if (run / "snapshots").is_dir() else []
     acc = {k: metrics[f"lower/{k}"] for k in ("acc_t1", "acc_final", "delta") if f"lower/{k}" in metrics}
+    n = int(metrics.get("lower/episodes", 0))
+    source = (f"the {n} episodes of iteration {done}, read from snapshots (sampled by the models that collected them)"
+              if snapshot_ids else f"the {n} training episodes of iteration {done}, sampled at temperature {temperature:g}")
     policies.describe("solver", snapshots=list(snapshot_ids or kept), eval=acc,
-                      eval_source=f"the sampled training episodes of iteration {done} (not a held-out eval)")
+                      eval_source=source + " (a training batch, not a held-out eval)")
 
 
 def _load_offline(ids: list[str], root, verify: bool) -> list[tuple]:

@@ -1,8 +1,11 @@
 """`mlmt analyze` on hand-made snapshots and metrics whose tables are known exactly. No model."""
 
+import contextlib
+import datetime
 import json
 import re
 import shutil
+import types
 from pathlib import Path
 
 import numpy as np
@@ -96,10 +99,9 @@ def test_correction_matrix_matches_the_hand_made_episodes(run):
     assert rows(t.correction, "snapshot", "turn1", "final", "count", "rate") == [
         (sid_a, "right", "right", 3, 0.3), (sid_a, "right", "wrong", 1, 0.1),
         (sid_a, "wrong", "right", 4, 0.4), (sid_a, "wrong", "wrong", 2, 0.2)]
-    pooled = tables_for(path).correction_all  # A and B together; B has no wrong->wrong
-    assert rows(pooled, "turn1", "final", "count") == [("right", "right", 4), ("right", "wrong", 2),
-                                                        ("wrong", "right", 6), ("wrong", "wrong", 2)]
-    assert pooled["rate"].tolist() == pytest.approx([4 / 14, 2 / 14, 6 / 14, 2 / 14])
+    both = tables_for(path).correction  # A and B side by side, never added up; B has no wrong->wrong
+    assert rows(both[both["snapshot"] == sid_b], "turn1", "final", "count") == [
+        ("right", "right", 1), ("right", "wrong", 1), ("wrong", "right", 2), ("wrong", "wrong", 0)]
 
 
 def test_accuracy_per_turn_follows_snapshot_order(run):
@@ -184,7 +186,9 @@ def test_cli_writes_figures_and_a_report_linking_them(run, tmp_path):
                     "Strategy distribution and value over time", "Context-dependency bonus vs correctness",
                     "Feedback length vs outcome"):
         assert f"## {heading}" in text
-    assert "| turn 1 right | 4 (28.6%) | 2 (14.3%) |" in text and sid_a in text
+    # no held-out eval: the grid is the newest snapshot's (A), not a pool of A and B
+    assert f"The newest snapshot (no held-out eval among the inputs), #1 `{sid_a}` (10 episodes):" in text
+    assert "| turn 1 right | 3 (30.0%) | 1 (10.0%) |" in text and "| turn 1 wrong | 4 (40.0%) | 2 (20.0%) |" in text
 
 
 def test_cli_refuses_an_unknown_snapshot_format_version(run, tmp_path):
@@ -222,3 +226,158 @@ def test_privileged_snapshots_are_labelled_above_everything_in_the_report():
     assert "honest" in banner([honest, old]) and "Privileged" not in banner([honest, old])
     assert "Privileged environment" in banner([priv]) and "mixed" not in banner([priv])
     assert "`privileged:writer_sees=verdict`" in banner([honest, priv]) and "mixed" in banner([honest, priv])
+
+
+# ---------------------------------------------------------------------- the result: before vs after
+
+# Ten held-out problems, (correct at turn 1, correct at the end). Final answers: before 3 right, after 7;
+# problems 3-7 fixed, problem 2 lost: McNemar's exact p = 2 * P(Bin(6, 1/2) <= 1) = 2 * 7/64.
+BEFORE = [(R, R), (W, R), (R, R), (W, W), (W, W), (W, W), (R, W), (W, W), (W, W), (W, W)]
+AFTER = [(R, R), (R, R), (R, W), (W, R), (R, R), (W, R), (W, R), (R, R), (W, W), (R, W)]
+
+
+@contextlib.contextmanager
+def written_on(day: int):
+    """Snapshots written inside get this creation day: before and after an eval must be told apart by time."""
+    class Clock(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.datetime(2026, 1, day, 12, tzinfo=datetime.timezone.utc)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("tosca_mlmt.snapshot._dt", types.SimpleNamespace(datetime=Clock, timezone=datetime.timezone))
+        yield
+
+
+def make_eval(folder: Path, patterns, day: int, prefix: str = "e", **report) -> Path:
+    """An eval folder as mlmt eval writes it: a greedy test-split snapshot and eval.json naming it."""
+    eps = [episode(i, p, ["hint"], [5], prefix) for i, p in enumerate(patterns)]
+    with written_on(day):
+        sid, _ = write_snapshot(folder / "snapshots", eps, {
+            "kind": "collect", "task": {"split": "test"}, "sampling": {"solver": {"temperature": 0.0}},
+            "summary": {"environment": "honest"}})
+    (folder / "eval.json").write_text(json.dumps({"snapshot_id": sid, "split": "test", **report}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def evals(tmp_path_factory):
+    """A training run (one sampled batch at T = 0.7, day 2), the eval before it (day 1) and after it (day 3)."""
+    base = tmp_path_factory.mktemp("evals")
+    run = base / "run"
+    with written_on(2):
+        write_snapshot(run / "snapshots", [episode(i, p, ["verify"], [4], "b") for i, p in enumerate(AFTER)],
+                       {"kind": "train-lower-batch", "iteration": 0, "task": {"split": "train"},
+                        "sampling": {"solver": {"temperature": 0.7}}})
+    return run, make_eval(base / "before", BEFORE, 1), make_eval(base / "after", AFTER, 3)
+
+
+def compare_to(before: Path, after: Path) -> dict:
+    """What `mlmt eval --compare-to BEFORE` stores in the later eval's eval.json (pipelines/evaluate.py)."""
+    from tosca_mlmt.pipelines.evaluate import compare_outcomes, eval_outcomes
+
+    return {"eval": str(before), **compare_outcomes(eval_outcomes(before), eval_outcomes(after), before)}
+
+
+def _result_section(text: str) -> str:
+    return text.split("## Result", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_report_opens_with_before_vs_after_as_eval_compare_to_computes_it(evals, tmp_path):
+    from tosca_mlmt.analysis.stats import wilson
+    from tosca_mlmt.pipelines.analyze import analyze
+
+    run, before, after = evals
+    res = analyze([str(run), str(after), str(before)], tmp_path / "out")  # the order of arguments does not matter
+    h = res.headline
+    assert (h.before, h.after, h.stored) == (str(before), str(after), False)
+    assert h.comparison == compare_to(before, after)
+    c = h.comparison  # and by hand
+    assert c["problems"] == 10 and c["final_mcnemar"] == {"a_only": 5, "b_only": 1, "p": pytest.approx(14 / 64)}
+    assert c["final_difference"]["mean"] == pytest.approx(0.4) and c["after_acc_t1"]["mean"] == pytest.approx(0.6)
+    assert (c["before_acc_final"]["lo"], c["before_acc_final"]["hi"]) == wilson(3, 10)
+    d = c["final_difference"]
+    lead = (f"Acc@final 0.300 → 0.700 on the same 10 held-out problems: after − before +0.400, 95 % interval "
+            f"[{d['lo']:+.3f}, {d['hi']:+.3f}]; McNemar p = 0.219 (5 fixed, 1 lost).")
+    md, page = res.report.read_text(), res.html.read_text()
+    assert md.index("## Result") < md.index("\n## ", md.index("## Result") + 1)  # the first section
+    assert [ln for ln in md.splitlines() if ln.startswith("## ")][0] == "## Result"
+    result = _result_section(md)
+    assert f"**{lead}**" in result
+    lo, hi = wilson(7, 10)
+    assert f"| Acc@final | 0.300 [{wilson(3, 10)[0]:.3f}, {wilson(3, 10)[1]:.3f}] | 0.700 [{lo:.3f}, {hi:.3f}] |" in result
+    assert "Computed by `mlmt analyze`" in result
+    assert page.index('<section id="result">') < page.index('id="accuracy"')
+    assert f'<p class="lead"><strong>{lead}</strong></p>' in page
+
+
+def test_a_stored_compare_to_is_the_result_even_without_the_earlier_eval(evals, tmp_path):
+    """The later eval alone, run with --compare-to: its eval.json holds the numbers, nothing is recomputed."""
+    from tosca_mlmt.pipelines.analyze import analyze
+
+    _, before, after = evals
+    stored = compare_to(before, after)
+    later = tmp_path / "later"
+    shutil.copytree(after, later)
+    rep = json.loads((later / "eval.json").read_text())
+    (later / "eval.json").write_text(json.dumps({**rep, "compared_to": stored}))
+    res = analyze([str(later)], tmp_path / "out")
+    assert res.headline.stored and res.headline.comparison == stored and res.headline.before == str(before)
+    result = _result_section(res.report.read_text())
+    assert "McNemar p = 0.219 (5 fixed, 1 lost)" in result
+    assert f"From `{later}/eval.json` (`compared_to`, written by `mlmt eval --compare-to`)." in result
+
+
+def test_without_a_pair_the_result_section_says_why(evals, run, tmp_path):
+    from tosca_mlmt.pipelines.analyze import analyze
+
+    run_dir, before, after = evals
+    training_only = _result_section(analyze([str(run[0])], tmp_path / "a").report.read_text())
+    assert "no eval folder (one holding an eval.json) among the inputs" in training_only
+    assert "No held-out eval among the inputs: the training-batch accuracies below" in training_only
+    alone = _result_section(analyze([str(after)], tmp_path / "b").report.read_text())
+    assert f"one eval folder ({after}), run without --compare-to" in alone
+    assert "Newest held-out eval (snapshot #0, " in alone and "Acc@final 0.700 [" in alone
+    other = make_eval(tmp_path / "other", AFTER[:6], 4)  # six problems: not the same test set
+    mixed = analyze([str(before), str(other)], tmp_path / "c").headline
+    assert mixed.comparison is None and f"no earlier eval covers the problems of the newest, {other}" in mixed.note
+
+
+def test_every_figure_says_what_its_points_are_and_nothing_pools_training_with_evals(evals, tmp_path):
+    from tosca_mlmt.analysis.captions import titles
+    from tosca_mlmt.pipelines.analyze import analyze
+
+    run, before, after = evals
+    res = analyze([str(run), str(before), str(after)], tmp_path / "out")
+    t, md, page = res.tables, res.report.read_text(), res.html.read_text()
+    data = ("Data: training batches (1 snapshot): turn 1 sampled at T = 0.7, on training problems; 10 episodes of 10 "
+            "problems per point; held-out evals (2 snapshots): turn 1 greedy, on the held-out test split; 10 "
+            "episodes of 10 problems per point.")
+    # under the accuracy, correction, strategy, strategy-by-correctness and feedback-length figures
+    assert md.count(f"_{data}") == 5
+    assert data in page and "Learning is measured by the held-out evals" in page
+    assert titles(t.sources) == {"training batch": "training batches: T = 0.7, n = 10 episodes/point",
+                                 "held-out eval": "held-out evals: greedy, n = 10 episodes/point"}
+    # no pooled matrix: the 2 x 2 grid is the newest eval's (AFTER: right->right 4, ->wrong 2; wrong->right 3, ->wrong 1)
+    assert not hasattr(t, "correction_all") and "All snapshots" not in md and "pooled (n =" not in page
+    eval_after = t.snapshots.loc[t.snapshots["source"] == "held-out eval", ["order", "snapshot"]].iloc[-1]
+    assert (f"The newest held-out eval, #{eval_after['order']} `{eval_after['snapshot']}` (10 episodes):") in md
+    assert "| turn 1 right | 4 (40.0%) | 2 (20.0%) |" in md and "| turn 1 wrong | 3 (30.0%) | 1 (10.0%) |" in md
+    # feedback length: one row group per source, each summing that source's feedback turns only
+    fl = t.feedback_length.groupby("source")["feedback_turns"].sum().to_dict()
+    assert fl == {"training batch": 10, "held-out eval": 20}
+
+
+def test_missing_values_are_a_dash_never_na(evals, tmp_path):
+    """An eval snapshot has no PPO iteration: its cell is "–" in both reports."""
+    from tosca_mlmt.pipelines.analyze import analyze
+
+    run, before, after = evals
+    res = analyze([str(run), str(before), str(after)], tmp_path / "out")
+    md, page = res.report.read_text(), res.html.read_text()
+    assert "<NA>" not in md and "&lt;NA&gt;" not in page and "<NA>" not in page
+    assert not re.search(r"\|\s*(nan|NaN|None)\s*\|", md) and not re.search(r"<td>(nan|NaN|None)</td>", page)
+    sid = json.loads((before / "eval.json").read_text())["snapshot_id"]
+    row = next(ln for ln in md.splitlines() if ln.startswith("| ") and f"| {sid} |" in ln and "collect" in ln)
+    assert row.split(" | ")[3] == "–"  # #, snapshot, created_at, iteration
+    assert re.search(rf"<td>{sid}</td>\s*<td>[^<]+</td>\s*<td>–</td>", page)

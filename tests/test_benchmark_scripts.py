@@ -300,3 +300,32 @@ def test_a_unit_keeps_its_eval_answers_and_rescore_scores_them_again(monkeypatch
     u = rescore.rescore_unit(path)
     assert u["acc_t1"] == {"stored": 2 / 3, "now": 1 / 3} and u["turns_moved"] == 2
     assert {m["episode"] for m in u["moved"]} == {probs[1].id} and u["verifier_now"] == ARITH_VERIFIER
+
+
+def test_hierarchy_cost_sums_each_stages_clocks_and_divides_by_grpo_at_the_same_seed(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(ROOT))
+    hc = _script("benchmarks.speed.hierarchy_cost")
+    run = tmp_path / "run"
+    run.mkdir()
+    rounds = [{"round": 0, "seconds": {"collect": 10.0, "upper": 30.0, "lower": 5.0}, "sync_seconds": 1.5},
+              {"round": 1, "seconds": {"collect": 12.0, "upper": 28.0, "lower": 6.0}, "sync_seconds": 2.0}]
+    (run / "manifest.json").write_text(json.dumps({"rounds": rounds}))
+    records = [{"joint/collect/time/episodes": 8.0, "joint/time/collect": 10.0, "joint/peak_rss_gib/collect": 3.1,
+                "joint/collect/gen_seconds": 6.0, "joint/collect/score_seconds": 1.5},
+               {"upper/time/q_eval": 14.0, "upper/time/update": 9.0, "upper/step": 1},
+               {"upper/time/q_eval": 13.0, "lower/time/generate": 3.0, "lower/time/update": 2.0},
+               {"lower/time/generate": 4.0, "joint/peak_rss_gib/lower": 4.7, "lower/reward_mean": 0.5}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    p = hc.profile(run, wall=123.456)
+    assert p["stage_seconds"] == {"collect": 22.0, "upper": 58.0, "lower": 11.0} and p["sync_seconds"] == 3.5
+    assert p["steps"] == {"collect": {"episodes": 8.0, "episodes.gen": 6.0, "episodes.score": 1.5},
+                          "upper": {"q_eval": 27.0, "update": 9.0},
+                          "lower": {"generate": 7.0, "update": 2.0}}
+    assert list(p["steps"]["upper"]) == ["q_eval", "update"]  # largest first: where the time goes
+    assert p["peak_rss_gib"] == 4.7 and p["train_seconds"] == 123.5 and p["rounds"] == 2
+    units = [{"method": "single-turn-grpo", "seed": 0, "train_seconds": 100.0},
+             {"method": "mlmt", "seed": 0, "train_seconds": 450.0},
+             {"method": "mlmt", "seed": 1, "train_seconds": 500.0},  # no baseline at seed 1: no ratio
+             {"method": "single-turn-grpo", "seed": 2, "train_seconds": 80.0},
+             {"method": "solver-only", "seed": 2, "train_seconds": 200.0}]
+    assert hc.ratios(units) == {"mlmt": {"0": 4.5}, "solver-only": {"2": 2.5}}

@@ -147,3 +147,47 @@ def test_reward_and_task_paths_are_imported_at_load_once(user_file):
     assert log.read_text() == "x" and task.verifier_version.startswith("count-v1+reward:")
     for preset in ("mlmt", "demo"):  # built-in task names need no import
         assert load_config(preset).task.name in ("arith", "gsm8k", "math500", "mbpp", "jsonl")
+
+
+# ---------------------------------------------------------------- which config ran, how far from the method
+
+def _leaves(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
+def test_the_origin_line_counts_the_method_fields_that_differ_from_the_mlmt_preset():
+    from tosca_mlmt.config.origin import METHOD_SECTIONS, origin_line
+
+    # reference computed another way: the two configs' YAML trees, leaf by leaf
+    base, method = _leaves(load_config(None).to_dict()), _leaves(load_config("mlmt").to_dict())
+    differ = sorted(k for k in base if base[k] != method[k] and k.startswith(METHOD_SECTIONS))
+    assert "lower.kl_mode" in differ and "task.limit" not in differ  # task is the user's, not the method's
+    line = origin_line(load_config(None), None, 0)
+    assert line.startswith("config: base defaults;") and f"; {len(differ)} method fields differ" in line
+    assert "-c mlmt" in line and "include: mlmt" in line
+    assert origin_line(load_config("mlmt"), "mlmt", 0).endswith("(the method)")
+    moved = origin_line(load_config("mlmt", {"lower.kl_coef": 0.05}), "mlmt", 1)
+    assert moved.startswith("config: preset mlmt + 1 --set; 1 method field differs") and "lower.kl_coef" in moved
+
+
+def test_config_diff_lists_each_differing_field_with_both_values():
+    code, out = _config("--diff", "mlmt", "--set", "lower.lr=0.003")
+    assert code == 0, out
+    lines = out.splitlines()
+    base, method = _leaves(load_config(None, {"lower.lr": 0.003}).to_dict()), _leaves(load_config("mlmt").to_dict())
+    assert lines[0] == f"# {sum(base[k] != method[k] for k in base)} fields differ from preset mlmt"
+    assert "lower.lr: 0.003 (preset mlmt: 0.0002)" in lines and "lower.kl_mode: 'reward' (preset mlmt: 'loss')" in lines
+    assert _config("-c", "mlmt", "--diff", "mlmt") == (0, "# no field differs from preset mlmt\n")
+
+
+def test_a_model_command_names_its_config_on_stderr_before_any_work(tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("")  # the command stops at its output check, before a model or data loads
+    res = CliRunner().invoke(app, ["collect", "--out", str(taken), "--no-wandb"])
+    assert res.exit_code == 2
+    first = res.stderr.splitlines()[0]
+    assert first.startswith("config: base defaults") and "not the method the README describes" in first
+    assert "config:" not in res.stdout

@@ -48,7 +48,7 @@ def report(tmp_path_factory):
             e.problem = eps[eps.index(e) - 4].problem
             e.episode_id = f"{e.problem.id}/s1"
         write_snapshot(run / "snapshots", eps, {"kind": "train-lower-batch", "iteration": it,
-                                                "task": {"split": "train"}})
+                                                "task": {"split": "train"}, "sampling": {"solver": {"temperature": 0.7}}})
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in _metrics()))
     ev = base / "eval"
     eps = [episode(i, PATTERNS[i % 4], ["hint"], [5], "e") for i in range(6)]
@@ -74,9 +74,16 @@ def test_the_page_is_self_contained_and_embeds_every_curated_figure(report):
 def test_captions_say_what_is_plotted_with_n_and_bands(report):
     _, page = report
     assert "95 % percentile bootstrap intervals (1000 resamples of problems" in page
-    assert "Held-out evals: 1 snapshot(s), n = 6–6 episodes (6–6 problems) per snapshot" in page
-    assert "Training batches: 3 snapshot(s), n = 8–8 episodes (4–4 problems) per snapshot" in page
-    assert "all snapshots pooled (n = 30 episodes)" in page
+    assert ("Data: training batches (3 snapshots): turn 1 sampled at T = 0.7, on training problems; 8 episodes of 4 "
+            "problems per point; held-out evals (1 snapshot): turn 1 temperature not recorded, on the held-out test "
+            "split; 6 episodes of 6 problems per point.") in page
+    # the correction grid is one snapshot's, the newest eval (#3), not the 30 episodes of all four pooled
+    assert "Left: one snapshot, counts and fractions: The newest held-out eval, #3 <code>snap-" in page
+    assert "(6 episodes)" in page and "pooled (n =" not in page
+    # no before/after among these inputs: the result section says so first, with the eval alone
+    result = page.split('<section id="result">', 1)[1].split("</section>", 1)[0]
+    assert "no eval folder (one holding an eval.json) among the inputs" in result
+    assert "Newest held-out eval (snapshot #3, " in result
     assert "right → right: 75" in page and "wrong → wrong: 165" in page  # bonus counts summed over 30 steps
     # constant series are named with their value instead of plotted
     assert "Constant, not plotted: <code>lr</code> = 1e-05." in page

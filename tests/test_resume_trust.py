@@ -225,7 +225,10 @@ def test_cli_resume_with_a_drifted_config_exits_2_naming_the_field(tmp_path, sta
     res = CliRunner().invoke(app, [stage, "--out", str(run), *extra, "--resume", "--no-wandb",
                                    "--set", "seed=7", "--set", "lower.lr=0.5"])
     assert res.exit_code == 2, res.output
-    assert "seed (0 -> 7)" in res.stderr and "lower.lr" in res.stderr and len(res.stderr.splitlines()) == 1
+    # the error is one line after the line naming the config (cli.common.command_config)
+    lines = res.stderr.splitlines()
+    assert "seed (0 -> 7)" in res.stderr and "lower.lr" in res.stderr and len(lines) == 2, res.stderr
+    assert lines[0].startswith("config: "), lines
     res = CliRunner().invoke(app, [stage, "--out", str(run), *extra, "--resume", "--allow-drift", "lower.lr"])
     assert res.exit_code == 2 and "--allow-drift lower.lr: not a field that may change" in res.stderr
 
@@ -283,7 +286,8 @@ def test_every_stage_refuses_an_output_that_is_a_file_before_doing_any_work(tmp_
     argv = [str(tmp_path / "run") if a == "RUN" else a for a in argv]
     res = CliRunner().invoke(app, [*argv, str(target)])
     assert res.exit_code == 2, res.output
-    assert res.stderr.startswith("error:") and "is a file, not a folder" in res.stderr
+    errors = [line for line in res.stderr.splitlines() if not line.startswith("config: ")]  # the config it ran
+    assert errors[0].startswith("error:") and "is a file, not a folder" in res.stderr
     assert target.read_text() == "keep me"
 
 
@@ -325,7 +329,8 @@ def test_a_snapshot_with_inverted_rewards_is_refused_by_every_reader(inverted, t
                  ["train-lower", "--snapshot", sid, "--root", str(root), "--out", str(tmp_path / "lo")]):
         res = CliRunner().invoke(app, argv)
         assert res.exit_code == 2, (argv, res.output)
-        assert res.stderr.startswith(f"error: snapshot {sid}: episodes.parquet") and len(res.stderr.splitlines()) == 1
+        errors = [line for line in res.stderr.splitlines() if not line.startswith("config: ")]  # the config it ran
+        assert errors[0].startswith(f"error: snapshot {sid}: episodes.parquet") and len(errors) == 1, res.stderr
 
 
 def test_analyze_no_verify_reads_the_snapshot_anyway(inverted, tmp_path):

@@ -157,7 +157,7 @@ def test_eval_chat_export_run_use_the_run_s_config(tmp_path, monkeypatch):
         def close(self):
             pass
 
-    def fake_merged(adapter, out, role=None, base=None, dtype="auto"):
+    def fake_merged(adapter, out, role=None, base=None, dtype="auto", card=None):
         seen["export"] = (Path(adapter), role, base)
         return {"role": role, "base": "smollm2-135m", "dtype": "float32", "merged_sha": "x"}
 

@@ -78,7 +78,9 @@ def reward_stats(episodes: list[Episode]) -> dict[str, float]:
     ``reward_std_<turn>`` its spread over episodes (population std), and, where some problem has
     several samples, ``frac_reward_zero_std_<turn>``: the share of those problems whose samples all got
     the same reward (a GRPO group with no spread teaches nothing). Turns without a reward are left out;
-    a key is absent where nothing was measured (no rewards; one sample per problem)."""
+    a key is absent where nothing was measured (no rewards; one sample per problem). Extra numbers a
+    task.reward function logged (``context.log_metric``) follow: ``reward/<name>``, their mean over the
+    solver turns that logged them (reward_extras)."""
     out: dict[str, float] = {}
     for name, idx in (("t1", 0), ("final", -1)):
         scored = [(ep.problem.id, float(ep.solver_turns[idx].reward)) for ep in episodes
@@ -94,7 +96,20 @@ def reward_stats(episodes: list[Episode]) -> dict[str, float]:
         groups = [v for v in by.values() if len(v) > 1]
         if groups:
             out[f"frac_reward_zero_std_{name}"] = float(np.mean([np.ptp(v) <= 1e-12 for v in groups]))
+    out.update(reward_extras(episodes))
     return out
+
+
+def reward_extras(episodes: list[Episode]) -> dict[str, float]:
+    """``reward/<name>``: the mean of each extra metric a task.reward function logged
+    (``info["reward_metrics"]``, tosca_mlmt/tasks/reward.py) over the solver turns that logged it; a turn
+    whose reward call failed logged nothing. Sorted by name, so every record lists them alike."""
+    values: dict[str, list[float]] = {}
+    for ep in episodes:
+        for t in ep.solver_turns:
+            for k, v in (t.info.get("reward_metrics") or {}).items():
+                values.setdefault(k, []).append(float(v))
+    return {f"reward/{k}": float(np.mean(values[k])) for k in sorted(values)}
 
 
 def strategy_shares(episodes: list[Episode]) -> dict[str, float]:

@@ -417,7 +417,8 @@ def run_overrides(args) -> tuple[dict, dict]:
     train = {"task.split": "train", "task.limit": 0, "joint.rounds": args.rounds, "episode.n_samples": args.n_samples,
              "joint.collect_problems": args.collect_problems, "joint.lower_iterations": args.lower_iterations,
              "lower.problems_per_iteration": args.problems_per_iteration, "joint.upper_steps": args.upper_steps,
-             "upper.warmup_steps": min(5, args.upper_steps), "upper.eval_every": max(1, args.upper_steps),
+             # warm-up below the writer's steps, so some train its text (at the grid's 30 steps: 5, as before)
+             "upper.warmup_steps": min(5, max(0, args.upper_steps - 1)), "upper.eval_every": max(1, args.upper_steps),
              "upper.save_every": max(1, args.upper_steps),
              # every unit before lower.bonus.scorer=auto (the default since) was scored by the trainer;
              # a method that wants the engine says so in its own overrides

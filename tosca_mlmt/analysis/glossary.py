@@ -47,6 +47,8 @@ SUMMARY = {
                               "(`stop`: a stop string or the answer line; `length`: the token limit).",
     "len_<role>": "Mean length in tokens of the `<role>` turns (solve, feedback, refine).",
     "leak_rate": "Share of feedback turns that state the gold answer (absent where not measurable, e.g. code).",
+    "reward/<metric>": "Mean of the extra metric `<metric>` that the `task.reward` function logged "
+                       "(`context.log_metric`) over the solver turns that logged it (docs/guides/own-task.md).",
     "strategy_count/<strategy>": "Feedback turns that used `<strategy>`.",
     "strategy_share/<strategy>/after_<right|wrong>": "Share of the feedback after a right (wrong) attempt that "
                                                      "used `<strategy>`: equal shares say the choice ignores "
@@ -178,6 +180,8 @@ def _expand() -> dict[str, str]:
         out.update({f"{prefix}{k}": v for k, v in SUMMARY.items()})
     for prefix in ("collect/", "eval/"):
         out.update({f"{prefix}{k}": v for k, v in COLLECT.items()})
+    # train-joint copies its collect's seconds onto the timeline (pipelines/train_joint.py: _collect)
+    out.update({f"joint/collect/{k}": COLLECT[k] for k in ("gen_seconds", "score_seconds", "time/<step>")})
     return {**out, **LOWER, **UPPER, **JOINT}
 
 

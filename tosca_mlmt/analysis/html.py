@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import base64
 import html
-import re
 from pathlib import Path
 
 import pandas as pd
 
+from tosca_mlmt.analysis.captions import MISSING, data_sentence, display, md_inline
 from tosca_mlmt.analysis.curves import MIN_POINTS_TO_SMOOTH, constant_metrics, single_step_metrics
-from tosca_mlmt.analysis.report import environment_lines
+from tosca_mlmt.analysis.headline import Headline, headline_html
+from tosca_mlmt.analysis.report import environment_lines, focus_grid, sources_of
 from tosca_mlmt.analysis.tables import ACCURACY_BOOTSTRAP, EVAL, PLURAL, TRAIN, Tables
 from tosca_mlmt.samples import bonus_text
 
@@ -40,14 +41,14 @@ th { background: #f6f8fa; } td:first-child, th:first-child { text-align: left; }
        background: #f6f8fa; padding: .5rem; font-size: .85rem; }
 .right { color: #1a7f37; font-weight: 600; } .wrong { color: #cf222e; font-weight: 600; }
 details summary { cursor: pointer; font-weight: 600; margin: 1rem 0; }
+#result { border: 1px solid #d0d7de; border-radius: 6px; padding: .2rem 1.2rem .6rem; margin: 1.2rem 0; }
+#result h2 { margin-top: .8rem; } #result .lead { font-size: 1.12rem; }
 """
 
 
 def _inline(md: str) -> str:
     """The Markdown of the environment banner as HTML: escaped, then **bold** and `code`."""
-    s = html.escape(md.removeprefix("> "))
-    s = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", s)
-    return re.sub(r"`(.+?)`", r"<code>\1</code>", s)
+    return md_inline(md.removeprefix("> "))
 
 
 def _img(out: Path, figures: dict[str, str], key: str, alt: str) -> str:
@@ -62,7 +63,8 @@ def _figure(out: Path, figures: dict[str, str], key: str, alt: str, caption: str
 
 
 def _table(df: pd.DataFrame) -> str:
-    return df.to_html(index=False, border=0, na_rep="", float_format=lambda v: f"{v:.4g}", escape=True)
+    """Cells as report.md writes them (``captions.display``): a missing value is "–", never <NA>."""
+    return display(df).to_html(index=False, border=0, na_rep=MISSING, escape=True)
 
 
 def _missing(what: str) -> str:
@@ -78,16 +80,11 @@ def _accuracy(t: Tables, out: Path, figures: dict[str, str]) -> str:
     if not len(t.accuracy):
         return h + _missing("no snapshots")
     acc = t.accuracy.merge(t.snapshots[["order", "source"]], on="order")
-    counts = "; ".join(
-        f"{PLURAL[src].capitalize()}: {g['order'].nunique()} snapshot(s), "
-        f"n = {g['episodes'].min()}–{g['episodes'].max()} episodes "
-        f"({g['problems'].min()}–{g['problems'].max()} problems) per snapshot"
-        for src, g in acc[acc["attempt"] == 1].groupby("source"))
     caption = (f"Accuracy of each solver attempt (attempt 1 = first answer, attempt k+1 = the answer after "
                f"feedback round k) per snapshot, oldest first. Bands and error bars: 95 % percentile bootstrap "
                f"intervals ({ACCURACY_BOOTSTRAP} resamples of problems, the samples of one problem kept together). "
-               f"{PLURAL[TRAIN].capitalize()} (sampled, training problems) and {PLURAL[EVAL]} (greedy, test "
-               f"split) are in separate panels: they are not one series. {html.escape(counts)}.")
+               f"{PLURAL[TRAIN].capitalize()} and {PLURAL[EVAL]} are in separate panels: they are not one "
+               f"series. {html.escape(data_sentence(t.sources, explain=True))}")
     table = acc.assign(interval=[f"[{lo:.3f}, {hi:.3f}]" for lo, hi in zip(acc["lo"], acc["hi"])])
     table = table[["order", "source", "attempt", "episodes", "problems", "accuracy", "interval"]]
     return h + _figure(out, figures, "accuracy", "accuracy per turn", caption) + _table(table.rename(
@@ -98,13 +95,12 @@ def _correction(t: Tables, out: Path, figures: dict[str, str]) -> str:
     h = '<h2 id="correction">Correction matrix over rounds</h2>'
     if not len(t.correction):
         return h + _missing("no snapshots")
-    n = int(t.correction_all["count"].sum())
-    per = t.correction.groupby("order")["count"].sum()
-    caption = (f"Turn-1 answer vs final answer. Left: all snapshots pooled (n = {n} episodes), counts and "
-               f"fractions. Right: per snapshot (n = {per.min()}–{per.max()} episodes each), the fractions of "
-               "right → right, wrong → right (corrections), right → wrong (broken answers) and wrong → wrong, "
-               "stacked to 1; the x labels say whether a snapshot is a training batch or a held-out eval. "
-               "wrong → right − right → wrong = Acc@final − Acc@t1.")
+    which, _ = focus_grid(t)
+    caption = (f"Turn-1 answer vs final answer. Left: one snapshot, counts and fractions: {md_inline(which)}. "
+               "Right, one panel per source: per snapshot, the fractions of right → right, wrong → right "
+               "(corrections), right → wrong (broken answers) and wrong → wrong, stacked to 1. No panel pools "
+               "snapshots. wrong → right − right → wrong = Acc@final − Acc@t1. "
+               f"{html.escape(data_sentence(t.sources))}")
     return h + _figure(out, figures, "correction", "correction matrix", caption)
 
 
@@ -174,21 +170,27 @@ def _episodes(t: Tables, samples: pd.DataFrame, texts: list[dict]) -> str:
 
 def _more(t: Tables, out: Path, figures: dict[str, str]) -> str:
     parts = ['<h2 id="more">More figures</h2>']
+    strat_data = html.escape(data_sentence(t.sources, only=sources_of(t, t.strategies))) \
+        if len(t.strategies) else ""
     parts.append(_figure(out, figures, "strategies", "strategies",
                          "Left: share of the writer's feedback turns per strategy per snapshot. Right: the mean "
-                         "improvement (r_final − r1) of the episodes that used it."))
+                         "improvement (r_final − r1) of the episodes that used it. One row of panels per source. "
+                         + strat_data))
     parts.append(_figure(out, figures, "strategy_correctness", "strategy by correctness",
                          "Each strategy's share of the feedback after a right attempt (solid) and after a wrong "
-                         "one (dashed), per snapshot: where the two lines of a strategy meet, the writer chooses "
-                         "it regardless of whether the attempt was right."))
+                         "one (dashed), per snapshot, one panel per source: where the two lines of a strategy meet, "
+                         "the writer chooses it regardless of whether the attempt was right."))
     parts.append(_figure(out, figures, "bonus", "bonus vs correctness",
                          "Context bonus (<code>lower/bonus/mean</code>) and its correlation with a correct answer "
-                         "per step, and the bonus against Acc@final."))
+                         "per step of training (the PPO batches, from metrics.jsonl), and the bonus against "
+                         "Acc@final."))
     if len(t.feedback_length):
-        n = int(t.feedback_length["feedback_turns"].sum())
+        n = t.feedback_length.groupby("source")["feedback_turns"].sum()
+        counts = "; ".join(f"{PLURAL[s]}: n = {int(n[s])}" for s in (TRAIN, EVAL) if s in n)
         parts.append(_figure(out, figures, "feedback_length", "feedback length",
-                             f"Feedback turns of all snapshots (n = {n}) bucketed by length in tokens: their "
-                             "episodes' final accuracy and mean improvement; n per bucket under each bar."))
+                             f"Feedback turns bucketed by length in tokens, one panel per source ({counts}; never "
+                             "pooled): their episodes' final accuracy and mean improvement; n per bucket under each "
+                             "bar."))
     curves = []
     for (run, level), g in t.curves.groupby(["run", "level"]):
         flat, single = constant_metrics(g), single_step_metrics(g)
@@ -223,14 +225,16 @@ def _banner(t: Tables) -> str:
 
 
 def render_html(t: Tables, out: Path, figures: dict[str, str], sources: list[str], samples: pd.DataFrame,
-                texts: list[dict]) -> str:
-    """The whole page; ``figures`` are file names under ``out`` (plots.draw_all), embedded."""
+                texts: list[dict], headline: Headline | None = None) -> str:
+    """The whole page; ``figures`` are file names under ``out`` (plots.draw_all), embedded.
+    ``headline``: the before/after result, shown first (None: no eval folder among the inputs)."""
+    headline = headline or Headline(note="no eval folder (one holding an eval.json) among the inputs")
     nav = "".join(f'<a href="#{a}">{n}</a>' for a, n in (
-        ("accuracy", "Accuracy"), ("correction", "Corrections"), ("q", "Q per strategy"),
+        ("result", "Result"), ("accuracy", "Accuracy"), ("correction", "Corrections"), ("q", "Q per strategy"),
         ("bonus", "Bonus per transition"), ("episodes", "Episodes"), ("more", "More"), ("inputs", "Inputs")))
     inputs = ", ".join(f"<code>{html.escape(s)}</code>" for s in sources)
     body = [f'<h1>mlmt analyze</h1><p class="muted">From {inputs}. Every table is in <code>report.md</code> '
-            "next to this file.</p>", _banner(t), f"<nav>{nav}</nav>",
+            "next to this file.</p>", headline_html(headline, t), _banner(t), f"<nav>{nav}</nav>",
             _accuracy(t, out, figures), _correction(t, out, figures), _q_values(t, out, figures),
             _bonus_transitions(t, out, figures), _episodes(t, samples, texts), _more(t, out, figures), _inputs(t)]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"

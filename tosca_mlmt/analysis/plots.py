@@ -1,7 +1,9 @@
 """PNG figures for ``mlmt analyze``, one function per figure: table in, file out.
 
 Figures are drawn on matplotlib's Agg canvas directly (no pyplot): no display is needed
-and no global figure state leaks between calls.
+and no global figure state leaks between calls. Every per-snapshot figure has one panel per
+source (training batches, held-out evals), titled with what a point is (``captions.panel_title``):
+no figure pools the two or joins them into one line.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from tosca_mlmt.analysis import curves
+from tosca_mlmt.analysis.captions import titles
 from tosca_mlmt.analysis.curves import TRANSITION_COLOURS, save_png as _save
-from tosca_mlmt.analysis.tables import EVAL, PLURAL, TRAIN, Tables
+from tosca_mlmt.analysis.tables import EVAL, PLURAL, TRAIN, Tables, focus_snapshot
 
 SNAPSHOT_AXIS = "snapshot # (oldest first)"
 
@@ -22,12 +25,25 @@ def _integer_x(ax) -> None:
     ax.xaxis.get_major_locator().set_params(integer=True)
 
 
-def accuracy_per_turn(acc: pd.DataFrame, snapshots: pd.DataFrame, path: Path) -> Path:
+def _present(table: pd.DataFrame, snapshots: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """``table`` with each row's source, and the sources it has, training batches first."""
+    table = table.merge(snapshots[["order", "source"]], on="order") if "source" not in table else table
+    return table, [s for s in (TRAIN, EVAL) if (table["source"] == s).any()]
+
+
+def _one_snapshot_axis(ax, orders: pd.Series) -> None:
+    if orders.nunique() == 1:  # one eval: centre it instead of a hair-thin autoscaled axis
+        ax.set_xlim(orders.iloc[0] - 1, orders.iloc[0] + 1)
+
+
+def accuracy_per_turn(acc: pd.DataFrame, snapshots: pd.DataFrame, path: Path,
+                      panel: dict[str, str] | None = None) -> Path:
     """Accuracy per solver attempt with 95 % bootstrap intervals, training batches and held-out
     evals in separate panels: sampled training episodes and greedy test episodes measure
-    different things, and one line through both would read as a trend that is not there."""
-    acc = acc.merge(snapshots[["order", "source"]], on="order")
-    sources = [s for s in (TRAIN, EVAL) if (acc["source"] == s).any()]
+    different things, and one line through both would read as a trend that is not there.
+    ``panel``: title per source (what a point is); default the source's name."""
+    acc, sources = _present(acc, snapshots)
+    panel = panel or {}
     fig = Figure(figsize=(5.5 * len(sources) + 0.5, 4), layout="constrained")
     axes = fig.subplots(1, len(sources), sharey=True, squeeze=False)[0]
     for ax, source in zip(axes, sources):
@@ -37,10 +53,9 @@ def accuracy_per_turn(acc: pd.DataFrame, snapshots: pd.DataFrame, path: Path) ->
             ax.errorbar(g["order"], g["accuracy"], yerr=[g["accuracy"] - g["lo"], g["hi"] - g["accuracy"]],
                         fmt="none", ecolor=line.get_color(), capsize=3, lw=1)
         orders = acc.loc[acc["source"] == source, "order"]
-        n = int(orders.nunique())
-        if n == 1:  # one eval: centre it instead of a hair-thin autoscaled axis
-            ax.set_xlim(orders.iloc[0] - 1, orders.iloc[0] + 1)
-        ax.set(xlabel=SNAPSHOT_AXIS, title=f"{PLURAL[source]} ({n} snapshot{'s' * (n != 1)})", ylim=(-0.02, 1.02))
+        _one_snapshot_axis(ax, orders)
+        ax.set(xlabel=SNAPSHOT_AXIS, ylim=(-0.02, 1.02))
+        ax.set_title(panel.get(source, PLURAL[source]), fontsize=9)
         _integer_x(ax)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -48,75 +63,101 @@ def accuracy_per_turn(acc: pd.DataFrame, snapshots: pd.DataFrame, path: Path) ->
     return _save(fig, path)
 
 
-def correction_matrix(pooled: pd.DataFrame, per_snapshot: pd.DataFrame, snapshots: pd.DataFrame, path: Path) -> Path:
-    """Left: the pooled 2x2 matrix; right: the four cells' rates per snapshot, stacked to 1."""
-    fig = Figure(figsize=(11, 4), layout="constrained")
-    left, right = fig.subplots(1, 2, width_ratios=[1, 1.8])
-    cells = pooled.set_index(["turn1", "final"])
+def correction_matrix(per_snapshot: pd.DataFrame, snapshots: pd.DataFrame, path: Path,
+                      panel: dict[str, str] | None = None) -> Path:
+    """Left: the 2x2 matrix of one snapshot (``tables.focus_snapshot``: the newest held-out eval,
+    else the newest snapshot); right: the four cells' rates per snapshot, stacked to 1, one panel
+    per source. No panel pools snapshots: counts of a sampled batch and of a greedy eval do not add."""
+    per_snapshot, sources = _present(per_snapshot, snapshots)
+    panel = panel or {}
+    fig = Figure(figsize=(4.5 + 5 * len(sources), 4), layout="constrained")
+    left, *rights = fig.subplots(1, 1 + len(sources), width_ratios=[1] + [1.4] * len(sources))
+    focus = focus_snapshot(snapshots, per_snapshot["order"])
+    one = per_snapshot[per_snapshot["order"] == focus]
+    cells = one.set_index(["turn1", "final"])
     labels = ["right", "wrong"]
     left.imshow([[cells.at[(a, b), "count"] for b in labels] for a in labels], cmap="Blues")
     for i, a in enumerate(labels):
         for j, b in enumerate(labels):
             left.text(j, i, f"{cells.at[(a, b), 'count']}\n({cells.at[(a, b), 'rate']:.1%})", ha="center",
                       va="center", bbox={"facecolor": "white", "alpha": 0.7, "lw": 0})
-    left.set(xticks=[0, 1], yticks=[0, 1], xticklabels=labels, yticklabels=labels,
-             xlabel="final", ylabel="turn 1", title="All snapshots")
-    rates = per_snapshot.assign(cell=per_snapshot["turn1"] + "_to_" + per_snapshot["final"]).pivot(
-        index="order", columns="cell", values="rate")
-    bottom = pd.Series(0.0, index=rates.index)
-    # right->right at the bottom, wrong->wrong on top: the two middle bands are the corrections
-    for cell in ("right_to_right", "wrong_to_right", "right_to_wrong", "wrong_to_wrong"):
-        right.bar(rates.index, rates[cell], bottom=bottom, color=TRANSITION_COLOURS[cell],
-                  label=cell.replace("_to_", " → "))
-        bottom += rates[cell]
-    source = snapshots.set_index("order")["source"]
-    right.set_xticks(rates.index, [f"{o}\n{'eval' if source[o] == EVAL else 'train'}" for o in rates.index],
-                     fontsize=7 if len(rates) > 12 else 9)
-    right.set(xlabel=SNAPSHOT_AXIS, ylabel="fraction of episodes", ylim=(0, 1),
-              title="Turn 1 → final per snapshot")
-    right.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    kind = "held-out eval" if one["source"].iloc[0] == EVAL else "training batch"
+    left.set(xticks=[0, 1], yticks=[0, 1], xticklabels=labels, yticklabels=labels, xlabel="final", ylabel="turn 1")
+    left.set_title(f"{kind} #{focus} (n = {int(one['count'].sum())} episodes)", fontsize=9)
+    for right, source in zip(rights, sources):
+        rates = per_snapshot[per_snapshot["source"] == source]
+        rates = rates.assign(cell=rates["turn1"] + "_to_" + rates["final"]).pivot(
+            index="order", columns="cell", values="rate")
+        bottom = pd.Series(0.0, index=rates.index)
+        # right->right at the bottom, wrong->wrong on top: the two middle bands are the corrections
+        for cell in ("right_to_right", "wrong_to_right", "right_to_wrong", "wrong_to_wrong"):
+            right.bar(rates.index, rates[cell], bottom=bottom, color=TRANSITION_COLOURS[cell],
+                      label=cell.replace("_to_", " → "))
+            bottom += rates[cell]
+        _one_snapshot_axis(right, pd.Series(rates.index))
+        right.set(xlabel=SNAPSHOT_AXIS, ylabel="fraction of episodes", ylim=(0, 1))
+        right.set_title(panel.get(source, PLURAL[source]), fontsize=9)
+        _integer_x(right)
+    rights[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, path)
 
 
-def strategies(strat: pd.DataFrame, path: Path) -> Path:
-    """Left: share of feedback turns per strategy (stacked); right: its mean improvement."""
-    fig = Figure(figsize=(11, 4), layout="constrained")
-    left, right = fig.subplots(1, 2)
-    share = strat.pivot(index="order", columns="strategy", values="share").fillna(0.0)
-    bottom = pd.Series(0.0, index=share.index)
-    for name in share.columns:
-        left.bar(share.index, share[name], bottom=bottom, label=name)
-        bottom += share[name]
-    left.set(xlabel=SNAPSHOT_AXIS, ylabel="share of feedback turns", title="Strategy distribution")
-    for name, g in strat.groupby("strategy"):
-        right.plot(g["order"], g["mean_improvement"], marker="o", label=name)
-    right.axhline(0.0, color="grey", lw=0.8)
-    right.set(xlabel=SNAPSHOT_AXIS, ylabel="mean r_final - r1", title="Strategy value")
-    for ax in (left, right):
-        _integer_x(ax)
-        ax.legend(fontsize=8)
+def _colours(names) -> dict[str, str]:
+    """One colour per strategy across every panel of a figure."""
+    return {n: f"C{i % 10}" for i, n in enumerate(sorted(set(names)))}
+
+
+def strategies(strat: pd.DataFrame, snapshots: pd.DataFrame, path: Path, panel: dict[str, str] | None = None) -> Path:
+    """Per source, a row of two panels. Left: share of feedback turns per strategy (stacked);
+    right: its mean improvement."""
+    strat, sources = _present(strat, snapshots)
+    panel, colour = panel or {}, _colours(strat["strategy"])
+    fig = Figure(figsize=(11, 3.6 * len(sources) + 0.4), layout="constrained")
+    for (left, right), source in zip(fig.subplots(len(sources), 2, squeeze=False), sources):
+        g = strat[strat["source"] == source]
+        share = g.pivot(index="order", columns="strategy", values="share").fillna(0.0)
+        bottom = pd.Series(0.0, index=share.index)
+        for name in share.columns:
+            left.bar(share.index, share[name], bottom=bottom, label=name, color=colour[name])
+            bottom += share[name]
+        left.set(xlabel=SNAPSHOT_AXIS, ylabel="share of feedback turns")
+        for name, s in g.groupby("strategy"):
+            right.plot(s["order"], s["mean_improvement"], marker="o", label=name, color=colour[name])
+        right.axhline(0.0, color="grey", lw=0.8)
+        right.set(xlabel=SNAPSHOT_AXIS, ylabel="mean r_final - r1")
+        left.set_title(f"Strategy distribution, {panel.get(source, PLURAL[source])}", fontsize=9)
+        right.set_title(f"Strategy value, {PLURAL[source]}", fontsize=9)
+        for ax in (left, right):
+            _one_snapshot_axis(ax, g["order"])
+            _integer_x(ax)
+            ax.legend(fontsize=8)
     return _save(fig, path)
 
 
-def strategy_by_correctness(sc: pd.DataFrame, path: Path) -> Path:
+def strategy_by_correctness(sc: pd.DataFrame, snapshots: pd.DataFrame, path: Path,
+                            panel: dict[str, str] | None = None) -> Path:
     """Each strategy's share of the feedback after a right attempt (solid) and after a wrong one
-    (dashed), per snapshot, in one colour per strategy: lines that sit on each other say the writer's
-    choice ignores whether the attempt was right."""
-    fig = Figure(figsize=(7, 4), layout="constrained")
-    ax = fig.subplots()
-    for name, g in sc.groupby("strategy"):
-        colour = None
-        for after, style in (("right", "-"), ("wrong", "--")):
-            s = g[g["after"] == after]
-            if len(s):
-                line, = ax.plot(s["order"], s["share"], ls=style, marker="o", color=colour,
-                                label=f"{name} after {after}")
-                colour = line.get_color()
-    ax.set(xlabel=SNAPSHOT_AXIS, ylabel="share of the feedback", ylim=(-0.02, 1.02),
-           title="Writer's choice after right (solid) and wrong (dashed) attempts")
-    _integer_x(ax)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    (dashed), per snapshot, in one colour per strategy, one panel per source: lines that sit on
+    each other say the writer's choice ignores whether the attempt was right."""
+    sc, sources = _present(sc, snapshots)
+    panel, colour = panel or {}, _colours(sc["strategy"])
+    fig = Figure(figsize=(2 + 5.5 * len(sources), 4.2), layout="constrained")
+    axes = fig.subplots(1, len(sources), sharey=True, squeeze=False)[0]
+    for ax, source in zip(axes, sources):
+        for name, g in sc[sc["source"] == source].groupby("strategy"):
+            for after, style in (("right", "-"), ("wrong", "--")):
+                s = g[g["after"] == after]
+                if len(s):
+                    ax.plot(s["order"], s["share"], ls=style, marker="o", color=colour[name],
+                            label=f"{name} after {after}")
+        ax.set(xlabel=SNAPSHOT_AXIS, ylim=(-0.02, 1.02))
+        ax.set_title(panel.get(source, PLURAL[source]), fontsize=9)
+        _one_snapshot_axis(ax, sc.loc[sc["source"] == source, "order"])
+        _integer_x(ax)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("share of the feedback")
+    axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle("Writer's choice after right (solid) and wrong (dashed) attempts")
     return _save(fig, path)
 
 
@@ -137,15 +178,20 @@ def bonus(bonus_table: pd.DataFrame, path: Path) -> Path:
 
 
 def feedback_length(fl: pd.DataFrame, path: Path) -> Path:
-    fig = Figure(figsize=(7, 4), layout="constrained")
-    ax = fig.subplots()
-    x = list(range(len(fl)))
-    ax.bar([i - 0.2 for i in x], fl["final_accuracy"], width=0.4, label="final accuracy")
-    ax.bar([i + 0.2 for i in x], fl["mean_improvement"], width=0.4, label="mean r_final - r1")
-    ax.axhline(0.0, color="grey", lw=0.8)
-    ax.set_xticks(x, [f"{t}\nn={n}" for t, n in zip(fl["tokens"], fl["feedback_turns"])])
-    ax.set(xlabel="feedback length (tokens)", title="Feedback length vs outcome")
-    ax.legend()
+    """One panel per source (``fl`` has a ``source`` column): its feedback turns by length bucket."""
+    sources = [s for s in (TRAIN, EVAL) if (fl["source"] == s).any()]
+    fig = Figure(figsize=(1 + 6 * len(sources), 4), layout="constrained")
+    for ax, source in zip(fig.subplots(1, len(sources), squeeze=False)[0], sources):
+        g = fl[fl["source"] == source]
+        x = list(range(len(g)))
+        ax.bar([i - 0.2 for i in x], g["final_accuracy"], width=0.4, label="final accuracy")
+        ax.bar([i + 0.2 for i in x], g["mean_improvement"], width=0.4, label="mean r_final - r1")
+        ax.axhline(0.0, color="grey", lw=0.8)
+        ax.set_xticks(x, [f"{t}\nn={n}" for t, n in zip(g["tokens"], g["feedback_turns"])])
+        ax.set(xlabel="feedback length (tokens)")
+        ax.set_title(f"{PLURAL[source]}: {g['feedback_turns'].sum()} feedback turns", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.suptitle("Feedback length vs outcome")
     return _save(fig, path)
 
 
@@ -159,21 +205,21 @@ def draw_all(t: Tables, out: Path) -> dict[str, str]:
         drawn = curves.learning_curves(g, f"{run}: {level}", out / f"curves-{i:02d}-{level}.png")
         if drawn is not None:
             files[f"curves:{run}:{level}"] = drawn.name
+    panel = titles(t.sources)
     if len(t.accuracy):
-        files["accuracy"] = accuracy_per_turn(t.accuracy, t.snapshots, out / "accuracy_per_turn.png").name
+        files["accuracy"] = accuracy_per_turn(t.accuracy, t.snapshots, out / "accuracy_per_turn.png", panel).name
     if len(t.correction):
-        files["correction"] = correction_matrix(t.correction_all, t.correction, t.snapshots,
-                                                out / "correction_matrix.png").name
+        files["correction"] = correction_matrix(t.correction, t.snapshots, out / "correction_matrix.png", panel).name
     if len(t.q_values):
         files["q_values"] = curves.q_per_strategy(t.q_values, out / "q_per_strategy.png").name
     if len(t.bonus_transitions):
         files["bonus_transitions"] = curves.bonus_per_transition(t.bonus_transitions,
                                                                  out / "bonus_per_transition.png").name
     if len(t.strategies):
-        files["strategies"] = strategies(t.strategies, out / "strategies.png").name
+        files["strategies"] = strategies(t.strategies, t.snapshots, out / "strategies.png", panel).name
     if len(t.strategy_correctness):
-        files["strategy_correctness"] = strategy_by_correctness(t.strategy_correctness,
-                                                                out / "strategy_by_correctness.png").name
+        files["strategy_correctness"] = strategy_by_correctness(t.strategy_correctness, t.snapshots,
+                                                                out / "strategy_by_correctness.png", panel).name
     if len(t.bonus):
         files["bonus"] = bonus(t.bonus, out / "bonus_vs_correctness.png").name
     if len(t.feedback_length):

@@ -2,7 +2,8 @@
 
 A run folder has ``metrics.jsonl`` and/or ``snapshots/``; its files are found at any depth
 (a joint run nests its stages), snapshots by their folder name ``snap-<hash>`` (ids are
-content hashes, and the folder is named by its id). Every snapshot's manifest is read
+content hashes, and the folder is named by its id), eval folders (``mlmt eval --out``) by
+their ``eval.json``. Every snapshot's manifest is read
 first, so an unknown format version is refused before any data is loaded.
 """
 
@@ -17,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from tosca_mlmt.analysis.headline import EvalInput
 from tosca_mlmt.errors import MlmtError, SnapshotError
 from tosca_mlmt.samples import BONUS_KEYS
 from tosca_mlmt.snapshot import read_manifest
@@ -32,6 +34,7 @@ TURN_COLUMNS = ["snapshot", "episode_id", "problem_id", "turn_index", "round", "
 class Sources:
     metrics: dict[str, Path] = field(default_factory=dict)  # run label -> metrics.jsonl
     snapshots: dict[str, tuple[Path, dict]] = field(default_factory=dict)  # id -> (folder, manifest)
+    evals: list[Path] = field(default_factory=list)  # folders holding an eval.json, in argument order
 
 
 def _visible(path: Path, under: Path) -> bool:
@@ -64,6 +67,9 @@ def _add_run(src: Sources, run: Path) -> None:
         src.metrics[str(p.parent) if label in src.metrics else label] = p
     for folder in snaps:
         _add_snapshot(src, folder)
+    for p in sorted(p for p in run.rglob("eval.json") if _visible(p, run)):
+        if p.parent.resolve() not in {e.resolve() for e in src.evals}:
+            src.evals.append(p.parent)
 
 
 def resolve(args: list[str], root: Path) -> Sources:
@@ -102,6 +108,22 @@ def read_metrics(runs: dict[str, Path]) -> pd.DataFrame:
                 raise MlmtError(f"{path}:{i}: not valid JSON ({e})") from None
             rows.append({**rec, "run": run, "line": i})
     return pd.DataFrame(rows, columns=None if rows else ["run", "line"])
+
+
+def read_evals(src: Sources) -> list[EvalInput]:
+    """Each eval folder's eval.json, with its snapshot's creation time (which orders before and after)."""
+    out = []
+    for folder in src.evals:
+        path = folder / "eval.json"
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise MlmtError(f"{path}: unreadable ({e})") from None
+        if not isinstance(report, dict) or not isinstance(report.get("snapshot_id"), str):
+            raise MlmtError(f"{path}: has no snapshot_id (not written by mlmt eval)")
+        snap = src.snapshots.get(report["snapshot_id"])
+        out.append(EvalInput(str(folder), report, snap[1].get("created_at", "") if snap else ""))
+    return out
 
 
 # ---------------------------------------------------------------------- snapshots

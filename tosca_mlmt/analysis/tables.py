@@ -9,7 +9,8 @@ Inputs (``sources`` reads them):
   format version: ``snapshot``, ``episode_id``, ``problem_id``, ``turn_index``, ``round``, ``role``,
   ``kind``, ``reward``, ``correct`` (bool), ``response_len``, ``strategy_name``.
   ``compute_tables`` adds ``order``, the snapshot's position oldest first, and every
-  per-snapshot table is sorted by it.
+  per-snapshot table is sorted by it; and ``source`` (training batch or held-out eval): no table
+  pools snapshots of the two.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ SNAPSHOT_KEYS = ["order", "snapshot", "episode_id"]
 # different question than the sampled batches training collects, so no figure puts them on one line.
 TRAIN, EVAL = "training batch", "held-out eval"
 PLURAL = {TRAIN: "training batches", EVAL: "held-out evals"}
+SOURCE_ORDER = {TRAIN: 0, EVAL: 1}  # panels and rows: training first, then the evals that measure it
 # lower/bonus/<transition>/mean (lower/stats.py): the four kinds of correction a refine made
 TRANSITIONS = ["right_to_right", "right_to_wrong", "wrong_to_right", "wrong_to_wrong"]
 # resamples per accuracy interval: enough for a figure's band, cheap over hundreds of snapshots
@@ -51,25 +53,25 @@ class Tables:
     bonus: pd.DataFrame  # bonus_vs_correctness
     accuracy: pd.DataFrame  # accuracy_per_turn
     correction: pd.DataFrame  # correction_matrix per snapshot
-    correction_all: pd.DataFrame  # correction_matrix pooled over every snapshot
     strategies: pd.DataFrame  # strategy_over_time
     strategy_correctness: pd.DataFrame  # strategy_by_correctness
-    feedback_length: pd.DataFrame  # feedback_length_outcome
+    feedback_length: pd.DataFrame  # feedback_length_outcome (per source)
+    sources: pd.DataFrame  # source_summary: what a point of each source is
 
 
 def compute_tables(records: pd.DataFrame, manifests: list[dict], turns: pd.DataFrame) -> Tables:
     snapshots = snapshot_index(manifests)
-    turns = turns.merge(snapshots[["order", "snapshot"]], on="snapshot")
+    turns = turns.merge(snapshots[["order", "snapshot", "source"]], on="snapshot")
     outcomes = episode_outcomes(turns)
     curves = learning_curves(records)
+    accuracy = accuracy_per_turn(turns)
     return Tables(
         runs=records.groupby("run", sort=False).size().rename("records").reset_index(),
         snapshots=snapshots, outcomes=outcomes, curves=curves, q_values=metric_family(curves, "q/"),
         bonus_transitions=bonus_per_transition(curves), bonus=bonus_vs_correctness(curves),
-        accuracy=accuracy_per_turn(turns), correction=correction_matrix(outcomes),
-        correction_all=correction_matrix(outcomes.assign(order=0, snapshot="all")),
+        accuracy=accuracy, correction=correction_matrix(outcomes),
         strategies=strategy_over_time(turns, outcomes), strategy_correctness=strategy_by_correctness(turns),
-        feedback_length=feedback_length_outcome(turns, outcomes))
+        feedback_length=feedback_length_outcome(turns, outcomes), sources=source_summary(snapshots, accuracy))
 
 
 # ---------------------------------------------------------------------- run metrics
@@ -160,13 +162,56 @@ def snapshot_index(manifests: list[dict]) -> pd.DataFrame:
         "kind": m.get("kind", ""), "format_version": m["format_version"],
         "episodes": m.get("rows", {}).get("episodes"),
         "source": EVAL if (m.get("task") or {}).get("split") == "test" else TRAIN,
+        "temperature": solve_temperature(m),
         # "privileged:..." when the writer saw the verifier (episode.writer_sees/feedback: verdict);
         # snapshots from before the label existed were all honest
         "environment": (m.get("summary") or {}).get("environment", "honest")} for m in manifests],
-        columns=["snapshot", "created_at", "iteration", "kind", "format_version", "episodes", "source", "environment"])
+        columns=["snapshot", "created_at", "iteration", "kind", "format_version", "episodes", "source", "temperature",
+                 "environment"])
     df["iteration"] = df["iteration"].astype("Int64")
+    df["temperature"] = df["temperature"].astype(float)
     df = df.sort_values(["created_at", "iteration", "snapshot"], na_position="last").reset_index(drop=True)
     return df.rename_axis("order").reset_index()
+
+
+def solve_temperature(manifest: dict) -> float | None:
+    """The solver's turn-1 temperature of a snapshot's episodes (0 = greedy): a collect's
+    ``collect.solve_temperature`` where it set one (>= 0), else the manifest's solver sampling
+    (train-lower's batches always sample at it). None for a manifest that records neither."""
+    t = ((manifest.get("sampling") or {}).get("solver") or {}).get("temperature")
+    override = (((manifest.get("config") or {}).get("collect") or {}).get("solve_temperature"))
+    if manifest.get("kind") == "collect" and isinstance(override, (int, float)) and override >= 0:
+        t = override
+    return None if t is None else float(t)
+
+
+def source_summary(snapshots: pd.DataFrame, accuracy: pd.DataFrame) -> pd.DataFrame:
+    """What one point of each source's per-snapshot figures stands for: per source (training batch,
+    held-out eval) the number of snapshots, the range of episodes and problems per snapshot, and the
+    solver's turn-1 temperatures (NaN dropped). Captions and panel titles are written from it."""
+    cols = ["source", "snapshots", "episodes_min", "episodes_max", "problems_min", "problems_max", "temperatures"]
+    first = accuracy[accuracy["attempt"] == 1].merge(snapshots[["order", "source", "temperature"]], on="order")
+    rows = [(src, g["order"].nunique(), int(g["episodes"].min()), int(g["episodes"].max()),
+             int(g["problems"].min()), int(g["problems"].max()), tuple(sorted(g["temperature"].dropna().unique())))
+            for src, g in first.groupby("source")]
+    return by_source(pd.DataFrame(rows, columns=cols))
+
+
+def by_source(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows of training batches first, then held-out evals (each group's order kept)."""
+    return df.sort_values("source", key=lambda s: s.map(SOURCE_ORDER), kind="stable").reset_index(drop=True)
+
+
+def focus_snapshot(snapshots: pd.DataFrame, among=None) -> int | None:
+    """The ``order`` of the snapshot a report shows on its own (sample episodes, the 2 x 2
+    correction grid): the newest held-out eval, else the newest snapshot; only those whose order is
+    in ``among`` (the snapshots a table has rows for) when given; None without any."""
+    if among is not None:
+        snapshots = snapshots[snapshots["order"].isin(set(among))]
+    if not len(snapshots):
+        return None
+    evals = snapshots.loc[snapshots["source"] == EVAL, "order"]
+    return int(evals.max() if len(evals) else snapshots["order"].max())
 
 
 def episode_outcomes(turns: pd.DataFrame) -> pd.DataFrame:
@@ -185,9 +230,7 @@ def sample_episodes(outcomes: pd.DataFrame, snapshots: pd.DataFrame) -> pd.DataF
     cols = ["order", "snapshot", "episode_id", "cell"]
     if not len(outcomes):
         return pd.DataFrame(columns=cols)
-    evals = snapshots.loc[snapshots["source"] == EVAL, "order"]
-    newest = evals.max() if len(evals) else outcomes["order"].max()
-    eps = outcomes[outcomes["order"] == newest].sort_values("episode_id")
+    eps = outcomes[outcomes["order"] == focus_snapshot(snapshots, outcomes["order"])].sort_values("episode_id")
     eps = eps.assign(cell=np.where(eps["correct_t1"], "right", "wrong") + " → "
                      + np.where(eps["correct_final"], "right", "wrong"))
     picked = [eps[eps["cell"] == c].head(1) for c in ("wrong → right", "right → wrong", "wrong → wrong",
@@ -262,15 +305,16 @@ def _length_edges(max_len: int) -> list[int]:
 
 
 def feedback_length_outcome(turns: pd.DataFrame, outcomes: pd.DataFrame) -> pd.DataFrame:
-    """Feedback turns pooled over every snapshot, bucketed by length in tokens
-    (``len(response_ids)``): how many, their episodes' final accuracy and mean improvement."""
+    """Feedback turns per source (training batches, held-out evals: never pooled together), over
+    that source's snapshots, bucketed by length in tokens (``len(response_ids)``): how many, their
+    episodes' final accuracy and mean improvement."""
     fb = turns[turns["kind"] == "feedback"].merge(outcomes, on=SNAPSHOT_KEYS)
     edges = np.array(_length_edges(int(fb["response_len"].max()) if len(fb) else 0))
     i = np.searchsorted(edges, fb["response_len"].to_numpy(), side="right") - 1
     out = (fb.assign(lo=edges[i], hi=edges[i + 1] - 1, final_correct=fb["correct_final"].astype(float),
                      improvement=fb["r_final"] - fb["r1"])
-           .groupby(["lo", "hi"])
+           .groupby(["source", "lo", "hi"])
            .agg(feedback_turns=("episode_id", "size"), final_accuracy=("final_correct", "mean"),
                 mean_improvement=("improvement", "mean")).reset_index())
-    out.insert(0, "tokens", out["lo"].astype(str) + "-" + out["hi"].astype(str))
-    return out.drop(columns=["lo", "hi"])
+    out.insert(1, "tokens", out["lo"].astype(str) + "-" + out["hi"].astype(str))
+    return by_source(out.drop(columns=["lo", "hi"]))

@@ -165,7 +165,9 @@ class TaskConfig(Section):
     # ---- any task
     reward: str = knob("", "A reward function 'module:function' or 'path/to/file.py:function', "
                            "fn(problem, response_text) -> bool | float | Verdict, that replaces the task's score "
-                           "(the task still extracts the answer). A call that raises or returns anything else "
+                           "(the task still extracts the answer). With a 'context' parameter it also sees the turn, "
+                           "round, previous attempt and feedback, and may log_metric() (logged as reward/<name>); "
+                           "marked @batched it scores a turn's batch in one call. A call that raises or returns anything else "
                            "scores 0 and is counted (collect summary: reward_errors); it never stops a run. Imported "
                            "when the config loads: a missing file, module or function is refused then.",
                        rule=OBJECT_PATH_OR_EMPTY)

@@ -8,7 +8,8 @@
 * the tokenizer, so the folder (and what ``mlmt export`` makes of it) decodes on its own;
 * ``tosca_mlmt.json``: role, base reference and fingerprint, stage, config hash, source
   snapshots and eval numbers, machine-readable (``mlmt export`` reads it);
-* ``README.md``: a model card from the same facts, instead of peft's empty template.
+* ``README.md``: a model card from the same facts, instead of peft's empty template (its Evaluation
+  and Prompt format sections: models/card_sections.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Callable
 from tosca_mlmt import __version__
 from tosca_mlmt.errors import ModelError
 from tosca_mlmt.fsutil import atomic_write_text
+from tosca_mlmt.models.card_sections import evaluation_lines, prompt_lines
 from tosca_mlmt.models.hub import hub_id_of, split_id
 from tosca_mlmt.models.loading import DEBUG, EMBEDDED, resolve_model
 
@@ -167,10 +169,6 @@ def card_fields(info: dict) -> dict:
     return {k: v for k, v in out.items() if v not in (None, [], {})}
 
 
-def _fmt(v) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-
 def render_card(meta: dict, merged: bool = False) -> str:
     """README.md for a saved adapter (``merged=False``) or an exported merged model."""
     role, ref, rev = meta.get("role", "solver"), meta.get("base", "?"), meta.get("base_revision")
@@ -206,13 +204,10 @@ def render_card(meta: dict, merged: bool = False) -> str:
     if snaps:
         more = f" and {len(snaps) - SNAPSHOTS_SHOWN} more (all in {META_FILE})" if len(snaps) > SNAPSHOTS_SHOWN else ""
         lines.append("- source snapshots: " + ", ".join(f"`{s}`" for s in snaps[:SNAPSHOTS_SHOWN]) + more)
-    lines += ["", "## Evaluation", ""]
-    if meta.get("eval"):
-        lines += [f"From {meta.get('eval_source') or 'the training run'}:", "", "| metric | value |", "|---|---|"]
-        lines += [f"| {k} | {_fmt(v)} |" for k, v in meta["eval"].items()]
-    else:
-        lines.append("No evaluation recorded with this folder; measure it with `mlmt eval`.")
-    lines += ["", "## How to load", ""] + (_load_merged(role) if merged else _load_adapter(role, ref, rev, hub))
+    lines += ["", *evaluation_lines(meta, merged)]
+    if merged and meta.get("prompt_format"):
+        lines += prompt_lines(meta["prompt_format"])
+    lines += ["## How to load", ""] + (_load_merged(role) if merged else _load_adapter(role, ref, rev, hub))
     return "\n".join(lines) + "\n"
 
 

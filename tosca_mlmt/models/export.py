@@ -8,9 +8,12 @@ before the final cast.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from tosca_mlmt.errors import ModelError
 from tosca_mlmt.fsutil import atomic_dir
@@ -20,6 +23,28 @@ from tosca_mlmt.models.loading import stored_weights_sha, weights_fingerprint
 ROLES = ("solver", "writer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WRITER_EXTRAS = ("strategies.json", "q_head.safetensors")  # kept beside the weights; transformers ignores them
+
+
+@dataclass
+class Merged:
+    """What ``export_merged``'s ``card`` hook computes the card's extra facts from."""
+
+    folder: Path  # the adapter folder
+    role: str
+    tokenizer: object  # the exported tokenizer (its chat template is the one training rendered)
+    eos_ids: list[int]  # as PolicyPair.eos_ids gives them: the generation config's, then the tokenizer's
+    fingerprints: Callable[[], dict]  # the exported weights as an eval snapshot fingerprints its models
+
+
+def adapter_fingerprints(folder: Path, role: str, base_sha: Callable[[], str]) -> dict:
+    """``PolicyPair.fingerprint(role)`` of an adapter folder loaded on a base whose stored weights hash to
+    ``base_sha()``, less the machine path: what an eval's snapshot records of the weights it ran."""
+    from safetensors.torch import load_file
+
+    fp = {"base_sha": base_sha(), "adapter_sha": weights_fingerprint(load_file(folder / "adapter_model.safetensors"))}
+    if role == "writer" and (folder / "q_head.safetensors").exists():
+        fp["q_head_sha"] = weights_fingerprint(load_file(folder / "q_head.safetensors"))
+    return fp
 
 
 def adapter_folder(path: Path, role: str | None) -> tuple[Path, str]:
@@ -41,9 +66,10 @@ def adapter_folder(path: Path, role: str | None) -> tuple[Path, str]:
 
 
 def export_merged(adapter: str | Path, out: str | Path, role: str | None = None, base: str | None = None,
-                  dtype: str = "auto") -> dict:
+                  dtype: str = "auto", card: Callable[[Merged], dict] | None = None) -> dict:
     """Merge ``adapter`` into its base (recorded in the folder, or ``base``) and write the
-    model to ``out``. Returns the metadata written to ``out/tosca_mlmt.json``."""
+    model to ``out``. Returns the metadata written to ``out/tosca_mlmt.json``; ``card`` adds to it
+    (held-out evals, the prompt format: pipelines/model_card.py), and the card renders it."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -55,7 +81,8 @@ def export_merged(adapter: str | Path, out: str | Path, role: str | None = None,
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ModelError(f"{out} exists and is not an empty folder; choose another --out")
     base_path = resolve_base(folder, base)
-    check_base(folder, base or _recorded_base(folder), base_path, lambda: stored_weights_sha(base_path))
+    base_sha = functools.cache(lambda: stored_weights_sha(base_path))  # an 8B base is hashed once, if at all
+    check_base(folder, base or _recorded_base(folder), base_path, base_sha)
     # what the base was saved in is the default output dtype (the loaded config says float32 now)
     stored_cfg = json.loads((base_path / "config.json").read_text())
     stored = stored_cfg.get("dtype") or stored_cfg.get("torch_dtype") or "float32"
@@ -76,6 +103,12 @@ def export_merged(adapter: str | Path, out: str | Path, role: str | None = None,
     meta.setdefault("base", _recorded_base(folder))
     if base:  # a local --base is named by its folder name only: no machine path in the card
         meta["base_at_export"] = base if not Path(base).expanduser().is_absolute() else Path(base).name
+    if card is not None:
+        eos = merged.generation_config.eos_token_id
+        eos = [i for i in (list(eos) if isinstance(eos, (list, tuple)) else [eos]) if i is not None]
+        eos += [tok.eos_token_id] if tok.eos_token_id is not None and tok.eos_token_id not in eos else []
+        meta.update(card(Merged(folder, role, tok, eos, functools.cache(
+            lambda: adapter_fingerprints(folder, role, base_sha)))))
     with atomic_dir(out) as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)

@@ -78,6 +78,8 @@ def run(runner, problems, batch_index: int, firsts: list[int] | None = None) -> 
     first: dict[int, tuple] = {}  # problem -> its turn-1 prompt, in full and as the engine got it
     waiting: dict[int, tuple] = {}  # episode -> what its request in flight needs when it ends
     ready: list[tuple[int, int]] = []  # (episode, round) whose strategy is to be chosen
+    ended: list[tuple] = []  # (episode, solver turn) the engine step being handled finished, not yet scored
+    twins: list[tuple] = []  # (episode, refine turn, generation): the counterfactuals that step finished
     t_engine = 0.0
 
     def submit(tag, prompt, params, role):
@@ -122,7 +124,8 @@ def run(runner, problems, batch_index: int, firsts: list[int] | None = None) -> 
             prompt, seen = first[j]
             for k in (range(n) if solve.greedy else (r,)):
                 e = j * n + k
-                contexts[e] = runner.record_solve(episodes[e], prompt, seen, g)
+                contexts[e] = runner.record_solve(episodes[e], prompt, seen, g, score=False)
+                ended.append((episodes[e], episodes[e].turns[-1]))
                 runner.gen_tokens += len(g.token_ids)
                 if rounds:
                     ready.append((e, 1))
@@ -136,7 +139,8 @@ def run(runner, problems, batch_index: int, firsts: list[int] | None = None) -> 
             refine(j, r)
         elif kind == "refine":
             prompt, seen, span = waiting.pop(j)
-            contexts[j] = runner.record_refine(episodes[j], r, prompt, seen, g, span)
+            contexts[j] = runner.record_refine(episodes[j], r, prompt, seen, g, span, score=False)
+            ended.append((episodes[j], episodes[j].turns[-1]))
             if cfg.episode.counterfactual:
                 # the g-less twin of this refine; the episode's next round need not wait for it
                 submit(("counterfactual", j, episodes[j].turns[-1]), runner.cut_prompt(span.cut(prompt)),
@@ -144,7 +148,7 @@ def run(runner, problems, batch_index: int, firsts: list[int] | None = None) -> 
             if r < rounds:
                 ready.append((j, r + 1))
         else:  # counterfactual: r is the refine turn it belongs to
-            runner.record_counterfactual(episodes[j], r, g)
+            twins.append((episodes[j], r, g))
 
     try:
         while eng.streaming or ready:
@@ -157,6 +161,13 @@ def run(runner, problems, batch_index: int, firsts: list[int] | None = None) -> 
             t_engine += time.perf_counter() - t0
             for tag, g in done:
                 handle(tag, g)
+            # what this step finished is scored as one batch (a batched task.reward runs once per step),
+            # before the next planning reads the verdicts
+            runner.score_turns(ended)
+            if twins:
+                runner.record_counterfactuals(twins)
+            ended.clear()
+            twins.clear()
     finally:
         eng.abort_stream()  # after an error: nothing of this run may finish inside a later call
     runner.gen_seconds += t_engine

@@ -31,7 +31,8 @@ from tosca_mlmt.rollout.engines.stop import after_reasoning, final_text, thinkin
 from tosca_mlmt.rollout.gold import gold_continuation, gold_prob
 from tosca_mlmt.seeds import stream
 from tosca_mlmt.strategies import behaviour_distribution, sample_strategies
-from tosca_mlmt.tasks.base import Problem, Task
+from tosca_mlmt.tasks.base import Problem, Task, Verdict
+from tosca_mlmt.tasks.reward import RewardContext
 from tosca_mlmt.tasks.sandbox_values import clean_text
 
 
@@ -60,6 +61,42 @@ def new_episodes(problems: list[Problem], n: int, firsts: list[int] | None = Non
     """n episodes per problem, in order, numbered from ``firsts`` (default: first_samples of ``problems``)."""
     firsts = first_samples(problems, n) if firsts is None else firsts
     return [Episode(f"{p.id}/s{k}", p, k) for p, f in zip(problems, firsts, strict=True) for k in range(f, f + n)]
+
+
+def reward_context(ep: Episode, turn: Turn, kind: str, tags: list[str]) -> RewardContext:
+    """Where ``turn`` (a solver turn of ``ep``, appended or not) sits, for a task.reward function: the
+    turns before it give the previous attempt and the feedback it answered. A counterfactual is the
+    refine ``turn`` replayed without its feedback, so it gets the refine's place and no feedback."""
+    before = ep.turns[:turn.index]
+    attempts = [t for t in before if t.role == "solver"]
+    prev = attempts[-1] if attempts else None
+    fb = before[-1] if before and before[-1].kind == "feedback" and kind != "counterfactual" else None
+    return RewardContext(turn=len(attempts) + 1, round=turn.round, kind=kind,
+                         previous_response=None if prev is None else final_text(prev.text, tags),
+                         previous_reward=None if prev is None else prev.reward,
+                         previous_correct=None if prev is None else prev.correct,
+                         feedback=None if fb is None else fb.text, strategy=None if fb is None else fb.strategy_name,
+                         episode_id=ep.episode_id, sample=ep.sample)
+
+
+def verify_turns(task: Task, tags: list[str], items: list[tuple[Episode, Turn, str]],
+                 texts: list[str] | None = None) -> list[Verdict]:
+    """The verdicts of (episode, turn, kind) items on ``texts`` (default: what the verifier reads of each
+    turn's text): one ``verify_batch`` call where the task has one (task.reward's hook, which gets each
+    turn's RewardContext), else ``verify`` per item."""
+    texts = [final_text(t.text, tags) for _, t, _ in items] if texts is None else texts
+    batch = getattr(task, "verify_batch", None)
+    if batch is None:
+        return [task.verify(ep.problem, text) for (ep, _, _), text in zip(items, texts)]
+    return batch([ep.problem for ep, _, _ in items], texts, [reward_context(ep, t, k, tags) for ep, t, k in items])
+
+
+def apply_verdict(turn: Turn, v: Verdict) -> None:
+    turn.reward, turn.correct, turn.extracted = v.reward, v.correct, v.extracted
+    # Verifier text can be the model's own code's (a sandbox error): made valid UTF-8 (the tokenizer
+    # raises on lone surrogates) and bounded, so a flood cannot push the question out of the prompt.
+    fc = clean_text(v.feedback_context or "")
+    turn.info = dict(v.info, feedback_context=fc) if fc else dict(v.info)
 
 
 @dataclasses.dataclass
@@ -136,12 +173,14 @@ class EpisodeRunner:
         return self.policies.tokenizer("solver").decode(self.fmt["solver"].strip_eos(ids), skip_special_tokens=True)
 
     def _score(self, ep: Episode, turn: Turn) -> None:
-        v = self.task.verify(ep.problem, final_text(turn.text, self.tags))
-        turn.reward, turn.correct, turn.extracted = v.reward, v.correct, v.extracted
-        # Verifier text can be the model's own code's (a sandbox error): made valid UTF-8 (the tokenizer
-        # raises on lone surrogates) and bounded, so a flood cannot push the question out of the prompt.
-        fc = clean_text(v.feedback_context or "")
-        turn.info = dict(v.info, feedback_context=fc) if fc else dict(v.info)
+        """One solver turn scored alone (a batch of one: score_turns)."""
+        apply_verdict(turn, verify_turns(self.task, self.tags, [(ep, turn, turn.kind)])[0])
+
+    def score_turns(self, scored: list[tuple[Episode, Turn]]) -> None:
+        """Solver turns that ended together, scored together: a task with ``verify_batch`` (task.reward)
+        gets them in one call, so a batched reward function runs once per batch of turns."""
+        for (_, t), v in zip(scored, verify_turns(self.task, self.tags, [(ep, t, t.kind) for ep, t in scored])):
+            apply_verdict(t, v)
 
     def _writer_signal(self, turn: Turn) -> tuple[int, str]:
         """What ``episode.writer_sees`` tells the writer about one attempt (module doc): the level's
@@ -207,11 +246,14 @@ class EpisodeRunner:
         """The refine's sampling, or with ``kind="counterfactual"`` its g-less twin's."""
         return to_params(self.refine_sampling, self._seed(rnd, kind, batch_index), stop_regex=self.stop_regex)
 
-    def record_solve(self, ep: Episode, prompt: list[int], seen: list[int], g: Generation) -> list[int]:
-        """Turn 1 of ``ep``, scored and appended; returns the solver's context after it."""
+    def record_solve(self, ep: Episode, prompt: list[int], seen: list[int], g: Generation,
+                     score: bool = True) -> list[int]:
+        """Turn 1 of ``ep``, scored (unless ``score`` is False: the caller scores a batch of turns with
+        score_turns) and appended; returns the solver's context after it."""
         t = Turn(0, 0, "solver", "solve", list(seen), list(g.token_ids), list(g.logprobs), g.finish_reason,
                  self._solver_text(g.token_ids), truncated=len(seen) < len(prompt))
-        self._score(ep, t)
+        if score:
+            self._score(ep, t)
         ep.turns.append(t)
         return list(prompt) + list(g.token_ids)
 
@@ -294,19 +336,27 @@ class EpisodeRunner:
         return ctx + cont, FeedbackSpan(len(ctx) + cut[0], len(ctx) + cut[2])
 
     def record_refine(self, ep: Episode, rnd: int, prompt: list[int], seen: list[int], g: Generation,
-                     span: FeedbackSpan) -> list[int]:
-        """Turn 3 of round ``rnd``, scored and appended; returns the solver's context after it."""
+                      span: FeedbackSpan, score: bool = True) -> list[int]:
+        """Turn 3 of round ``rnd``, scored (unless ``score`` is False, as record_solve) and appended;
+        returns the solver's context after it."""
         shift = len(prompt) - len(seen)
         t = Turn(len(ep.turns), rnd, "solver", "refine", list(seen), list(g.token_ids), list(g.logprobs),
                  g.finish_reason, self._solver_text(g.token_ids), truncated=shift > 0,
                  feedback_span=FeedbackSpan(span.start - shift, span.end - shift) if span.start >= shift else None)
-        self._score(ep, t)
+        if score:
+            self._score(ep, t)
         ep.turns.append(t)
         return prompt + list(g.token_ids)
 
     def record_counterfactual(self, ep: Episode, turn: Turn, g: Generation) -> None:
-        v = self.task.verify(ep.problem, final_text(self._solver_text(g.token_ids), self.tags))
-        turn.info.update(counterfactual_reward=float(v.reward), counterfactual_extracted=v.extracted)
+        self.record_counterfactuals([(ep, turn, g)])
+
+    def record_counterfactuals(self, items: list[tuple[Episode, Turn, Generation]]) -> None:
+        """The g-less twins ``g`` of refine turns, scored together; each score goes to its refine's info."""
+        texts = [final_text(self._solver_text(g.token_ids), self.tags) for _, _, g in items]
+        verdicts = verify_turns(self.task, self.tags, [(ep, t, "counterfactual") for ep, t, _ in items], texts)
+        for (_, turn, _), v in zip(items, verdicts):
+            turn.info.update(counterfactual_reward=float(v.reward), counterfactual_extracted=v.extracted)
 
     def choose_strategies(self, q: np.ndarray | None, n_states: int,
                           rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -334,8 +384,9 @@ class EpisodeRunner:
         contexts: list[list[int]] = []  # solver context so far (prompt + all turns), per episode
         for ep, (prompt, cut, g) in zip(new_episodes(problems, n, firsts),
                                         ((pr, c, g) for pr, c, gs in zip(p1, seen, gens) for g in gs)):
-            contexts.append(self.record_solve(ep, prompt, cut, g))
+            contexts.append(self.record_solve(ep, prompt, cut, g, score=False))
             episodes.append(ep)
+        self.score_turns([(ep, ep.turns[-1]) for ep in episodes])
         rng = stream(cfg.seed, "strategy", batch_index)
         for rnd in range(1, cfg.episode.rounds + 1):
             self._feedback_round(episodes, contexts, rnd, batch_index, rng)
@@ -365,7 +416,8 @@ class EpisodeRunner:
         prompts = [p for p, _ in refine]
         ref_gens, ref_seen = self._gen(prompts, self.refine_params(rnd, batch_index), "solver", "refine")
         for i, (ep, gs) in enumerate(zip(episodes, ref_gens)):
-            contexts[i] = self.record_refine(ep, rnd, prompts[i], ref_seen[i], gs[0], refine[i][1])
+            contexts[i] = self.record_refine(ep, rnd, prompts[i], ref_seen[i], gs[0], refine[i][1], score=False)
+        self.score_turns([(ep, ep.turns[-1]) for ep in episodes])
         if self.cfg.episode.counterfactual:
             self._counterfactual_refines(episodes, prompts, [sp for _, sp in refine], rnd, batch_index)
 
@@ -392,6 +444,6 @@ class EpisodeRunner:
         have got without the feedback (upper.reward=counterfactual)."""
         cut = [span.cut(p) for p, span in zip(prompts, spans)]
         params = self.refine_params(rnd, batch_index, "counterfactual")
-        for ep, gs in zip(episodes, self._gen(cut, params, "solver", "counterfactual")[0]):
-            self.record_counterfactual(ep, ep.turns[-1], gs[0])
+        gens = self._gen(cut, params, "solver", "counterfactual")[0]
+        self.record_counterfactuals([(ep, ep.turns[-1], gs[0]) for ep, gs in zip(episodes, gens)])
 

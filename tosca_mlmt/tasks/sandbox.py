@@ -304,6 +304,9 @@ def _summarize(plans: list[TestPlan], reported: Reported, output: str, timed_out
     reported.forgery = clean_text(reported.forgery, 300)
     if reported.forgery:
         logger.warning("sandbox: forged result records (%s); every test scored as failed", reported.forgery)
+        # also a warning: the `mlmt` process keeps only errors of Python logging unless --verbose (cli.common)
+        warnings.warn(f"sandbox: forged result records ({reported.forgery}); every test scored as failed",
+                      SandboxWarning, stacklevel=2)
         return SandboxResult(passed=0, total=n, all_passed=False, timed_out=timed_out,
                              error=f"forged result records: {reported.forgery}", per_test=[False] * n,
                              output=output, forgery=reported.forgery, mode=mode)

@@ -58,6 +58,14 @@ def configure_cpu_env(cfg: VLLMConfig) -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
+def progress_bars() -> bool:
+    """Whether vLLM shows its checkpoint-loading bars: as Hugging Face's own do (HF_HUB_DISABLE_PROGRESS_BARS,
+    which a quiet `mlmt` sets: cli.common.third_party_logs)."""
+    from huggingface_hub.utils import are_progress_bars_disabled
+
+    return not are_progress_bars_disabled()
+
+
 class VLLMEngine:
     name = "vllm"
 
@@ -77,7 +85,7 @@ class VLLMEngine:
         dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[policies.dtype]
         kwargs = dict(model=str(policies.base_paths[self.roles[0]]), dtype=dtype, seed=seed,
                       enforce_eager=cfg.enforce_eager, max_model_len=cfg.max_model_len,
-                      enable_prefix_caching=cfg.enable_prefix_caching)
+                      enable_prefix_caching=cfg.enable_prefix_caching, use_tqdm_on_load=progress_bars())
         block = cfg.block_size or (32 if self.on_cpu else 0)
         if block:
             kwargs["block_size"] = block

@@ -45,6 +45,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import warnings
 
 import torch
 
@@ -321,7 +322,10 @@ class SharedStage:
     def refuse(self, why: str) -> bool:
         """Give up on sharing for this engine's life, saying why once."""
         self.refused, self.buf, self.handle = True, None, None
-        logging.getLogger(__name__).warning("engine.vllm.rpc_transport=shared: %s; weight syncs go as bytes", why)
+        message = f"engine.vllm.rpc_transport=shared: {why}; weight syncs go as bytes"
+        logging.getLogger(__name__).warning(message)
+        # also a warning: the `mlmt` process keeps only errors of Python logging unless --verbose (cli.common)
+        warnings.warn(message, UserWarning, stacklevel=2)
         return False
 
     def push(self, llm, parts: Iterable[dict[str, torch.Tensor]], partial: bool = False) -> str:
