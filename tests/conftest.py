@@ -197,6 +197,18 @@ def restored(params: dict):
                 p.copy_(saved[n])
 
 
+def random_lora_b(pair, role: str, seed: int, scale: float = 0.2) -> None:
+    """A trained-looking adapter for good: ``role``'s LoRA B set to ``scale`` N(0, 1) (fresh ones are zero,
+    so merging would give the base back). For pairs a test owns; a shared one takes perturbed_lora_b."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pair.model(role).named_parameters():
+            if f"lora_B.{role}." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
 @contextlib.contextmanager
 def perturbed_lora_b(policies, role: str, seed: int, scale: float = 0.02):
     """``role``'s LoRA B matrices moved by ``scale`` N(0, 1) for the block (a trained-looking

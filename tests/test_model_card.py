@@ -14,10 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import yaml
 
-from conftest import FP32, run_mlmt
+from conftest import FP32, random_lora_b, run_mlmt
 from tosca_mlmt.analysis.stats import wilson
 
 # the run's config: the debug base, short turns, fixed (static) feedback so evals need no writer text
@@ -25,15 +24,6 @@ RUN_CFG = {**FP32, "model.solver": "tiny-random", "logging.wandb": False, "loggi
            "task.level": 2, "episode.feedback": "static", "solver_sampling.max_new_tokens": 12,
            "writer_sampling.max_new_tokens": 8, "episode.max_feedback_tokens": 8}
 EVAL = {"task.split": "test", "task.limit": 4}
-
-
-def _perturb(pair, role: str, seed: int) -> None:
-    """A trained-looking adapter: random LoRA B (fresh ones are zero, so the merge would be the base)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in pair.model(role).named_parameters():
-            if f"lora_B.{role}." in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +42,7 @@ def runs(tmp_path_factory):
     evaluate(load_config(overrides={**RUN_CFG, **EVAL}), root / "eval-before")
     pair = PolicyPair(cfg.model, seed=0)
     for i, role in enumerate(("solver", "writer")):
-        _perturb(pair, role, seed=i)
+        random_lora_b(pair, role, seed=i)
     pair.describe("solver", stage="train-lower", config=cfg)
     _describe_final(pair, run, None, {"lower/acc_t1": 0.0625, "lower/acc_final": 0.125, "lower/delta": 0.0625,
                                       "lower/episodes": 16}, 2, 0.7)

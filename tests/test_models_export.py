@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FP32, run_mlmt
+from conftest import FP32, random_lora_b, run_mlmt
 from tosca_mlmt.errors import ModelError
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -47,15 +47,6 @@ def hub_cache(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     return cache
-
-
-def _perturb(pair, role: str, seed: int) -> None:
-    """A trained-looking adapter: random LoRA B (fresh ones are zero, so merging would be the identity)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in pair.model(role).named_parameters():
-            if f"lora_B.{role}." in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
 
 
 def _text_files(folder: Path) -> dict[str, str]:
@@ -105,7 +96,7 @@ def trained(tmp_path_factory):
     """A run folder with a perturbed solver and writer saved the way the stages save them."""
     pair = _pair()
     for i, role in enumerate(("solver", "writer")):
-        _perturb(pair, role, seed=i)
+        random_lora_b(pair, role, seed=i)
     run = tmp_path_factory.mktemp("trained") / "run"
     cfg = _cfg()
     pair.describe("solver", stage="train-lower", config=cfg, snapshots=["snap-aaaa"], eval={"acc_t1": 0.25},
@@ -177,7 +168,7 @@ def test_an_adapter_on_other_base_weights_in_the_same_folder_warns_on_load_and_e
     base = tmp_path / "base"
     shutil.copytree(resolve_model("tiny-random"), base)
     pair = _pair(**{"model.solver": str(base)})
-    _perturb(pair, "solver", 0)
+    random_lora_b(pair, "solver", 0)
     folder = pair.save_role("solver", tmp_path / "solver")
     recorded = json.loads((folder / "tosca_mlmt.json").read_text())["base_sha"]
     assert recorded == stored_weights_sha(base)
