@@ -329,3 +329,21 @@ def test_hierarchy_cost_sums_each_stages_clocks_and_divides_by_grpo_at_the_same_
              {"method": "single-turn-grpo", "seed": 2, "train_seconds": 80.0},
              {"method": "solver-only", "seed": 2, "train_seconds": 200.0}]
     assert hc.ratios(units) == {"mlmt": {"0": 4.5}, "solver-only": {"2": 2.5}}
+
+
+def test_hierarchy_cost_assembles_a_cut_invocation_and_gives_no_ratio_to_an_unfinished_run(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(ROOT))
+    hc = _script("benchmarks.speed.hierarchy_cost")
+    full = {"collect", "upper", "lower"}
+    for name, used, rounds in (("single-turn-grpo", 100.0, [full, full]), ("solver-only", 250.0, [full, full]),
+                               ("mlmt", 300.0, [full, {"collect"}])):  # mlmt killed in its second round
+        run = tmp_path / name / "seed0"
+        run.mkdir(parents=True)
+        recs = [{"round": r, "done": sorted(d), "seconds": {s: 1.0 for s in d}} for r, d in enumerate(rounds)]
+        (run / "manifest.json").write_text(json.dumps({"rounds": recs, "seconds_used": used}))
+        (run / "metrics.jsonl").write_text(json.dumps({"lower/time/update": 2.0}) + "\n")
+    units = hc.assembled(tmp_path, ["single-turn-grpo", "solver-only", "mlmt", "mlmt-sentences-only"], [0])
+    assert [(u["method"], u["train_seconds"], u["finished"]) for u in units] == [
+        ("single-turn-grpo", 100.0, True), ("solver-only", 250.0, True), ("mlmt", 300.0, False)]
+    assert units[2]["stage_seconds"] == {"collect": 2.0, "upper": 1.0, "lower": 1.0}
+    assert hc.ratios(units) == {"solver-only": {"0": 2.5}}

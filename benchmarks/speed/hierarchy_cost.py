@@ -10,6 +10,9 @@ mlmt <= 3x, the selector <= 2x).
 
     python -m benchmarks.speed.hierarchy_cost                 # the benchmark's sizes, seed 0
     python -m benchmarks.speed.hierarchy_cost --smoke         # tiny sizes: checks the wiring only
+    python -m benchmarks.speed.hierarchy_cost --from-work /tmp/tosca-bench-hierarchy-cost/<time>   # a cut run
+
+The JSON is rewritten after every unit, so a run cut short keeps the units it finished.
 
 Results: ``benchmarks/results/hierarchy_cost/<date>_<env>[_smoke].json``.
 """
@@ -79,9 +82,10 @@ def train_unit(name: str, common: dict, train: dict, seed: int, work: Path) -> d
 
 def ratios(units: list[dict]) -> dict[str, dict[str, float]]:
     """method -> seed -> its training seconds over the baseline's at that seed."""
-    base = {u["seed"]: u["train_seconds"] for u in units if u["method"] == BASELINE}
+    done = [u for u in units if u.get("finished", True)]
+    base = {u["seed"]: u["train_seconds"] for u in done if u["method"] == BASELINE}
     out: dict[str, dict[str, float]] = defaultdict(dict)
-    for u in units:
+    for u in done:
         if u["seed"] in base and u["method"] != BASELINE:
             out[u["method"]][str(u["seed"])] = round(u["train_seconds"] / base[u["seed"]], 2)
     return dict(out)
@@ -92,6 +96,8 @@ def main() -> None:
     ap.description = __doc__.split("\n")[0]
     ap.set_defaults(methods=list(DEFAULT_METHODS), seeds=[0], work="/tmp/tosca-bench-hierarchy-cost")
     ap.add_argument("--out", default=None, help="result JSON (default: benchmarks/results/hierarchy_cost/...)")
+    ap.add_argument("--from-work", type=Path, default=None, help="train nothing: profile the runs an earlier "
+                    "invocation left in this work folder (<work>/<method>/seed<k>), e.g. one cut short")
     args = ap.parse_args()
     if args.smoke:
         args.rounds, args.collect_problems, args.lower_iterations, args.problems_per_iteration = 1, 2, 1, 2
@@ -100,26 +106,52 @@ def main() -> None:
     if unknown:
         ap.error(f"not a trained method of the learning benchmark: {unknown}")
     common, train = run_overrides(args)
-    work = Path(args.work) / time.strftime("%Y%m%d-%H%M%S")
-    load = {"before": loadavg()}
-    units = []
-    for seed in args.seeds:  # seed-major: a cut run still leaves complete pairs
-        for name in args.methods:
-            print(f"{name} seed {seed} ...", flush=True)
-            units.append({"method": name, "seed": seed, **in_child(train_unit, name, common, train, seed, work)})
-            print(f"  {units[-1]['train_seconds']} s, stages {units[-1]['stage_seconds']}", flush=True)
-    load["after"] = loadavg()
+    path = out_path(args.out, "hierarchy_cost", VARIANT, env=args.env, smoke="smoke" if args.smoke else None)
     sizes = {k: getattr(args, k) for k in ("env", "level", "rounds", "collect_problems", "lower_iterations",
                                             "problems_per_iteration", "upper_steps", "n_samples", "engine")}
     result = {"benchmark": "hierarchy_cost", "date": time.strftime("%Y-%m-%d"), "machine": machine_info(),
-              "load_avg": load, "sizes": sizes, "seeds": args.seeds, "units": units,
-              "ratio_to_single_turn_grpo": ratios(units)}
-    path = out_path(args.out, "hierarchy_cost", VARIANT, env=args.env, smoke="smoke" if args.smoke else None)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+              "load_avg": {"before": loadavg()}, "sizes": sizes, "seeds": args.seeds, "units": [],
+              "train_seconds": "wall seconds of train_joint in the unit's process, model loads included"}
+    if args.from_work is not None:
+        result["units"] = assembled(args.from_work, args.methods, args.seeds)
+        result["train_seconds"] = ("the run's own seconds_used (its round steps; model loads and engine start "
+                                   "before the first round not counted): assembled from " + str(args.from_work))
+    else:
+        work = Path(args.work) / time.strftime("%Y%m%d-%H%M%S")
+        for seed in args.seeds:  # seed-major: a cut run still leaves complete pairs
+            for name in args.methods:
+                print(f"{name} seed {seed} ...", flush=True)
+                u = in_child(train_unit, name, common, train, seed, work)
+                result["units"].append({"method": name, "seed": seed, **u})
+                print(f"  {u['train_seconds']} s, stages {u['stage_seconds']}", flush=True)
+                write(path, result)  # after every unit: a run cut short keeps what it measured
+    write(path, result)
     print(json.dumps(result["ratio_to_single_turn_grpo"]))
     print(f"written to {path}")
 
+
+def write(path: Path, result: dict) -> None:
+    result["load_avg"]["after"] = loadavg()
+    result["ratio_to_single_turn_grpo"] = ratios(result["units"])
+    path.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def assembled(work: Path, methods: list[str], seeds: list[int]) -> list[dict]:
+    """The units an earlier invocation's work folder holds (``<work>/<method>/seed<k>``), each timed by its
+    manifest's seconds_used, all of them alike; a run that did not finish its rounds is kept with
+    ``finished: false`` and no ratio."""
+    units = []
+    for seed in seeds:
+        for name in methods:
+            run = work / name / f"seed{seed}"
+            if not (run / "manifest.json").is_file():
+                continue
+            manifest = json.loads((run / "manifest.json").read_text())
+            u = {"method": name, "seed": seed, **profile(run, manifest.get("seconds_used", 0.0))}
+            u["finished"] = bool(manifest.get("rounds")) and all(
+                set(r.get("done", [])) >= {"collect", "upper", "lower"} for r in manifest["rounds"])
+            units.append(u)
+    return units
 
 if __name__ == "__main__":
     main()
