@@ -114,6 +114,7 @@ def main() -> None:
               "train_seconds": "wall seconds of train_joint in the unit's process, model loads included"}
     if args.from_work is not None:
         result["units"] = assembled(args.from_work, args.methods, args.seeds)
+        result["load_avg"] = None  # the cut run's load was not kept; the record states what was seen
         result["train_seconds"] = ("the run's own seconds_used (its round steps; model loads and engine start "
                                    "before the first round not counted): assembled from " + str(args.from_work))
     else:
@@ -131,7 +132,8 @@ def main() -> None:
 
 
 def write(path: Path, result: dict) -> None:
-    result["load_avg"]["after"] = loadavg()
+    if result["load_avg"] is not None:
+        result["load_avg"]["after"] = loadavg()
     result["ratio_to_single_turn_grpo"] = ratios(result["units"])
     path.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -143,10 +143,12 @@ def hierarchy_section() -> list[str]:
     for u in d.get("units", []):
         st = u.get("stage_seconds", {})
         r = ratio.get(u["method"], {}).get(str(u["seed"]))
-        out.append(f"| {u['method']} | {u['seed']} | {u['train_seconds']:.0f} | {st.get('collect', 0):.0f} | "
+        cut = "" if u.get("finished", True) else " (cut short: not a unit)"
+        out.append(f"| {u['method']}{cut} | {u['seed']} | {u['train_seconds']:.0f} | {st.get('collect', 0):.0f} | "
                    f"{st.get('upper', 0):.0f} | {st.get('lower', 0):.0f} | {u.get('sync_seconds', 0):.0f} | "
                    f"{u.get('peak_rss_gib') or '–'} | {'1' if u['method'] == 'single-turn-grpo' else r or '–'} |")
-    return out + ["", f"{date(d, p)}, {machine(d)}, load {load(d)}; sizes {d.get('sizes')};", f"{link(p)}.", ""]
+    sizes = ", ".join(f"{k} {v}" for k, v in (d.get("sizes") or {}).items())
+    return out + ["", f"{date(d, p)}, {machine(d)}, load {load(d)};", f"sizes: {sizes};", f"{link(p)}.", ""]
 
 
 def learning_section() -> list[str]:
