@@ -18,9 +18,9 @@ export NO_MKDOCS_2_WARNING := 1
 
 install: $(STAMP)
 
-# bubblewrap isolates model-written code (tosca_mlmt/tasks/sandbox.py); chromium renders the analyze
-# report in tests/test_report_html.py; tcmalloc and jemalloc are the mallocs engine.allocator auto (the
-# default) and lean (the demo) pick.
+# bubblewrap isolates model-written code (tosca_mlmt/tasks/sandbox/); chromium renders the analyze
+# report in tests/unit/analysis/test_report_html.py; tcmalloc and jemalloc are the mallocs
+# engine.allocator auto (the default) and lean (the demo) pick.
 # As root with apt, install whichever is missing (one by one when the archive lacks one, as some lack
 # chromium); elsewhere the sandbox falls back to in-process guards and says so loudly, the rendering
 # test skips, saying why, and mlmt stays on glibc's malloc.
@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml
 	command -v bwrap >/dev/null 2>&1 \
 		|| echo "warning: bubblewrap (bwrap) could not be installed; the code sandbox will use its weaker fallback" >&2; \
 	command -v chromium >/dev/null 2>&1 \
-		|| echo "warning: chromium could not be installed; tests/test_report_html.py will skip rendering the report" >&2; \
+		|| echo "warning: chromium could not be installed; test_report_html.py will skip rendering the report" >&2; \
 	/sbin/ldconfig -p 2>/dev/null | grep -q "libjemalloc\|libtcmalloc" \
 		|| echo "warning: neither tcmalloc nor jemalloc could be installed; mlmt runs on glibc's malloc (engine.allocator)" >&2
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -71,7 +71,7 @@ clean-demo:
 	rm -rf $(DEMO_OUT)
 
 # the generated pages (CLI, config, metrics, results) from the code and the stored results, then the site
-# under site/ (strict: a broken link or anchor fails); tests/docs/ checks both stay current
+# under site/ (strict: a broken link or anchor fails); tests/properties/test_docs.py checks both stay current
 docs-gen: $(STAMP)
 	$(PY) docs/gen/build.py
 

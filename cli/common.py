@@ -82,7 +82,7 @@ def no_space_text(e: OSError) -> str:
 
     if isinstance(e, fsutil.NoSpaceError):
         return str(e)
-    rundir = sys.modules.get("tosca_mlmt.pipelines.rundir")
+    rundir = sys.modules.get("tosca_mlmt.pipelines.support.rundir")
     where = e.filename or (rundir and rundir.RunDir.latest_path) or Path.cwd()
     return fsutil.no_space_message(where, cause=e.strerror or e)
 
@@ -269,7 +269,7 @@ def _real_stdout():
 QUIET_ENV = {
     "VLLM_LOGGING_LEVEL": "ERROR",
     "TRANSFORMERS_VERBOSITY": "error",
-    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' "Loading weights" bars; vLLM's follow it (vllm_engine)
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' "Loading weights" bars; vLLM's follow it (vllm/launch.py)
     "TORCH_CPP_LOG_LEVEL": "ERROR",  # c10 warnings from C++ (vLLM's "NUMA binding" notice)
 }
 

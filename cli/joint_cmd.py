@@ -28,7 +28,7 @@ def train_joint(
 ):
     """Hierarchical RL: each round collects a snapshot, fits the writer offline on it (plus a replay
     window), then runs online PPO iterations of the solver."""
-    from tosca_mlmt.pipelines.timeline import summary_rows
+    from tosca_mlmt.pipelines.support.timeline import summary_rows
     from tosca_mlmt.pipelines.train_joint import train_joint as run
 
     ov = {k: v for k, v in {"joint.rounds": rounds, "engine.name": engine}.items() if v is not None}

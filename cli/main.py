@@ -121,7 +121,7 @@ def setup(model: str = typer.Option("smollm2-135m", help="Embedded model name, l
     """Convert the embedded model once into the cache ($TOSCA_MLMT_CACHE) and print its folder;
     where DeepSpeed is installed on a CPU machine, also build its comm op (else built at the first
     distributed start)."""
-    from tosca_mlmt.pipelines.snapshots import prepare_environment
+    from tosca_mlmt.pipelines.support.snapshots import prepare_environment
 
     folder, built = prepare_environment(model)
     if built:

@@ -35,7 +35,7 @@ ID_HELP = "Snapshot id, or a prefix of exactly one id ('snap-' may be left out).
 def snapshots_list(root: Path = typer.Option(Path("snapshots"), help=ROOT_HELP)):
     """One line per snapshot found under --root: id, kind, environment (honest or privileged), episodes,
     created, folder."""
-    from tosca_mlmt.pipelines.snapshots import summary_lines
+    from tosca_mlmt.pipelines.support.snapshots import summary_lines
 
     for line in summary_lines(root):
         print(line)
@@ -52,7 +52,7 @@ def snapshots_show(sid: str = typer.Argument(..., help=ID_HELP),
                                                               "(leak = the feedback gave the gold answer away)."),
                    no_verify: bool = typer.Option(False, "--no-verify", help="Read episodes without re-hashing.")):
     """Print a snapshot's manifest (JSON), or with --episodes N its first N episodes, readable."""
-    from tosca_mlmt.pipelines.snapshots import episode_records, manifest
+    from tosca_mlmt.pipelines.support.snapshots import episode_records, manifest
 
     if filter_ is not None and filter_ not in FILTERS:
         raise typer.BadParameter(f"{filter_!r}; allowed: {', '.join(FILTERS)}", param_hint="--filter")
@@ -80,7 +80,7 @@ def _mark(correct) -> Text:
 def _safe(text) -> str:
     """A text from the snapshot (data, model output) with its control characters escaped, newlines kept:
     an escape code in it must not reach the terminal."""
-    from tosca_mlmt.pipelines.snapshots import terminal_safe
+    from tosca_mlmt.pipelines.support.snapshots import terminal_safe
 
     return terminal_safe("" if text is None else text, keep_newlines=True)
 
@@ -95,7 +95,7 @@ def _attempt(title: str, text: str, correct, reward, extracted, extras: dict) ->
 
 def render_episode(r: dict, i: int, n: int) -> Group:
     """One decoded episode (samples.episode_record) as rich renderables."""
-    from tosca_mlmt.pipelines.snapshots import LOGGED_EXTRAS, bonus_text
+    from tosca_mlmt.pipelines.support.snapshots import LOGGED_EXTRAS, bonus_text
 
     parts = [Rule(Text(_safe(f"{i}/{n}  {r['episode_id']}  {r['outcome'].replace('_to_', ' -> ')}")), align="left"),
              Text.assemble(("problem  ", "bold"), _safe(r["problem"])),
@@ -120,7 +120,7 @@ def render_episode(r: dict, i: int, n: int) -> Group:
 def snapshots_verify(sid: str = typer.Argument(..., help=ID_HELP),
                      root: Path = typer.Option(Path("snapshots"), help=ROOT_HELP)):
     """Re-hash every file; exit 1 with the list of problems on any mismatch."""
-    from tosca_mlmt.pipelines.snapshots import problems
+    from tosca_mlmt.pipelines.support.snapshots import problems
 
     full, bad = problems(root, sid)  # an unparseable manifest raises: exit 2, not a verdict
     if bad:

@@ -21,8 +21,8 @@ from tosca_mlmt.analysis.html import render_html
 from tosca_mlmt.analysis.report import render_report
 from tosca_mlmt.analysis.sources import read_episode_texts, read_evals, read_metrics, read_turns, resolve
 from tosca_mlmt.analysis.tables import Tables, compute_tables, sample_episodes
-from tosca_mlmt.pipelines.rundir import RunDir
-from tosca_mlmt.snapshot import check_snapshot
+from tosca_mlmt.pipelines.support.rundir import RunDir
+from tosca_mlmt.store import check_snapshot
 
 
 @dataclass

@@ -20,7 +20,8 @@ from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.pipelines.collect import collect
-from tosca_mlmt.pipelines.rundir import USE_SAFE, RunDir, drifted, predates_text, read_run_config, show_drift
+from tosca_mlmt.pipelines.support.drift import USE_SAFE, drifted, predates_text, read_run_config, show_drift
+from tosca_mlmt.pipelines.support.rundir import RunDir
 
 
 @dataclass
@@ -51,13 +52,10 @@ def run_config(run: str | Path, path: str | Path | None = None, overrides: dict 
     in that order. A train-joint run's top-level config.yaml is the one: each round's stage runs
     (``rounds/NNN/lower``, ``.../upper``) derive theirs from it by seed, lengths and logging only.
     Each field that ``-c``/``overrides`` change from what training used is named in a warning
-    (drift, as ``--resume`` reports it), but those of ``rundir.USE_SAFE``: where and how the
+    (drift, as ``--resume`` reports it), but those of ``drift.USE_SAFE``: where and how the
     command runs. A folder without config.yaml (adapters copied by hand) keeps the old way: the
     ``-c`` config with the adapters, and a warning that the training config is unknown."""
     from tosca_mlmt.config import load_config
-    from tosca_mlmt.config.load import set_dotted
-    from tosca_mlmt.config.presets import resolve_config
-    from tosca_mlmt.config.yamlfile import deep_merge, read_yaml
 
     run = Path(run)
     adapters = adapters_from_run(run)
@@ -65,24 +63,43 @@ def run_config(run: str | Path, path: str | Path | None = None, overrides: dict 
         cfg = load_config(path, {**adapters, **(overrides or {})})
         return cfg, [f"{flag} {run}: no config.yaml in it, so what the run trained with is unknown; using "
                      f"{'-c ' + str(path) if path is not None else 'the default config'} with its adapters"]
-    saved, added = read_run_config(run, flag)
-    notes = [predates_text(run, flag, added)] if added else []
-    try:  # the run's config as it loads now
-        trained = load_config(None, {**saved, **adapters}).to_dict()
-    except ConfigError as e:
-        raise ConfigError(f"{flag}: {run}/config.yaml no longer loads ({e})") from None
-    tree = copy.deepcopy(trained)
-    if path is not None:
-        tree = deep_merge(tree, read_yaml(resolve_config(path)))
-    for dotted, value in (overrides or {}).items():  # as load_config applies them: a section merges field by field
-        set_dotted(tree, dotted, value)
-    cfg = load_config(None, tree)
+    trained, notes = _trained_config(run, adapters, flag)
+    cfg = load_config(None, _on_top(trained, path, overrides))
     new = cfg.to_dict()
     changed = drifted(trained, new, USE_SAFE)
     if changed:
         notes.append(f"{flag}: the config differs from {run}/config.yaml, what the run was trained with, in "
                      f"{show_drift(trained, new, changed)}: -c/--set changed it")
     return cfg, notes
+
+
+def _trained_config(run: Path, adapters: dict, flag: str) -> tuple[dict, list[str]]:
+    """The run's config.yaml with its trained adapters, as it loads now, and the warning for the
+    fields it predates (if any)."""
+    from tosca_mlmt.config import load_config
+
+    saved, added = read_run_config(run, flag)
+    notes = [predates_text(run, flag, added)] if added else []
+    try:
+        trained = load_config(None, {**saved, **adapters}).to_dict()
+    except ConfigError as e:
+        raise ConfigError(f"{flag}: {run}/config.yaml no longer loads ({e})") from None
+    return trained, notes
+
+
+def _on_top(trained: dict, path: str | Path | None, overrides: dict | None) -> dict:
+    """``trained`` with the ``-c`` file and then ``overrides`` on top, as ``load_config`` applies
+    them (a section merges field by field)."""
+    from tosca_mlmt.config.load import set_dotted
+    from tosca_mlmt.config.presets import resolve_config
+    from tosca_mlmt.config.yamlfile import deep_merge, read_yaml
+
+    tree = copy.deepcopy(trained)
+    if path is not None:
+        tree = deep_merge(tree, read_yaml(resolve_config(path)))
+    for dotted, value in (overrides or {}).items():
+        set_dotted(tree, dotted, value)
+    return tree
 
 
 def evaluate(cfg: Config, out: str | Path, *, console=None, compare_to: str | Path | None = None) -> EvalResult:
@@ -117,7 +134,7 @@ def eval_config(cfg: Config) -> Config:
 def _outcomes(snapshots: Path, sid: str, environment: str, texts: bool = False) -> dict:
     """Per-problem 0/1 outcomes of one eval snapshot, ordered by problem id (so two evals pair up);
     with ``texts`` also the answers themselves (t1_text, final_text), in the same order."""
-    from tosca_mlmt.snapshot import load_snapshot
+    from tosca_mlmt.store import load_snapshot
 
     eps = sorted(load_snapshot(snapshots, sid).episodes(), key=lambda e: e.problem.id)
     out = {"ids": [e.problem.id for e in eps], "environment": environment,

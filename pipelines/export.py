@@ -11,7 +11,7 @@ from tosca_mlmt.config import Config
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.models.export import Merged, adapter_folder, export_merged
 from tosca_mlmt.pipelines.model_card import eval_facts, find_evals, prompt_format, read_eval
-from tosca_mlmt.pipelines.rundir import read_run_config
+from tosca_mlmt.pipelines.support.drift import read_run_config
 
 
 def export(adapter: Path, out: Path, role: str | None = None, base: str | None = None, dtype: str = "auto",

@@ -3,7 +3,7 @@
 * held-out evals of the exported weights: ``mlmt eval --out`` folders, given (``--eval``) or found next
   to the run, each checked against the weights by the fingerprints its snapshot records;
 * the prompt format training used, rendered by the code that builds the prompts (tosca_mlmt.prompts,
-  pieced together as rollout/runner.py does), so a plain-transformers user prompts the model the way it
+  pieced together as rollout/turns.py does), so a plain-transformers user prompts the model the way it
   learned, and the card cannot drift from what training does.
 """
 
@@ -31,11 +31,26 @@ def read_eval(path: str | Path) -> dict:
     counted on the episodes of its snapshot (verified: hashes checked), with what the eval ran: task,
     split, decoding, rounds, environment and the fingerprints of the weights. The folder is named by
     its name only (no machine path in a card)."""
-    from tosca_mlmt.analysis.stats import wilson
-    from tosca_mlmt.pipelines.evaluate import eval_outcomes
-    from tosca_mlmt.snapshot import load_snapshot
-
     path = Path(path)
+    report, manifest, outcomes = _load_eval(path)
+    rec = {"name": path.name, "task": report.get("task") or (manifest.get("task") or {}).get("name"),
+           "split": report.get("split"), "problems": len(outcomes["ids"]), "environment": outcomes["environment"],
+           "strategy_selection": report.get("strategy_selection")}
+    for k in ("t1", "final"):
+        rec[f"acc_{k}"] = _accuracy(path, report, outcomes, k)
+    rec.update(_eval_settings(manifest, rec["task"]))
+    if isinstance(report.get("compared_to"), dict):
+        c = report["compared_to"]
+        rec["compared_to"] = {**c, "eval": Path(str(c.get("eval") or "?")).name}
+    return rec
+
+
+def _load_eval(path: Path) -> tuple[dict, dict, dict]:
+    """The folder's eval.json, its snapshot's manifest and the episodes' outcomes (eval_outcomes);
+    ConfigError naming ``--eval`` when any of them cannot be read."""
+    from tosca_mlmt.pipelines.evaluate import eval_outcomes
+    from tosca_mlmt.store import load_snapshot
+
     try:
         report = json.loads((path / EVAL_FILE).read_text())
         sid = report["snapshot_id"]
@@ -47,38 +62,44 @@ def read_eval(path: str | Path) -> dict:
         outcomes = eval_outcomes(path)
     except MlmtError as e:
         raise ConfigError(f"--eval {path}: its snapshot {sid} cannot be read ({e})") from None
+    return report, manifest, outcomes
+
+
+def _accuracy(path: Path, report: dict, outcomes: dict, k: str) -> dict:
+    """Acc@``k`` counted on the snapshot's episodes, with its Wilson interval; eval.json's own number
+    must agree, or the file was edited or belongs to another snapshot."""
+    from tosca_mlmt.analysis.stats import wilson
+
     n = len(outcomes["ids"])
-    rec = {"name": path.name, "task": report.get("task") or (manifest.get("task") or {}).get("name"),
-           "split": report.get("split"), "problems": n, "environment": outcomes["environment"],
-           "strategy_selection": report.get("strategy_selection")}
-    for k in ("t1", "final"):
-        hits = sum(outcomes[k])
-        mean = hits / n if n else 0.0
-        said = report.get(f"acc_{k}")
-        if isinstance(said, (int, float)) and abs(said - mean) > 1e-9:
-            raise ConfigError(f"--eval {path}: {EVAL_FILE} says acc_{k}={said}, but its snapshot's {n} episodes "
-                              f"give {mean} (the file was edited, or belongs to another snapshot)")
-        lo, hi = wilson(hits, n)
-        rec[f"acc_{k}"] = {"mean": mean, "lo": lo, "hi": hi, "correct": hits}
+    hits = sum(outcomes[k])
+    mean = hits / n if n else 0.0
+    said = report.get(f"acc_{k}")
+    if isinstance(said, (int, float)) and abs(said - mean) > 1e-9:
+        raise ConfigError(f"--eval {path}: {EVAL_FILE} says acc_{k}={said}, but its snapshot's {n} episodes "
+                          f"give {mean} (the file was edited, or belongs to another snapshot)")
+    lo, hi = wilson(hits, n)
+    return {"mean": mean, "lo": lo, "hi": hi, "correct": hits}
+
+
+def _eval_settings(manifest: dict, task: str | None) -> dict:
+    """What the eval ran, from its snapshot's manifest: rounds, arith's level, the sampling
+    temperatures and the weights' fingerprints."""
     cfg = manifest.get("config") or {}
-    rec["rounds"] = (cfg.get("episode") or {}).get("rounds")
-    if rec["task"] == "arith":  # task.level only means something to arith
-        rec["level"] = (cfg.get("task") or {}).get("level")
-    rec["temperature"] = {r: ((manifest.get("sampling") or {}).get(r) or {}).get("temperature")
+    out = {"rounds": (cfg.get("episode") or {}).get("rounds")}
+    if task == "arith":  # task.level only means something to arith
+        out["level"] = (cfg.get("task") or {}).get("level")
+    out["temperature"] = {r: ((manifest.get("sampling") or {}).get(r) or {}).get("temperature")
                           for r in ("solver", "writer")}
-    rec["models"] = {r: {k: v for k, v in (fp or {}).items() if k != "base"}  # "base" is a machine path
+    out["models"] = {r: {k: v for k, v in (fp or {}).items() if k != "base"}  # "base" is a machine path
                      for r, fp in (manifest.get("models") or {}).items()}
-    if isinstance(report.get("compared_to"), dict):
-        c = report["compared_to"]
-        rec["compared_to"] = {**c, "eval": Path(str(c.get("eval") or "?")).name}
-    return rec
+    return out
 
 
 def find_evals(roots: list[Path], role: str, fingerprints) -> list[Path]:
     """Eval folders directly under ``roots`` (where `make demo` puts them: runs/demo/eval beside
     runs/demo/run) whose snapshot ran exactly the exported weights (``fingerprints()``, computed only
     when some eval is there to compare). Folders that are not readable evals are passed over."""
-    from tosca_mlmt.snapshot import read_manifest, snapshot_path
+    from tosca_mlmt.store import read_manifest, snapshot_path
 
     found = []
     for root in dict.fromkeys(Path(r).resolve() for r in roots):
@@ -184,7 +205,7 @@ def prompt_format(cfg: Config, merged, config_known: bool) -> dict:
 
 
 def solver_turns(fmt, task, problem, cfg: Config) -> list[dict]:
-    """Turn 1 (solve) and the refine, as EpisodeRunner.first_prompts and refine_prompt build them."""
+    """Turn 1 (solve) and the refine, as Turns.first_prompts and refine_prompt (rollout/turns.py) build them."""
     from tosca_mlmt.prompts import REFINE_USER_PREFIX, REFINE_USER_SUFFIX
 
     user1 = task.instruction(problem)
@@ -207,7 +228,7 @@ def solver_turns(fmt, task, problem, cfg: Config) -> list[dict]:
 
 
 def writer_turn(fmt, problem, cfg: Config, merged) -> list[dict]:
-    """The writer's feedback prompt after attempt 1, as EpisodeRunner.plan_feedback builds it (its
+    """The writer's feedback prompt after attempt 1, as Turns.plan_feedback builds it (its
     first strategy as the example)."""
     from tosca_mlmt.prompts import WRITER_STATE, WRITER_STRATEGY, WRITER_SYSTEM
 

@@ -10,14 +10,17 @@ Each round runs three named steps with the current solver and writer (four with
            own on-policy batch with the writer as it now is)
   eval     (optional) greedy held-out eval with mlmt eval's protocol, logged as ``eval/*``
 
+The stage has the shape of ``support/stage.py``: one iteration is one round, returned as a
+``joint_stats.JointRound``.
+
 The run folder's ``manifest.json`` links rounds -> snapshots -> stage runs -> saved
 policies and is rewritten atomically after every finished step; it is also the resume
 state. On ``--resume`` the latest saved solver and writer are loaded and the first
 unfinished step continues (train-upper and train-lower resume from their own
 checkpoints), so nothing is lost or repeated.
 
-Metrics: one timeline (``timeline.py``): the stages' records and a ``joint/*`` record per
-finished step, each at the next global step of the joint run's ``metrics.jsonl`` and wandb run.
+Metrics: one timeline (``support/timeline.py``): the stages' records and a ``joint/*`` record
+per finished step, each at the next global step of the joint run's ``metrics.jsonl`` and wandb run.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tosca_mlmt.pipelines.collect import collect
-from tosca_mlmt.pipelines.rundir import RunDir
-from tosca_mlmt.pipelines.timeline import RoundsBar, Timeline, round_line
-from tosca_mlmt.pipelines.train_lower import train_lower
+from tosca_mlmt.pipelines.joint_stats import JointRound, JointStep, step_row
+from tosca_mlmt.pipelines.support.rundir import RunDir
+from tosca_mlmt.pipelines.support.stage import drive
+from tosca_mlmt.pipelines.support.timeline import RoundsBar, Timeline, round_line
+from tosca_mlmt.pipelines.train_lower import iteration_indices, train_lower
 from tosca_mlmt.pipelines.train_upper import train_upper
 
 from tosca_mlmt import runtime
@@ -43,7 +48,9 @@ from tosca_mlmt.metrics import StageTimer
 from tosca_mlmt.models.artefacts import repoint_base
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.rollout.engines import make_engine
+from tosca_mlmt.tasks import make_task
 from tosca_mlmt.train.checkpoint import CheckpointManager
+from tosca_mlmt.upper.stats import scalars
 
 STEPS = ("collect", "upper", "lower")
 
@@ -75,104 +82,195 @@ def train_joint(cfg: Config, out: str | Path, *, console=None, resume: bool = Fa
                 policies: PolicyPair | None = None, stop_after: tuple[int, str] | None = None) -> JointResult:
     """``stop_after=(round, step)`` returns right after that step finished, as a kill would
     (tests use it for the resume-equivalence check). ``allow_drift``: config fields that may
-    differ from the run's on resume (see ``rundir.SAFE_DRIFT``)."""
-    runtime.setup(cfg)
-    jc = cfg.joint
-    _check_writer_warmup(cfg)
-    rd = RunDir(out, "train-joint", console)
-    run = rd.path
-    manifest = _read_manifest(run / "manifest.json") if rd.check(cfg, resume, allow_drift) else None
-    if manifest is None:
-        manifest = rd.provenance(rounds=[], solver=None, writer=None, metrics_bytes=0, global_step=0)
-    manifest = dist.broadcast(manifest)  # every rank has read it before claim lets rank 0 write
-    rd.claim(cfg)
-    if not (run / "manifest.json").exists():
-        rd.write_json("manifest.json", manifest)
-    # Lines logged after the manifest's last update belong to a step that runs again.
-    rd.rewind_metrics(manifest.get("metrics_bytes"))
-    policies = policies or PolicyPair(cfg.model, seed=cfg.seed)
-    for role in ("solver", "writer"):  # the model cards of what the rounds save say whose step they were
-        policies.describe(role, within="train-joint")
-    if manifest["solver"]:
-        policies.load_role("solver", run / manifest["solver"])
-    if manifest["writer"]:
-        policies.load_role("writer", run / manifest["writer"])
-    engine = make_engine(cfg, policies)
-    sink = rd.sink(cfg)
-    # cut back with metrics.jsonl above; a run from before the timeline has no global_step, and its
-    # records (step = round) number fewer than its lines, so counting them keeps the steps rising
-    timeline = Timeline(sink, manifest.get("global_step", _lines(sink.path)))
-    steps = STEPS + (("eval",) if jc.eval_problems else ())
-    bar = RoundsBar(cfg, console, sum(set(steps) <= set(x["done"]) for x in manifest["rounds"]))
-    snap_root = run / "snapshots"
-    t_start = time.perf_counter() - manifest.get("seconds_used", 0.0)
-    try:
-        bar.__enter__()
-        for r in range(jc.rounds):
-            # rank 0's clock decides, or ranks could disagree and wait on each other forever
-            over = dist.broadcast(bool(jc.max_seconds) and time.perf_counter() - t_start > jc.max_seconds)
-            if over and r >= len(manifest["rounds"]):
-                manifest["stopped_by_budget"] = r
+    differ from the run's on resume (see ``support/drift.py``'s ``SAFE_DRIFT``)."""
+    return drive(JointStage(cfg, out, console=console, resume=resume, allow_drift=allow_drift, policies=policies,
+                            stop_after=stop_after))
+
+
+class JointStage:
+    """train-joint's setup, rounds, per-step logging and manifest, and final policies.
+
+    The manifest is the checkpoint and is written after every step inside a round (a kill
+    mid-round resumes at the next step), so ``save`` has nothing left to write per round. A
+    run ends early (joint.max_seconds, stop_after) inside a round; ``drive`` has no early exit,
+    so the rounds after that end run nothing."""
+
+    def __init__(self, cfg: Config, out: str | Path, *, console, resume: bool, allow_drift,
+                 policies: PolicyPair | None, stop_after: tuple[int, str] | None):
+        self.cfg, self.out, self.console = cfg, out, console
+        self.resume, self.allow_drift, self.policies, self.stop_after = resume, allow_drift, policies, stop_after
+        self.steps = STEPS + (("eval",) if cfg.joint.eval_problems else ())
+        self.running = False  # setup got to the rounds: release() closes the bar, the folder, the engine
+        self.ended = False  # the budget or stop_after ended the run: later rounds run nothing
+        self.halted = False  # stop_after ended it: close() publishes nothing, as after a kill
+
+    # ------------------------------------------------------------------ the stage's verbs
+    def setup(self) -> tuple[int, int]:
+        cfg = self.cfg
+        runtime.setup(cfg)
+        _check_writer_warmup(cfg)
+        self.rd = RunDir(self.out, "train-joint", self.console)
+        self.run = self.rd.path
+        self.manifest = self._open_manifest()
+        self._load_policies()
+        self.engine = make_engine(cfg, self.policies)
+        self.sink = self.rd.sink(cfg)
+        # cut back with metrics.jsonl above; a run from before the timeline has no global_step, and its
+        # records (step = round) number fewer than its lines, so counting them keeps the steps rising
+        self.timeline = Timeline(self.sink, self.manifest.get("global_step", _lines(self.sink.path)))
+        done = sum(set(self.steps) <= set(x["done"]) for x in self.manifest["rounds"])
+        self.bar = RoundsBar(cfg, self.console, done)
+        self.t_start = time.perf_counter() - self.manifest.get("seconds_used", 0.0)
+        self.running = True
+        self.bar.__enter__()
+        return 0, cfg.joint.rounds
+
+    def iteration(self, r: int) -> JointRound:
+        if self.ended:
+            return JointRound(r)
+        if self._out_of_time(r):
+            self.manifest["stopped_by_budget"] = r
+            self.ended = True
+            return JointRound(r, stopped_by_budget=True)
+        entry = self._round_entry(r)
+        timer = StageTimer()
+        self.timeline.round = r
+        self.timeline.on_record = lambda stage, k, r=r: self.bar.at(r, stage, k)
+        ran = []
+        for step in self.steps:
+            if step in entry["done"]:
+                continue
+            ran.append(self._run_step(r, entry, step, timer))
+            if self.stop_after == (r, step):
+                self.ended = self.halted = True
                 break
-            if r >= len(manifest["rounds"]):
-                manifest["rounds"].append({"round": r, "done": []})
-            rec = manifest["rounds"][r]
-            rdir = _round_dir(run, r)
-            timer = StageTimer()
-            timeline.round = r
-            timeline.on_record = lambda stage, k, r=r: bar.at(r, stage, k)
-            for step in steps:
-                if step in rec["done"]:
-                    continue
-                bar.at(r, step)
-                sync0 = getattr(engine, "sync_seconds", 0.0)
-                samples: list[dict] = []
-                with timer(step):
-                    if step == "collect":
-                        samples = _collect(cfg, rec, manifest, snap_root, policies, engine, r, console)
-                    elif step == "eval":
-                        _eval(cfg, rec, run, policies, engine, console, r)
-                    elif step == "upper":
-                        _upper(cfg, rec, manifest, run, rdir, snap_root, policies, console, r, timeline.tee("upper"))
-                    else:
-                        samples = _lower(cfg, rec, manifest, run, rdir, policies, engine, console, r,
-                                         timeline.tee("lower"))
-                    # the rollout engine must serve what the trainers just produced (vLLM: a full
-                    # state-dict reload; the writer's weights follow lazily on its next turn)
-                    engine.sync_weights("solver")
-                # every reload of the step (eager here, lazy inside generate) counts
-                rec["sync_seconds"] = round(rec.get("sync_seconds", 0.0) + getattr(engine, "sync_seconds", 0.0) - sync0, 3)
-                rec["done"].append(step)
-                rec.setdefault("seconds", {})[step] = round(timer.seconds[step], 3)
-                manifest["seconds_used"] = round(time.perf_counter() - t_start, 3)
-                # the step's own numbers are in the timeline (lower/*, upper/* at their steps); the
-                # collect batch's are here only, under joint/collect/ (not the PPO batch's acc_t1)
-                timeline.log({f"joint/time/{step}": timer.seconds[step], "joint/round": r,
-                              # the process's peak so far: the step where it rises set it
-                              f"joint/peak_rss_gib/{step}": round(runtime.peak_rss_mb()["self"] / 1024, 2),
-                              **{f"joint/{k}/{step}": v for k, v in runtime.peak_gpu_gib().items()},
-                              **{f"joint/collect/{k}": v for k, v in rec.get("collect_metrics", {}).items()
-                                 if step == "collect"},
-                              **{f"eval/{k}": v for k, v in rec.get("eval_metrics", {}).items() if step == "eval"}})
-                # the round's episodes (trackers only): collect's, and the last PPO batch's with its bonus
-                sink.log_table("joint/samples" if step == "collect" else f"{step}/samples", samples, step=timeline.step)
-                bar.done(r, step)
-                if step == steps[-1]:
-                    rd.say(round_line(r, jc.rounds, rec, sum(rec["seconds"].values())))
-                manifest["metrics_bytes"] = dist.broadcast(rd.metrics_bytes())
-                manifest["global_step"] = dist.broadcast(timeline.step)
-                rd.write_json("manifest.json", manifest)
-                if stop_after == (r, step):
-                    return JointResult(run, manifest)
+        return JointRound(r, tuple(ran), halted=self.halted)
+
+    def log(self, r: int, record: JointRound) -> None:
+        """Each step's row is on the timeline already (before the manifest that counts it); the
+        round's headline line follows its last step."""
+        if record.steps and record.steps[-1].name == self.steps[-1]:
+            entry = self.manifest["rounds"][r]
+            self.rd.say(round_line(r, self.cfg.joint.rounds, entry, sum(entry["seconds"].values())))
+
+    def save(self, r: int, record: JointRound) -> None:
+        """Nothing per round: the manifest was written after each of its steps (``_save_step``)."""
+
+    def close(self) -> JointResult:
+        if self.halted:
+            return JointResult(self.run, self.manifest)
         if dist.is_main():
-            _publish(run, manifest)
-        rd.write_json("manifest.json", manifest)
+            _publish(self.run, self.manifest)
+        self.rd.write_json("manifest.json", self.manifest)
         dist.barrier()
-    finally:
-        bar.__exit__(None, None, None)
-        rd.close()
-        engine.close()
-    return JointResult(run, manifest)
+        return JointResult(self.run, self.manifest)
+
+    def release(self) -> None:
+        if not self.running:  # a setup that failed early leaves the folder to the process's end, as it did
+            return
+        self.bar.__exit__(None, None, None)
+        self.rd.close()
+        self.engine.close()
+
+    # ------------------------------------------------------------------ setup's parts
+    def _open_manifest(self) -> dict:
+        """The resume state (a fresh one for a new run), read by every rank before claim lets rank
+        0 write; metrics.jsonl cut back to it."""
+        rd, run = self.rd, self.run
+        manifest = _read_manifest(run / "manifest.json") if rd.check(self.cfg, self.resume, self.allow_drift) else None
+        if manifest is None:
+            manifest = rd.provenance(rounds=[], solver=None, writer=None, metrics_bytes=0, global_step=0)
+        manifest = dist.broadcast(manifest)  # every rank has read it before claim lets rank 0 write
+        rd.claim(self.cfg)
+        if not (run / "manifest.json").exists():
+            rd.write_json("manifest.json", manifest)
+        # Lines logged after the manifest's last update belong to a step that runs again.
+        rd.rewind_metrics(manifest.get("metrics_bytes"))
+        return manifest
+
+    def _load_policies(self) -> None:
+        self.policies = policies = self.policies or PolicyPair(self.cfg.model, seed=self.cfg.seed)
+        for role in ("solver", "writer"):  # the model cards of what the rounds save say whose step they were
+            policies.describe(role, within="train-joint")
+        for role in ("solver", "writer"):
+            if self.manifest[role]:
+                policies.load_role(role, self.run / self.manifest[role])
+
+    # ------------------------------------------------------------------ a round's parts
+    def _out_of_time(self, r: int) -> bool:
+        """joint.max_seconds is spent and round ``r`` has not begun (a begun one finishes on resume)."""
+        jc = self.cfg.joint
+        # rank 0's clock decides, or ranks could disagree and wait on each other forever
+        over = dist.broadcast(bool(jc.max_seconds) and time.perf_counter() - self.t_start > jc.max_seconds)
+        return bool(over) and r >= len(self.manifest["rounds"])
+
+    def _round_entry(self, r: int) -> dict:
+        """Round ``r``'s record in the manifest (new when the round begins)."""
+        rounds = self.manifest["rounds"]
+        if r >= len(rounds):
+            rounds.append({"round": r, "done": []})
+        return rounds[r]
+
+    def _run_step(self, r: int, entry: dict, step: str, timer: StageTimer) -> JointStep:
+        """Run round ``r``'s ``step``, log its row and write the manifest that marks it done."""
+        self.bar.at(r, step)
+        sync0 = getattr(self.engine, "sync_seconds", 0.0)
+        with timer(step):
+            samples = self._step(r, entry, step)
+            # the rollout engine must serve what the trainers just produced (vLLM: a full
+            # state-dict reload; the writer's weights follow lazily on its next turn)
+            self.engine.sync_weights("solver")
+        # every reload of the step (eager here, lazy inside generate) counts
+        sync1 = getattr(self.engine, "sync_seconds", 0.0)
+        entry["sync_seconds"] = round(entry.get("sync_seconds", 0.0) + sync1 - sync0, 3)
+        entry["done"].append(step)
+        entry.setdefault("seconds", {})[step] = round(timer.seconds[step], 3)
+        self.manifest["seconds_used"] = round(time.perf_counter() - self.t_start, 3)
+        record = JointStep(step, timer.seconds[step], sync1 - sync0, round(runtime.peak_rss_mb()["self"] / 1024, 2),
+                           runtime.peak_gpu_gib(), _own_metrics(entry, step))
+        self._log_step(r, record, samples)
+        self._save_step()
+        return record
+
+    def _step(self, r: int, entry: dict, step: str) -> list[dict]:
+        """The step's work; returns the sample rows it logs as a table (collect's, the last PPO batch's)."""
+        cfg, m, run, policies, engine, console = (self.cfg, self.manifest, self.run, self.policies, self.engine,
+                                                  self.console)
+        snap_root, rdir = run / "snapshots", _round_dir(run, r)
+        if step == "collect":
+            return _collect(cfg, entry, m, snap_root, policies, engine, r, console)
+        if step == "eval":
+            _eval(cfg, entry, run, policies, engine, console, r)
+            return []
+        if step == "upper":
+            _upper(cfg, entry, m, run, rdir, snap_root, policies, console, r, self.timeline.tee("upper"))
+            return []
+        return _lower(cfg, entry, m, run, rdir, policies, engine, console, r, self.timeline.tee("lower"))
+
+    def _log_step(self, r: int, record: JointStep, samples: list[dict]) -> None:
+        # the step's own numbers are in the timeline (lower/*, upper/* at their steps); the
+        # collect batch's are here only, under joint/collect/ (not the PPO batch's acc_t1)
+        self.timeline.log(step_row(r, record))
+        # the round's episodes (trackers only): collect's, and the last PPO batch's with its bonus
+        name = record.name
+        self.sink.log_table("joint/samples" if name == "collect" else f"{name}/samples", samples,
+                            step=self.timeline.step)
+        self.bar.done(r, name)
+
+    def _save_step(self) -> None:
+        """The manifest, with the metrics a resume keeps and the timeline's step, after a finished step."""
+        self.manifest["metrics_bytes"] = dist.broadcast(self.rd.metrics_bytes())
+        self.manifest["global_step"] = dist.broadcast(self.timeline.step)
+        self.rd.write_json("manifest.json", self.manifest)
+
+
+# ---------------------------------------------------------------------- the steps
+
+
+def _own_metrics(entry: dict, step: str) -> dict:
+    """A step's own numbers on its joint row, from the manifest's record of the round."""
+    key = {"collect": "collect_metrics", "eval": "eval_metrics"}.get(step)
+    return dict(entry.get(key, {})) if key else {}
 
 
 def _lines(path: Path) -> int:
@@ -197,10 +295,6 @@ def _collect(cfg, rec, manifest, snap_root, policies, engine, r, console) -> lis
     ccfg = replace(cfg, seed=cfg.seed + 1000 * r,
                    collect=replace(cfg.collect, out=str(snap_root), parents=parents),
                    logging=_inner_logging(cfg))
-    from tosca_mlmt.pipelines.train_lower import iteration_indices
-
-    from tosca_mlmt.tasks import make_task
-
     pool = make_task(cfg.task).load(cfg.task.split, cfg.task.limit or None, cfg.task.skip_bad_rows).problems
     # round r takes the next slice of a seeded walk over the pool, so rounds see different problems
     chosen = [pool[i] for i in iteration_indices(len(pool), cfg.joint.collect_problems, r, cfg.seed)]
@@ -266,7 +360,7 @@ def _upper(cfg, rec, manifest, run, rdir, snap_root, policies, console, r, tee=N
     rec["upper"] = str(out.relative_to(run))
     rec["upper_snapshots"] = window
     manifest["writer"] = str(res.writer_dir.relative_to(run))
-    rec["upper_metrics"] = {k: v for k, v in res.metrics.items() if isinstance(v, (int, float))}
+    rec["upper_metrics"] = scalars(res.metrics)
 
 
 def _lower(cfg, rec, manifest, run, rdir, policies, engine, console, r, tee=None) -> list[dict]:

@@ -1,6 +1,6 @@
 """A task and reward functions written the way a user writes them, outside the package.
 
-tests/test_byo_task.py names them by path (``byo_plugin:CountTask``, ``tests/byo_plugin.py:flaky_reward``)
+tests/unit/tasks/test_byo_task.py names them by path (``byo_plugin:CountTask``, ``tests/byo_plugin.py:flaky_reward``)
 and through a fake installed entry point; nothing here is imported by the package itself.
 """
 

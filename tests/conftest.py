@@ -81,7 +81,8 @@ def debug_policies(debug_cfg):
 VLLM_MARKS = [
     pytest.mark.vllm,
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+    # a spec with no origin is a bare folder named vllm (tests/unit/rollout/engines/vllm/ itself)
+    pytest.mark.skipif(getattr(importlib.util.find_spec("vllm"), "origin", None) is None,
                        reason="vllm is not installed (pip install 'tosca-mlmt[vllm]')"),
 ]
 
@@ -222,3 +223,24 @@ def perturbed_lora_b(policies, role: str, seed: int, scale: float = 0.02):
             for p in lora_b.values():
                 p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
         yield lora_b, saved
+
+
+@pytest.fixture(scope="module")
+def lower_setup(tiny_cfg, policies):
+    """fp32 weights, no autocast (conftest.FP32): numbers compare exactly."""
+    from factories import sampled_lower_setup
+
+    return sampled_lower_setup(tiny_cfg, policies)
+
+
+@pytest.fixture(scope="module")
+def bf16_setup(lower_setup):
+    """The path `model.dtype: auto` takes on CPUs with native bf16, forced on any CPU: bf16 base
+    weights and bf16 autocast (torch emulates bf16 where the CPU lacks it). The fp32 fixture's
+    episodes are reused: what is scored here is the bf16 forward, and sampling them again in bf16
+    would cost minutes where bf16 matmuls are emulated (~50x slower than fp32 on AVX2-only CPUs);
+    bf16 sampling is covered on the debug model (test_bf16_update_keeps_fp32_master_adapters_and_finite_losses)."""
+    from factories import bf16_pair
+
+    cfg, policies = bf16_pair(lower_setup[0])
+    return cfg, lower_setup[1], policies

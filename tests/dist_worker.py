@@ -1,4 +1,4 @@
-"""Worker for tests/test_distributed.py and benchmarks/speed/scaling.py, launched by ``torchrun``
+"""Worker for tests/unit/train/test_distributed.py and benchmarks/speed/scaling.py, launched by ``torchrun``
 (or plain python for one process): offline train-lower and/or train-upper on a fixed
 snapshot through the real pipelines, then rank 0 dumps the trained tensors.
 

@@ -2,7 +2,7 @@
 
 Ground floor: imports nothing of ours and changes no environment on import, so models,
 engines, metrics and the pure RL code can use it without pulling in the training package
-(the optimiser/engine wrapper lives in ``tosca_mlmt.train.distributed``).
+(the optimiser side, ``Trainer``, lives in ``tosca_mlmt.train.distributed``).
 
 Ranks come from torch.distributed, not accelerate's state: under DeepSpeed on CPU
 accelerate reports one process on every rank (accelerate 1.15). With no process group
@@ -122,7 +122,7 @@ def all_sum(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
-# Live ZeRO-3 engines (registered by the training engine): their module hooks would
+# Live DeepSpeed ZeRO-3 engines (registered by train.distributed.Trainer): their module hooks would
 # re-partition parameters in the middle of a ``full_parameters`` block.
 _ZERO3_ENGINES: list = []
 
@@ -140,10 +140,10 @@ def untrack_zero3_engine(engine) -> None:
 def full_parameters(*modules: nn.Module, modify: bool = False):
     """Block in which ZeRO-3-partitioned parameters of ``modules`` are whole, for generation,
     scoring, weight sync and saving; with ``modify`` what rank 0 writes into them is kept and
-    re-partitioned on exit (loading). A no-op for every other engine and for parameters an
+    re-partitioned on exit (loading). A no-op without ZeRO-3 and for parameters an
     enclosing block already gathered. Under ZeRO-3 it is a collective: every rank enters it.
 
-    The engines' ZeRO-3 forward hooks are lifted for the block (as TRL does for generation):
+    DeepSpeed's ZeRO-3 forward hooks are lifted for the block (as TRL does for generation):
     they would release the gathered weights after each sub-module and re-gather them with
     collectives, which ranks running different numbers of forwards cannot match."""
     params = [p for m in modules for p in m.parameters() if hasattr(p, "ds_id")]

@@ -4,7 +4,7 @@ one interface: accelerate's ``log(values, step)`` and ``finish()`` (through :fun
 tensorboard's resume marker), and :func:`log_table` for sample rows.
 
 The names live in ``config/run.py`` (``TRACKERS``: config/ imports only the ground floor);
-``BUILDERS`` maps each to its accelerate class, and tests/test_trackers.py fails when they differ.
+``BUILDERS`` maps each to its accelerate class, and tests/unit/test_trackers.py fails when they differ.
 
 No ``Accelerator`` is involved. In accelerate 1.x a tracker's constructor only stores its
 arguments and ``start()`` opens it (``Accelerator.init_trackers`` calls it lazily), so each builder

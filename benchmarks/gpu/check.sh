@@ -26,7 +26,7 @@
 #   vbench     benchmarks/speed/collect_throughput.py 64 x 4: the three-turn loop against raw vLLM at its batch
 #   vjoint     mlmt train-joint, one round of configs/demo.yaml on vLLM
 #   vpair      mlmt collect with the writer on a base of its own (model.writer=tiny-random): two vLLM
-#              engines on one GPU, the memory split by engine.vllm.writer_share (rollout/engines/vllm_pair.py)
+#              engines on one GPU, the memory split by engine.vllm.writer_share (rollout/engines/vllm/pair.py)
 #   vaccel     one train-lower iteration on vLLM under `accelerate launch` with
 #              configs/accelerate/8gpu-ddp.yaml, one process: the colocated engine inside a launched rank
 #   vcont      collect_throughput.py --continuous-ab 1 at 512 x 4: continuous episodes against batched

@@ -231,11 +231,13 @@ def identity(preset: Path, extra: dict | None, common: dict, train: dict,
     # afterwards: the same kept tokens, less decoding. It defines speed, not the method, so units from
     # before the knob existed (post-hoc cut) count for the same configuration.
     cfg["engine"]["vllm"].pop("stop_in_engine")
-    # engine.vllm.direct_sync serves, bit for bit, the weights vLLM's reload serves (tests/test_vllm_engine.py):
-    # it too defines speed, so units from before it count either way
+    # engine.vllm.direct_sync serves, bit for bit, the weights vLLM's reload serves
+    # (tests/unit/rollout/engines/vllm/test_vllm_engine.py): it too defines speed, so units from before it count
+    # either way
     cfg["engine"]["vllm"].pop("direct_sync")
     # engine.vllm.rpc_transport and rpc_bucket_mb: how the same tensors cross into a multiprocess engine
-    # (tests/test_vllm_multiprocess.py: the trainer's log-probs either way); speed and memory, not the method
+    # (tests/unit/rollout/engines/vllm/test_vllm_multiprocess.py: the trainer's log-probs either way); speed and
+    # memory, not the method
     cfg["engine"]["vllm"].pop("rpc_transport")
     cfg["engine"]["vllm"].pop("rpc_bucket_mb")
     # engine.allocator picks the process's malloc: the demo trained to bit-identical weights on glibc, jemalloc
@@ -249,7 +251,7 @@ def identity(preset: Path, extra: dict | None, common: dict, train: dict,
     # the C++ kernel rounds once instead of twice (bf16), another numerics path, so it defines units of its own
     if not cfg["engine"]["vllm"]["cpu_norm_kernel"]:
         cfg["engine"]["vllm"].pop("cpu_norm_kernel")
-    # engine.vllm.writer_share only splits memory between two bases' engines (vllm_pair.py): with one base
+    # engine.vllm.writer_share only splits memory between two bases' engines (rollout/engines/vllm/pair.py): with one base
     # it is unread, so units from before the knob count
     if not cfg["model"]["writer"]:
         cfg["engine"]["vllm"].pop("writer_share")

@@ -12,7 +12,7 @@ its configuration's hash), so a new unit changes them and nothing is copied by h
 
 summarise() is the library's entry: (the tables' lines, their record), from the stored units alone.
 
-tests/test_benchmark_methods.py checks that the results page's tables equal what the stored units give.
+tests/properties/test_benchmark_methods.py checks that the results page's tables equal what the stored units give.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def main() -> None:
                                   "episode.max_prompt_tokens": 768, "engine.vllm.max_model_len": 1024})
     policies = PolicyPair(base.model, seed=args.seed)
     if args.engine == "vllm":
-        from tosca_mlmt.rollout.engines.vllm_engine import VLLMEngine
+        from tosca_mlmt.rollout.engines.vllm import VLLMEngine
         engine = VLLMEngine(policies, base.engine.vllm, seed=args.seed)
     else:
         engine = HFEngine(policies, base.engine.batch_size)

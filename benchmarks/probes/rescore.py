@@ -40,7 +40,7 @@ def rescore(folder: Path) -> dict:
     """One snapshot: per episode (stored, again) for turn 1 and the final turn, and the moved turns."""
     from tosca_mlmt.config import load_config
     from tosca_mlmt.rollout.engines.stop import final_text
-    from tosca_mlmt.snapshot import load_snapshot
+    from tosca_mlmt.store import load_snapshot
     from tosca_mlmt.tasks import make_task
 
     snap = load_snapshot(folder.parent, folder.name)

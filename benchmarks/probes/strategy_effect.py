@@ -84,7 +84,7 @@ def mean_ci(xs: list[float]) -> tuple[float, float, float, int]:
 
 def main() -> None:
     from tosca_mlmt.analysis.stats import wilson
-    from tosca_mlmt.snapshot_index import open_snapshot
+    from tosca_mlmt.store import open_snapshot
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", required=True, help="folder searched for the snapshot")

@@ -37,7 +37,7 @@ def features(run: Path, reward: str, break_penalty: float):
     from tosca_mlmt.config import load_config
     from tosca_mlmt.models.features import writer_state_features
     from tosca_mlmt.models.policies import PolicyPair
-    from tosca_mlmt.snapshot_index import open_snapshot
+    from tosca_mlmt.store import open_snapshot
     from tosca_mlmt.upper.dataset import build_transitions
 
     manifest = json.loads((run / "manifest.json").read_text())

@@ -307,7 +307,7 @@ class Bench:
 
     def start_vllm(self) -> None:
         from tosca_mlmt.rollout.engines.base import SamplingParams
-        from tosca_mlmt.rollout.engines.vllm_engine import VLLMEngine
+        from tosca_mlmt.rollout.engines.vllm import VLLMEngine
 
         t = time.perf_counter()
         self.engine = VLLMEngine(self.policies, self.cfgs["vllm"].engine.vllm, seed=self.args.seed)

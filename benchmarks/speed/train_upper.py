@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     load_s = time.perf_counter() - t0
     strategies = cfg0.episode.strategies
     if args.snapshot:
-        from tosca_mlmt.snapshot_index import open_snapshot
+        from tosca_mlmt.store import open_snapshot
         from tosca_mlmt.upper.dataset import build_transitions, check_strategies
 
         snap = open_snapshot(args.root, args.snapshot)  # an id or a unique prefix, at any depth

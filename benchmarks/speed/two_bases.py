@@ -1,7 +1,7 @@
 """Collect with the writer on a base of its own (``model.writer``): the HF engine against vLLM's pair.
 
 A writer on another base was HF-engine-only until vLLM got one engine per base
-(rollout/engines/vllm_pair.py). This times ``mlmt collect`` (arith level 2, problems x samples,
+(rollout/engines/vllm/pair.py). This times ``mlmt collect`` (arith level 2, problems x samples,
 one feedback round) for
 
 * ``hf``: the HF engine with both bases;

@@ -15,7 +15,7 @@ shared and its load drifts):
   worker extension: the memory route a multiprocess (GPU) engine takes, timed here in-process;
 * ``direct``: the adapted layers merged straight into fused buffers and packed into new vLLM
   kernels, no reload (``engine.vllm.direct_sync``, the default on in-process CPU engines); its
-  merge is PolicyPair.merge_into, its push the packing and installing the kernels;
+  merge is models/merge.merge_into, its push the packing and installing the kernels;
 
 After these, the syncs of one train-lower iteration through ``sync_weights`` (solver, writer,
 solver) per setting (:func:`iteration_syncs`: file, delta, direct, whose swaps reuse kept kernels).
@@ -91,33 +91,33 @@ def multiprocess_routes(cfg, policies, args) -> dict:
     """Push seconds of each multiprocess route, full and delta, alternating (module docstring)."""
     import torch
 
-    from tosca_mlmt.rollout.engines import vllm_sync
-    from tosca_mlmt.rollout.engines.vllm_engine import VLLMEngine
+    from tosca_mlmt.models import merge
+    from tosca_mlmt.rollout.engines.vllm import VLLMEngine, sync
 
     engine = VLLMEngine(policies, cfg.engine.vllm, seed=cfg.seed)
-    if vllm_sync.inprocess_runner(engine.llm) is not None:
+    if sync.inprocess_runner(engine.llm) is not None:
         raise SystemExit("the engine runs in this process: --multiprocess needs VLLM_ENABLE_V1_MULTIPROCESSING=1")
     perturb(policies, "solver", 0.01, torch.Generator().manual_seed(args.seed))
     modules = engine.delta_plan(policies.adapted_modules("solver"))
-    stage = vllm_sync.SharedStage(cfg.engine.vllm.rpc_bucket_mb * 2**20)
-    small = vllm_sync.SharedStage(args.small_bucket_mb * 2**20)
-    push = {"file": lambda sd, part: vllm_sync.push(engine.llm, sd, "file", part, reset=False),
-            "bytes": lambda sd, part: vllm_sync.push(engine.llm, sd, "memory", part, reset=False),
-            "shared": lambda sd, part: vllm_sync.push(engine.llm, sd, "memory", part, reset=False, stage=stage),
-            "shared_small": lambda sd, part: vllm_sync.push(engine.llm, sd, "memory", part, reset=False, stage=small)}
+    stage = sync.SharedStage(cfg.engine.vllm.rpc_bucket_mb * 2**20)
+    small = sync.SharedStage(args.small_bucket_mb * 2**20)
+    push = {"file": lambda sd, part: sync.push(engine.llm, sd, "file", part, reset=False),
+            "bytes": lambda sd, part: sync.push(engine.llm, sd, "memory", part, reset=False),
+            "shared": lambda sd, part: sync.push(engine.llm, sd, "memory", part, reset=False, stage=stage),
+            "shared_small": lambda sd, part: sync.push(engine.llm, sd, "memory", part, reset=False, stage=small)}
     variants = [(r, kind) for kind in ("full", "delta") for r in MP_ROUTES]
-    sd = policies.merged_state_dict("solver")
+    sd = merge.merged_state_dict(policies, "solver")
     t0 = time.perf_counter()
     push["shared"](sd, False)  # the buffer is made (full size, so deltas fit) and its handle sent
     first = round(time.perf_counter() - t0, 4)
     for route, kind in variants:  # warm-up
-        push[route](policies.merged_state_dict("solver", modules if kind == "delta" else None), kind == "delta")
+        push[route](merge.merged_state_dict(policies, "solver", modules if kind == "delta" else None), kind == "delta")
     rows = {f"{r}/{k}": [] for r, k in variants}
     merges, reloads = {"full": [], "delta": []}, {}
     for i in range(args.repeats):
         for route, kind in (variants if i % 2 == 0 else variants[::-1]):
             t0 = time.perf_counter()
-            sd = policies.merged_state_dict("solver", modules if kind == "delta" else None)
+            sd = merge.merged_state_dict(policies, "solver", modules if kind == "delta" else None)
             t1 = time.perf_counter()
             got = push[route](sd, kind == "delta")
             rows[f"{route}/{kind}"].append(round(time.perf_counter() - t1, 4))
@@ -128,12 +128,12 @@ def multiprocess_routes(cfg, policies, args) -> dict:
             print(f"repeat {i}: {route}/{kind} push {rows[f'{route}/{kind}'][-1]} s", flush=True)
     engine.close()
     med = {k: statistics.median(v) for k, v in rows.items()}
-    merge = {k: statistics.median(v) for k, v in merges.items()}
-    total = {k: round(med[k] + merge[k.split("/")[1]], 4) for k in med}
+    merge_s = {k: statistics.median(v) for k, v in merges.items()}
+    total = {k: round(med[k] + merge_s[k.split("/")[1]], 4) for k in med}
     ratio = {f"{a}/shared ({kind}, {part})": round(src[f"{a}/{kind}"] / src[f"shared/{kind}"], 2)
              for kind in ("full", "delta") for a in ("file", "bytes", "shared_small")
              for part, src in (("push", med), ("total", total))}
-    return {"median_push_s": med, "median_merge_s": merge, "median_total_s": total, "ratios": ratio,
+    return {"median_push_s": med, "median_merge_s": merge_s, "median_total_s": total, "ratios": ratio,
             "first_shared_push_s": first, "reloads_per_push": reloads,
             "buffer_mb": {r: round(st.buf.numel() / 2**20, 1) if st.buf is not None else None
                           for r, st in (("shared", stage), ("shared_small", small))},
@@ -183,8 +183,7 @@ def adapter_route(cfg, policies, args) -> tuple[list[dict], dict]:
     LoRA cache; the weights-key check, common to every route, is timed apart) and decode tok/s."""
     from dataclasses import replace
 
-    from tosca_mlmt.rollout.engines import vllm_sync
-    from tosca_mlmt.rollout.engines.vllm_engine import LORA_IDS, VLLMEngine
+    from tosca_mlmt.rollout.engines.vllm import LORA_IDS, VLLMEngine, sync
 
     engine = VLLMEngine(policies, replace(cfg.engine.vllm, serve_adapters=True), seed=cfg.seed)
     config = policies.adapter_config("solver")
@@ -193,7 +192,7 @@ def adapter_route(cfg, policies, args) -> tuple[list[dict], dict]:
         t0 = time.perf_counter()
         adapter = policies.adapter_state("solver")
         t1 = time.perf_counter()
-        vllm_sync.push_lora(engine.llm, LORA_IDS["solver"], adapter, config)
+        sync.push_lora(engine.llm, LORA_IDS["solver"], adapter, config)
         t2 = time.perf_counter()
         engine.weights_key("solver")
         t3 = time.perf_counter()
@@ -290,11 +289,11 @@ def inprocess_routes(cfg, policies, args) -> dict:
     with --adapters, the served-adapter route."""
     import torch
 
-    from tosca_mlmt.rollout.engines import vllm_sync
-    from tosca_mlmt.rollout.engines.vllm_engine import VLLMEngine
+    from tosca_mlmt.models import merge
+    from tosca_mlmt.rollout.engines.vllm import VLLMEngine, sync
 
     engine = VLLMEngine(policies, cfg.engine.vllm, seed=cfg.seed)
-    if vllm_sync.inprocess_runner(engine.llm) is None:
+    if sync.inprocess_runner(engine.llm) is None:
         raise SystemExit("the engine is not in-process: the memory route would be the rpc one")
     gen = torch.Generator().manual_seed(args.seed)
     perturb(policies, "solver", 0.01, gen)  # a trained-looking adapter: the merge computes real deltas
@@ -302,15 +301,15 @@ def inprocess_routes(cfg, policies, args) -> dict:
     # delta sync finds in training: the base outside the adapted modules
     modules = engine.delta_plan(engine.policies.adapted_modules("solver"))
     if modules is None:
-        raise SystemExit("delta sync is unavailable for this model (vllm_sync.packed_modules)")
+        raise SystemExit("delta sync is unavailable for this model (vllm/sync.packed_modules)")
     kernels = engine.kernels
     if kernels is None:
-        raise SystemExit("the direct route is unavailable on this engine (vllm_kernels.fused_layers)")
+        raise SystemExit("the direct route is unavailable on this engine (vllm/kernels.fused_layers)")
     # reset=False: as the engine pushes (its requests are salted by their weights)
-    push = {"file": lambda sd: vllm_sync.push(engine.llm, sd, "file", reset=False),
-            "memory": lambda sd: vllm_sync.push(engine.llm, sd, "memory", reset=False),
-            "delta": lambda sd: vllm_sync.push(engine.llm, sd, "memory", partial=True, reset=False),
-            "memory_rpc": lambda sd: vllm_sync.push_rpc(engine.llm, sd)}
+    push = {"file": lambda sd: sync.push(engine.llm, sd, "file", reset=False),
+            "memory": lambda sd: sync.push(engine.llm, sd, "memory", reset=False),
+            "delta": lambda sd: sync.push(engine.llm, sd, "memory", partial=True, reset=False),
+            "memory_rpc": lambda sd: sync.push_rpc(engine.llm, sd)}
     adapted = policies.adapted_modules("solver")
 
     def direct() -> tuple[float, float, float]:
@@ -318,12 +317,12 @@ def inprocess_routes(cfg, policies, args) -> dict:
         and installing the kernels (push)."""
         merged = []
 
-        def merge(outs):
-            policies.merge_into("solver", outs)
+        def merge_solver(outs):
+            merge.merge_into(policies, "solver", outs)
             merged.append(time.perf_counter())
 
         t0 = time.perf_counter()
-        kernels.install(kernels.build(merge, adapted))
+        kernels.install(kernels.build(merge_solver, adapted))
         return t0, merged[0], time.perf_counter()
 
     def one(route: str) -> dict:
@@ -331,7 +330,7 @@ def inprocess_routes(cfg, policies, args) -> dict:
             t0, t1, t2 = direct()
         else:
             t0 = time.perf_counter()
-            sd = policies.merged_state_dict("solver", modules if route == "delta" else None)
+            sd = merge.merged_state_dict(policies, "solver", modules if route == "delta" else None)
             t1 = time.perf_counter()
             push[route](sd)
             t2 = time.perf_counter()
@@ -343,7 +342,7 @@ def inprocess_routes(cfg, policies, args) -> dict:
     def mb(sd):
         return round(sum(v.numel() * v.element_size() for v in sd.values()) / 2**20, 1)
 
-    payload_mb, delta_mb = mb(policies.merged_state_dict("solver")), mb(policies.merged_state_dict("solver", modules))
+    payload_mb, delta_mb = mb(merge.merged_state_dict(policies, "solver")), mb(merge.merged_state_dict(policies, "solver", modules))
     for route in ROUTES:  # warm-up: first-call costs (page cache, allocator) are not the steady state
         one(route)
     rows: dict[str, list[dict]] = {r: [] for r in ROUTES}

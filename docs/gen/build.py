@@ -1,6 +1,6 @@
 """Writes the generated pages: the CLI, config and metrics references, the results page, and the README's
 demo block. `--check` writes nothing and exits 1 naming each page that differs from what the code and the
-stored results give (tests/docs/ runs it).
+stored results give (tests/properties/test_docs.py runs it).
 
     python docs/gen/build.py            # regenerate
     python docs/gen/build.py --check    # stale?

@@ -1,5 +1,5 @@
 """The results page, generated from the stored result JSON under benchmarks/results/: nothing on it is
-typed by hand, and tests/docs/ fails when a JSON changes and the page is not regenerated.
+typed by hand, and tests/properties/test_docs.py fails when a JSON changes and the page is not regenerated.
 
 Which run counts as current: a benchmark's results live in `benchmarks/results/<benchmark>/` named
 `<date>_<variant>.json`; superseded runs sit in `archive/` below it and are listed, not summarised."""

@@ -1,4 +1,4 @@
-"""Hostile "solutions" for the sandbox suite (tests/test_sandbox_hostile.py).
+"""Hostile "solutions" for the sandbox suite (tests/unit/tasks/sandbox/test_sandbox_hostile.py).
 
 Each program is graded against ``TESTS`` (``x * x + 7919``); none of them computes it,
 so any reward they earn is forged. Placeholders the harness fills in:

@@ -83,3 +83,15 @@ def display(df: pd.DataFrame) -> pd.DataFrame:
             return f"{v:.4g}"
         return str(v)
     return pd.DataFrame({c: [cell(v) for v in df[c]] for c in df.columns}, columns=df.columns)
+
+
+def _cell(v: str) -> str:
+    return str(v).replace("|", "\\|")
+
+
+def md_table(df: pd.DataFrame) -> str:
+    """GitHub-flavoured Markdown; numeric columns right-aligned, a missing value as "–"."""
+    align = ["---:" if pd.api.types.is_numeric_dtype(df[c]) else "---" for c in df.columns]
+    cells = [[_cell(v) for v in r] for r in display(df).itertuples(index=False)]
+    rows = [[_cell(c) for c in df.columns], align, *cells]
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from tosca_mlmt.analysis.captions import md_inline as _md_inline
+from tosca_mlmt.analysis.captions import md_inline as _md_inline, md_table
 from tosca_mlmt.analysis.tables import EVAL, Tables, focus_snapshot
 
 
@@ -101,8 +101,6 @@ def _fallback(h: Headline, t: Tables) -> list[str]:
 
 
 def headline_md(h: Headline, t: Tables) -> list[str]:
-    from tosca_mlmt.analysis.report import md_table
-
     out = ["## Result", ""]
     if h.comparison is None:
         return out + [p for line in _fallback(h, t) for p in (line, "")]

@@ -6,21 +6,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-from tosca_mlmt.analysis.captions import data_sentence, display
+from tosca_mlmt.analysis.captions import data_sentence, md_table
 from tosca_mlmt.analysis.headline import Headline, headline_md
 from tosca_mlmt.analysis.tables import CELLS, EVAL, TRAIN, Tables, curve_table, focus_snapshot
-
-
-def _cell(v: str) -> str:
-    return str(v).replace("|", "\\|")
-
-
-def md_table(df: pd.DataFrame) -> str:
-    """GitHub-flavoured Markdown; numeric columns right-aligned, a missing value as "–"."""
-    align = ["---:" if pd.api.types.is_numeric_dtype(df[c]) else "---" for c in df.columns]
-    cells = [[_cell(v) for v in r] for r in display(df).itertuples(index=False)]
-    rows = [[_cell(c) for c in df.columns], align, *cells]
-    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
 def _figure(figures: dict[str, str], key: str, title: str, caption: str = "") -> list[str]:

@@ -21,8 +21,7 @@ import pyarrow.parquet as pq
 from tosca_mlmt.analysis.headline import EvalInput
 from tosca_mlmt.errors import MlmtError, SnapshotError
 from tosca_mlmt.samples import BONUS_KEYS
-from tosca_mlmt.snapshot import read_manifest
-from tosca_mlmt.snapshot_index import find_snapshot_dirs, matching_ids, resolve_snapshot
+from tosca_mlmt.store import find_snapshot_dirs, matching_ids, read_manifest, resolve_snapshot
 
 # ``snapshot_id`` is the name Snapshot.tables() gives the id (added on read: see there);
 # ``snapshot`` holds the same id, under the name the report's tables group by.
@@ -141,7 +140,7 @@ def _turns_v1(folder: Path) -> pd.DataFrame:
 
 
 # One reader per supported snapshot format version, each returning TURN_COLUMNS (less
-# ``snapshot`` and ``snapshot_id``); tests check that every version in snapshot.SUPPORTED_VERSIONS has one.
+# ``snapshot`` and ``snapshot_id``); tests check that every version in store.manifest.SUPPORTED_VERSIONS has one.
 TURN_READERS = {1: _turns_v1, 2: _turns_v1, 3: _turns_v1, 4: _turns_v1}  # 2-4 changed the manifest, not the tables
 
 

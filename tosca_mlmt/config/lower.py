@@ -9,10 +9,10 @@ from tosca_mlmt.config.section import Section, advise, need
 
 # The allowed values of lower.advantage, lower.policy_loss and lower.bonus.gate are the names
 # of the algos/ registries (ADVANTAGES, POLICY_LOSSES, GATES). They cannot be read from there:
-# config/ imports only the ground floor (tests/test_architecture.py), algos/ takes knobs as
+# config/ imports only the ground floor (tests/properties/test_architecture.py), algos/ takes knobs as
 # arguments and never a config, and algos/ loads torch, while a config error or `mlmt config`
 # should answer before torch is loaded. So the names are listed once here, each registry files
-# its functions under the same names, and tests/test_config.py fails when the two sets differ.
+# its functions under the same names, and tests/unit/config/test_config.py fails when the two sets differ.
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce", "archer")
 POLICY_LOSSES = ("ppo_clip", "reinforce")
 BONUS_GATES = ("none", "improvement", "advantage_sign")

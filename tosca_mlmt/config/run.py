@@ -11,7 +11,7 @@ from tosca_mlmt.config.section import Section
 
 # The trackers a run's metrics sink can mirror its records to. They are named here, not in
 # tosca_mlmt/trackers.py (which builds each through accelerate), because config/ may import only
-# the ground floor; tests/test_trackers.py fails when the two lists differ.
+# the ground floor; tests/unit/test_trackers.py fails when the two lists differ.
 TRACKERS = ("wandb", "tensorboard")
 # collect's per-turn temperatures: -1 keeps the role's own solver_/writer_sampling.temperature
 COLLECT_TEMPERATURE = Rule("-1 (the role's own sampling temperature), 0 (greedy) or >= 0.001",

@@ -25,7 +25,7 @@ from tosca_mlmt.config.section import Section, need, show
 from tosca_mlmt.errors import ConfigError
 
 # The names tosca_mlmt.tasks.registry.TASKS files its built-in tasks under. config/ imports only
-# the ground floor (and torch-free stdlib), so it lists them itself; tests/test_config.py fails
+# the ground floor (and torch-free stdlib), so it lists them itself; tests/unit/config/test_config.py fails
 # when the two differ.
 BUILTIN_TASKS = ("arith", "gsm8k", "math500", "mbpp", "jsonl")
 ENTRY_POINT_GROUP = "tosca_mlmt.tasks"

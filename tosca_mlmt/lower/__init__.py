@@ -8,7 +8,7 @@
 * objective.py   token rewards (SCoRe, KL penalty), the bonus on refine tokens, one micro-batch's loss
 * archer.py      ArCHer's utterance-level critic: features, TD targets, its loss
 * learner.py     orchestration: score -> rewards -> registered estimator -> bonus -> epochs; checkpoints
-* stats.py       the per-iteration statistics
+* stats.py       the per-iteration statistics, and the typed records of an update and an iteration
 
 The RL maths itself (estimators, policy losses, the bonus) lives in algos/ as pure functions.
 """

@@ -7,7 +7,7 @@ Per update, for a batch of trajectories:
 2. token rewards, then the registered advantage estimator ``lower.advantage`` (algos/),
    then the context bonus on refine tokens (objective.py, algos/bonus.py);
 3. epochs of minibatches, each ``grad_accum`` micro-batch slots over the ranks
-   (``TrainEngine``), and the target critic's Polyak step after each optimiser step.
+   (``Trainer``), and the target critic's Polyak step after each optimiser step.
 
 Only the solver's adapter and the heads its estimator needs train: base weights and the
 writer's adapter stay frozen.
@@ -35,7 +35,7 @@ from tosca_mlmt.lower.trajectory import SolverTrajectory, TrajectoryTensors, to_
 from tosca_mlmt.metrics import StageTimer
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.seeds import seeded, stream
-from tosca_mlmt.train.distributed import TrainEngine
+from tosca_mlmt.train.distributed import Trainer
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -70,10 +70,10 @@ class LowerLearner:
         if lo.gradient_checkpointing:
             self.model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.model.enable_input_require_grads()
-        self.engine = TrainEngine(cfg.distributed, {"policy": self.model, "value_head": self.value_head,
-                                                    "critic": self.critic}, optimizer, scheduler,
-                                  slots=lo.grad_accum, micro_size=lo.minibatch_size // lo.grad_accum,
-                                  max_grad_norm=lo.max_grad_norm, what="lower.grad_accum")
+        self.trainer = Trainer(cfg.distributed, {"policy": self.model, "value_head": self.value_head,
+                                                 "critic": self.critic}, optimizer, scheduler,
+                               slots=lo.grad_accum, micro_size=lo.minibatch_size // lo.grad_accum,
+                               max_grad_norm=lo.max_grad_norm, what="lower.grad_accum")
         # lower.logprob_temperature: score the distribution the PPO batches were drawn from, or the raw one
         tempered = lo.logprob_temperature == "sampling"
         self.scorer = SolverScorer(lo, policies, self.value_head,
@@ -83,23 +83,20 @@ class LowerLearner:
         # the known collapse (KL in the reward under grpo's std division): the loader warned about a loaded
         # config already (said once per section); this covers configs built or replace-d in code
         warn_kl_reward_collapse(lo)
-        self.skipped_old = False  # whether the last update ran without a pi_old pass
-        # the last update's bonus per refine, (row, solver turn, raw term, value used): what
-        # train-lower stores with each batch snapshot's refine turns (stats.with_refine_bonus)
-        self.refine_bonus: list[tuple[int, int, float, float]] = []
 
     @property
     def scheduler(self):
-        return self.engine.scheduler
+        return self.trainer.scheduler
 
     @property
     def pad_id(self) -> int:
         return self.scorer.pad_id
 
     def close(self) -> None:
-        self.engine.close()
+        self.trainer.close()
 
-    def update(self, trajs: list[SolverTrajectory], step: int, timer: StageTimer | None = None, engine=None) -> dict:
+    def update(self, trajs: list[SolverTrajectory], step: int, timer: StageTimer | None = None,
+               engine=None) -> stats.UpdateStats:
         """``engine``: the rollout engine that sampled ``trajs``, still holding those weights; read
         only when it scores the bonus (lower.bonus.scorer, see engine_scores_bonus)."""
         lo, needs = self.lo, self.estimator.needs
@@ -111,7 +108,6 @@ class LowerLearner:
         with torch.no_grad(), self.policies.full_weights(), dist.full_parameters(self.value_head, self.critic):
             with timer("old_ref_logprobs"):
                 current = self.current_rows(step, len(trajs), tt.n_turns, needs, by_engine)
-                self.skipped_old = len(current) == len(trajs)
                 scores = self.scorer.score(tt, trajs, values=VALUES in needs, features=CRITIC in needs,
                                            current=current)
             with timer("advantages"):
@@ -121,7 +117,6 @@ class LowerLearner:
                 with_g = tt.behaviour_logprobs if by_engine else scores.trainer_logprobs
                 bonus, terms = self._bonus(trajs, with_g, scores.ref_logprobs, adv, engine if by_engine else None)
                 bstats = stats.bonus_stats(terms)
-                self.refine_bonus = stats.refine_bonus_rows(terms)
                 adv = adv + bonus
                 self._warn_if_mostly_clipped(bstats)
         # a cut turn's reward stays in the estimate above (its group's baseline); only the loss drops its tokens
@@ -134,9 +129,11 @@ class LowerLearner:
                 "loss_tokens": int(loss_tt.mask.sum())}
         # old_pass: the share of rows a pi_old forward scored (lower.old_logprobs=auto skips the rows where
         # pi_old = pi_theta at the loss: 0 for a batch of one minibatch, 1 - minibatch/batch for more)
-        return {**stats.iteration_stats(tt, rewards, scores, adv, returns, self.scorer.temperature == 1.0),
-                **bstats, **upd, **cuts,
-                "old_pass": 1.0 - len(current) / len(trajs), "bonus/engine_scored": float(by_engine)}
+        metrics = {**stats.iteration_stats(tt, rewards, scores, adv, returns, self.scorer.temperature == 1.0),
+                   **bstats, **upd, **cuts,
+                   "old_pass": 1.0 - len(current) / len(trajs), "bonus/engine_scored": float(by_engine)}
+        return stats.UpdateStats(metrics, skipped_old=len(current) == len(trajs),
+                                 refine_bonus=tuple(stats.refine_bonus_rows(terms)))
 
     def engine_scores_bonus(self, engine) -> bool:
         """lower.bonus.scorer resolved for one update. auto picks the engine only where that is
@@ -222,9 +219,9 @@ class LowerLearner:
         last minibatch run a zero-weight forward so every rank steps in lockstep. Each micro-batch's
         losses are scaled by its share of the minibatch (objective.Share), so the step's gradient
         is the minibatch's own mean at any grad_accum or world size."""
-        lo, eng = self.lo, self.engine
+        lo, trainer = self.lo, self.trainer
         micro = lo.minibatch_size // lo.grad_accum
-        mine = range(dist.rank() * eng.local_slots, (dist.rank() + 1) * eng.local_slots)
+        mine = range(dist.rank() * trainer.local_slots, (dist.rank() + 1) * trainer.local_slots)
         means, norms = stats.LossMeans(), []
         self.model.train()
         for epoch in range(lo.epochs):
@@ -232,7 +229,7 @@ class LowerLearner:
             for mb_start in range(0, len(batch), lo.minibatch_size):
                 mb = order[mb_start: mb_start + lo.minibatch_size]
                 tokens = float(batch.tt.mask[torch.as_tensor(mb)].sum())
-                eng.zero_grad()
+                trainer.zero_grad()
                 for slot in mine:
                     rows = torch.as_tensor(mb[slot * micro: (slot + 1) * micro])
                     weight = 1.0
@@ -240,23 +237,23 @@ class LowerLearner:
                         rows, weight = torch.as_tensor(mb[:1]), 0.0
                     part = batch.select(rows)
                     share = objective.Share(float(part.tt.mask.sum()) / max(tokens, 1.0), len(rows) / len(mb))
-                    loss, info = eng(self.loss, part, share)
-                    eng.backward(loss, weight)
+                    loss, info = trainer(self.loss, part, share)
+                    trainer.backward(loss, weight)
                     means.add(info, real=weight > 0)
-                norms.append(eng.step(at=f"iteration {step + 1}, optimizer step {self.optimizer_steps + 1}"))
+                norms.append(trainer.step(at=f"iteration {step + 1}, optimizer step {self.optimizer_steps + 1}"))
                 self.optimizer_steps += 1
                 if batch.critic is not None:
                     with dist.full_parameters(self.critic):
                         polyak_update(self.critic_target.parameters(), self.critic.parameters(), lo.archer_tau)
         self.model.eval()
         out = means.means()
-        out["grad_norm"] = float(np.mean(norms))  # already global: the engine clips over all ranks
+        out["grad_norm"] = float(np.mean(norms))  # already global: the trainer clips over all ranks
         out["lr"] = self.scheduler.get_last_lr()[0]
         out["optimizer_steps"] = self.optimizer_steps
         return out
 
     def loss(self, mb: UpdateBatch, share: objective.Share = objective.WHOLE) -> tuple[torch.Tensor, dict]:
-        """One micro-batch's loss; runs inside the engine, so DDP sees the forward."""
+        """One micro-batch's loss; runs inside the trainer's wrapper, so DDP sees the forward."""
         keep = mb.tt.mask
         if not keep.any():  # every turn cut (lower.mask_truncated): the loss is 0, but its graph must still
             keep = (mb.tt.turn_ids >= 0).float()  # reach the adapter, so DDP/ZeRO ranks reduce in lockstep
@@ -275,7 +272,7 @@ class LowerLearner:
                           folder / VALUE_HEAD_FILE)
         with dist.full_parameters(self.critic):
             critic = {k: v.detach().clone() for k, v in self.critic.state_dict().items()}
-        self.engine.save(folder, {"optimizer_steps": self.optimizer_steps, "critic": critic,
+        self.trainer.save(folder, {"optimizer_steps": self.optimizer_steps, "critic": critic,
                                   "critic_target": self.critic_target.state_dict()})
 
     def load(self, folder: Path) -> None:
@@ -288,7 +285,7 @@ class LowerLearner:
 
         with torch.no_grad(), dist.full_parameters(self.value_head, modify=True):
             self.value_head.load_state_dict(load_file(folder / VALUE_HEAD_FILE))
-        st = self.engine.load(folder)
+        st = self.trainer.load(folder)
         self.optimizer_steps = st["optimizer_steps"]
         with dist.full_parameters(self.critic, modify=True):
             self.critic.load_state_dict(st["critic"])

@@ -1,9 +1,11 @@
-"""What one lower-level update reports (train-lower logs it under ``lower/``), and the
-per-refine bonus it hands back for the batch snapshot."""
+"""What one lower-level update reports (train-lower logs it under ``lower/``), the
+per-refine bonus it hands back for the batch snapshot, and the typed records train-lower's
+metrics row is built from (``iteration_metrics``: records in, the row out, nothing read from
+a stage or learner object)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -15,6 +17,66 @@ from tosca_mlmt.lower.objective import BonusTerms, TokenRewards
 from tosca_mlmt.lower.scoring import Scores
 from tosca_mlmt.lower.trajectory import TrajectoryTensors
 from tosca_mlmt.tensors import masked_mean
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """What one ``LowerLearner.update`` reports. ``metrics``: the numbers train-lower logs under
+    ``lower/`` (iteration_stats, bonus_stats, the losses' means, the cut-turn counts), kept as a
+    mapping because their names follow the batch (``kl/turn<k>``) and the objective's loss terms."""
+
+    metrics: dict
+    skipped_old: bool  # the update ran without a pi_old pass (lower.old_logprobs=auto, every row)
+    # (row, solver turn, raw term, value used) per refine (refine_bonus_rows): what train-lower
+    # stores with each batch snapshot's refine turns (with_refine_bonus)
+    refine_bonus: tuple[tuple[int, int, float, float], ...] = ()
+
+    @property
+    def stage(self) -> int:
+        return self.metrics.get("stage", 0)
+
+    @property
+    def train_tokens(self) -> int:
+        return self.metrics["train_tokens"]
+
+
+@dataclass(frozen=True)
+class LowerIteration:
+    """One train-lower iteration, as its metrics row and checkpoint read it."""
+
+    step: int  # 1-based: the iteration's number in the logs
+    summary: dict  # metrics.summarize of the batch's episodes
+    update: UpdateStats
+    turn_rewards: tuple[tuple[float, ...], ...]  # per trained trajectory, its turns' verifier rewards
+    problem_ids: tuple[str, ...]  # per trained trajectory, the problem it answered
+    seconds: dict[str, float]  # per timed step of the iteration
+    wall_seconds: float
+    gen_tokens: int  # sampled over all ranks (0 from snapshots)
+    snapshot: str | None = None  # the batch snapshot's id, when one was written
+    batch: tuple = ()  # the snapshot's episodes, each refine with the bonus it was trained with
+    prefix_hit_rate: float | None = None  # vLLM: prompt tokens of the rollout its prefix cache served
+    sync_route: str | None = None  # vLLM: how the post-update weight sync travelled
+    reward_errors: int | None = None  # task.reward: failed calls, scored 0
+    peak_rss_gib: float = 0.0  # the process's peak so far: where it rises, this iteration set it
+    peak_gpu_gib: dict = field(default_factory=dict)
+
+
+def iteration_metrics(rec: LowerIteration) -> dict:
+    """The ``lower/`` metrics row of one iteration (docs/reference/metrics.md names them)."""
+    row = {**rec.summary, **rec.update.metrics}
+    row.update(group_reward_stats([sum(r) for r in rec.turn_rewards], rec.problem_ids))
+    for k in range(max(map(len, rec.turn_rewards))):
+        row[f"reward_turn{k}"] = float(np.mean([r[k] for r in rec.turn_rewards if k < len(r)]))
+    optional = {"prefix_hit_rate": rec.prefix_hit_rate, "sync_route": rec.sync_route or None,
+                "reward_errors": rec.reward_errors}
+    row.update({k: v for k, v in optional.items() if v is not None})
+    row.update({f"time/{k}": round(v, 4) for k, v in rec.seconds.items()})
+    row.update({"iteration": rec.step,
+                "gen_tokens_per_s": rec.gen_tokens / max(rec.seconds.get("generate", 0), 1e-9),
+                "train_tokens_per_s": rec.update.train_tokens / max(rec.seconds.get("update", 0), 1e-9),
+                "iteration_seconds": rec.wall_seconds, "snapshot": rec.snapshot,
+                "peak_rss_gib": rec.peak_rss_gib, **rec.peak_gpu_gib})
+    return {f"lower/{k}": v for k, v in row.items()}
 
 
 def iteration_stats(tt: TrajectoryTensors, rewards: TokenRewards, scores: Scores, adv: torch.Tensor,

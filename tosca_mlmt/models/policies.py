@@ -5,16 +5,15 @@ By default both are LoRA adapters on one shared base model (peft, adapter names
 reference policy of either is the base with its adapter disabled. Different base
 models are allowed; each then gets its own base and adapter.
 
-The writer also owns a small Q head over the discrete strategy set (trained by
-``train-upper``); with no trained head, collection picks strategies uniformly.
+The writer also owns a small Q head over the discrete strategy set (q_head.py, trained by
+``train-upper``); with no trained head, collection picks strategies uniformly. Merging an
+adapter into its base for an engine's weight sync is merge.py's, which takes the pair.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,142 +24,17 @@ from tosca_mlmt.models.artefacts import check_base
 from tosca_mlmt.models.features import writer_state_features
 from tosca_mlmt.models.head import check_output_head
 from tosca_mlmt.models.loading import attention_implementation, resolve_model, stored_weights_sha, weights_fingerprint
+from tosca_mlmt.models.merge import SyncPlan, sync_plan
+from tosca_mlmt.models.q_head import QHead
 from tosca_mlmt.parallel import compute_device, full_parameters, is_main
 from tosca_mlmt.precision import model_dtype
 from tosca_mlmt.prompts import use_chat_template
 from tosca_mlmt.seeds import seeded
-from tosca_mlmt.tensors import onto
 
 ROLES = ("solver", "writer")
 Q_HEAD_FILE = "q_head.safetensors"
 STRATEGIES_FILE = "strategies.json"
-
-
-class QHead(nn.Module):
-    """Q(s, a) for every strategy a, read from the writer's last hidden state of s.
-
-    ``mean`` / ``scale`` standardise h(s) per feature before the linear map (identity until
-    ``set_feature_stats``; see upper.q_standardize). Heads saved without them load as identity.
-
-    ``signals`` > 0 adds a table T[o, a] (upper.q_signal): Q(s, a) = w_a . h~(s) + b_a + T[o(s), a],
-    where o(s) is what episode.writer_sees told the writer about the last attempt (its bucket
-    index, rollout/runner.py: writer_signal). A few hundred decisions fit a table of 2-3 x A
-    cells; they do not fit a direction in 576 standardised features."""
-
-    def __init__(self, hidden: int, n_actions: int, signals: int = 0):
-        super().__init__()
-        self.proj = nn.Linear(hidden, n_actions)
-        nn.init.zeros_(self.proj.weight)
-        nn.init.zeros_(self.proj.bias)
-        self.register_buffer("mean", torch.zeros(hidden))
-        self.register_buffer("scale", torch.ones(hidden))
-        self.signal_table = nn.Parameter(torch.zeros(signals, n_actions)) if signals else None
-
-    def forward(self, h: torch.Tensor, signal: torch.Tensor | None = None) -> torch.Tensor:  # [B, H], [B] -> [B, A]
-        h, = onto(self, h)  # host in, host out: the device rule of tensors.onto
-        q = self.proj((h.float() - self.mean) / self.scale)
-        if self.signal_table is not None and signal is not None:
-            q = q + self.signal_table[onto(self, signal.long())[0]]
-        return q.cpu()
-
-    @classmethod
-    def from_state_dict(cls, sd: dict[str, torch.Tensor]) -> "QHead":
-        """A head shaped by, and loaded with, a saved head's tensors (with or without a table)."""
-        table = sd.get("signal_table")
-        head = cls(sd["proj.weight"].shape[1], sd["proj.weight"].shape[0], 0 if table is None else table.shape[0])
-        head.load_state_dict(sd)
-        return head
-
-    def set_feature_stats(self, mean: torch.Tensor, scale: torch.Tensor) -> None:
-        self.mean.copy_(mean.float())
-        self.scale.copy_(scale.float())
-
-    def has_feature_stats(self) -> bool:
-        return bool(self.mean.any() or (self.scale != 1).any())
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # heads written before standardisation existed carry no stats: they are the identity
-        for name, fill in (("mean", torch.zeros_like(self.mean)), ("scale", torch.ones_like(self.scale))):
-            state_dict.setdefault(prefix + name, fill)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-
-def _merged_weight(w: torch.Tensor, mod, role: str, out: torch.Tensor | None = None,
-                   scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """``w + scaling * B @ A``, as a new tensor or written into ``out`` (same shape and dtype as
-    ``w``; ``scratch``: flat float memory of at least ``w.numel()`` elements in the adapter's dtype,
-    needed when it differs from ``w``'s). For plain linear LoRA one fused addmm in the
-    adapter's precision, rounded to ``w``'s dtype once at the end: peft's get_delta_weight
-    makes ~4 passes over the full-size delta (product, scale, cast, add; ~2x slower on the 135M
-    model, bf16 base with fp32 adapters) and rounds the delta to bf16 before adding it. Both forms
-    give the same bits (tests/test_policies.py). Embeddings and fan_in_fan_out layers, whose
-    delta is no plain product, use peft's."""
-    from peft.tuners.lora import Linear
-
-    if not (isinstance(mod, Linear) and not mod.fan_in_fan_out):
-        merged = w + mod.get_delta_weight(role).to(w.dtype)
-        return merged if out is None else out.copy_(merged)
-    a, b = mod.lora_A[role].weight, mod.lora_B[role].weight
-    if out is None:
-        return torch.addmm(w.to(a.dtype), b, a, alpha=mod.scaling[role]).to(w.dtype)
-    # in place, on preallocated memory: fresh full-size tensors cost page faults on every sync
-    acc = out if a.dtype == out.dtype else scratch[: w.numel()].view(w.shape)
-    acc.copy_(w).addmm_(b, a, alpha=mod.scaling[role])
-    return out if acc is out else out.copy_(acc)
-
-
 LORA_B = {"lora_B", "lora_embedding_B"}  # the factors that start at zero
-
-
-def _reader(root: nn.Module, key: str):
-    """Reads ``root``'s state-dict entry ``key`` from its owner at call time (a Parameter object
-    may be swapped, e.g. by DeepSpeed; the owning module is not)."""
-    owner, _, attr = key.rpartition(".")
-    module = root.get_submodule(owner)
-    return lambda: getattr(module, attr)
-
-
-@dataclass(frozen=True)
-class SyncPlan:
-    """One role's tensors as a weight sync reads them, in state-dict order.
-
-    ``base``: (HF key, HF module name, reader, LoRA layer adapting it or None) for every base
-    tensor; ``lora_tensors``: (name, reader) of the role's LoRA A/B matrices; ``lora_modules``:
-    the HF names of its LoRA layers; ``aux``: the adapter also trains whole modules or tokens."""
-
-    base: tuple[tuple[str, str, object, object], ...]
-    lora_tensors: tuple[tuple[str, object], ...]
-    lora_modules: frozenset[str]
-    aux: bool
-
-    @classmethod
-    def of(cls, base: nn.Module, role: str) -> "SyncPlan":
-        from peft.tuners.lora import LoraLayer
-        from peft.utils import AuxiliaryTrainingWrapper
-
-        lora, aux = {}, False
-        for name, mod in base.named_modules():
-            aux = aux or isinstance(mod, AuxiliaryTrainingWrapper)
-            if isinstance(mod, LoraLayer) and role in mod.lora_A:
-                lora[f"{name}.base_layer.weight"] = (name, mod)
-        modules = frozenset(name for name, _ in lora.values())
-        rows, tensors, seen = [], [], set()
-        for k, t in base.state_dict(keep_vars=True).items():
-            if "lora_" in k:
-                if k.split(".")[-2] == role or k.split(".")[-1] == role:  # lora_A.<role>.weight, lora_embedding_A.<role>
-                    tensors.append((k, _reader(base, k)))
-                continue
-            name_mod = lora.pop(k, None)
-            # A tied weight (lm_head = embed_tokens) goes once, under its first name, as a checkpoint
-            # holds it: vLLM ties it itself, and some of its loaders (Gemma 2) reject the second name.
-            if id(t) in seen and name_mod is None:
-                continue
-            seen.add(id(t))
-            hf = k.replace(".base_layer.", ".")
-            rows.append((hf, hf.rpartition(".")[0], _reader(base, k), None if name_mod is None else name_mod[1]))
-        if lora:
-            raise RuntimeError(f"LoRA layers without a base weight: {sorted(lora)[:3]}")
-        return cls(tuple(rows), tuple(tensors), modules, aux)
 
 
 class PolicyPair:
@@ -231,7 +105,7 @@ class PolicyPair:
         self.q_decisions = 0  # logged decisions the Q head was fitted on (episode.min_q_decisions gates its use)
         if cfg.writer_adapter:
             self._load_writer_extras(Path(cfg.writer_adapter))
-        self._plans: dict[str, SyncPlan] = {}
+        self.sync_plans: dict[str, SyncPlan] = {}  # where a sync reads each role's tensors (merge.sync_plan)
         # provenance a stage hands over (describe) for the model card of what save_role writes
         self.card_info: dict[str, dict] = {r: {} for r in ROLES}
 
@@ -303,14 +177,14 @@ class PolicyPair:
         """False while every LoRA B matrix (linear or embedding) is zero, i.e. the LoRA layers
         still leave the base as it is; read in place, no copies."""
         with full_parameters(self._models[role]):
-            return any(bool(t().any()) for name, t in self._sync_plan(role).lora_tensors if LORA_B & set(name.split(".")))
+            return any(bool(t().any()) for name, t in sync_plan(self, role).lora_tensors if LORA_B & set(name.split(".")))
 
-    # ------------------------------------------------------------------ vLLM sync
+    # ------------------------------------------------------------------ engine syncs (the merge: merge.py)
     def adapted_modules(self, role: str) -> set[str] | None:
         """HF names of the base modules whose weights ``role``'s adapter changes (its LoRA
         layers), or None when the adapter also trains whole modules or tokens (peft's
         modules_to_save / trainable tokens): then no subset of modules covers what it changes."""
-        plan = self._sync_plan(role)
+        plan = sync_plan(self, role)
         return None if plan.aux else set(plan.lora_modules)
 
     def adapter_key(self, role: str) -> str:
@@ -320,7 +194,7 @@ class PolicyPair:
         in place (no state-dict walk: a vLLM engine asks before every call). An adapter that also
         trains whole modules or tokens is hashed from peft's state dict, which holds those too, and
         is never "base"."""
-        plan = self._sync_plan(role)
+        plan = sync_plan(self, role)
         if plan.aux:
             return f"{role}:{weights_fingerprint(self.adapter_state(role))}"
         # one gather under ZeRO-3 for both reads (has_trained_adapter's own block is then a no-op)
@@ -328,86 +202,6 @@ class PolicyPair:
             if not self.has_trained_adapter(role):
                 return "base"
             return f"{role}:{weights_fingerprint({name: t() for name, t in plan.lora_tensors})}"
-
-    def _sync_plan(self, role: str) -> "SyncPlan":
-        """Where a sync reads ``role``'s tensors, found once: adapters are only added in
-        ``__init__``. Walking the module tree and copying peft's adapter state dict before every
-        engine call made the weights-key check 0.055 s on the 135M model; reading the tensors
-        in place, 0.022 s (benchmarks/speed/weight_sync.py)."""
-        if role not in self._plans:
-            self._plans[role] = SyncPlan.of(self._models[role].get_base_model(), role)
-        return self._plans[role]
-
-    @torch.no_grad()
-    def merged_state_dict(self, role: str, modules: set[str] | None = None, lora: bool = True) -> dict[str, torch.Tensor]:
-        """Base + ``role``'s LoRA deltas as an HF-named state dict (what vLLM loads): every
-        tensor, or with ``modules`` only the tensors of those modules (HF module names; one
-        that ``role`` does not adapt comes out as its base weight). Each tensor is the same
-        whichever way it was asked for. ``lora=False``: the base alone.
-
-        Computed into new tensors, never by peft's merge/unmerge: ``w -= delta`` is not exact
-        in floating point, so every sync would nudge the frozen base (the reference policy)."""
-        with full_parameters(self._models[role]):
-            return self._merged(role, modules, lora)
-
-    def sync_modules(self, role: str) -> list[str]:
-        """HF names of every module :meth:`merged_state_dict` returns tensors of, in its order."""
-        return list(dict.fromkeys(module for _, module, _, _ in self._sync_plan(role).base))
-
-    @torch.no_grad()
-    def merged_parts(self, role: str, groups: list[set[str]]) -> Iterator[dict[str, torch.Tensor]]:
-        """:meth:`merged_state_dict` of each module group in turn, each merged only when the
-        caller asks for it, so only one group's merged tensors need exist at a time (a vLLM sync
-        in buckets). ZeRO-3 gathers once for all of them."""
-        with full_parameters(self._models[role]):
-            for group in groups:
-                yield self._merged(role, group, True)
-
-    def weight_shapes(self, role: str) -> dict[str, tuple[int, ...]]:
-        """HF module name -> the full shape of its ``weight`` (ZeRO-3 partitions included)."""
-        return {module: tuple(getattr(t, "ds_shape", t.shape)) for hf, module, read, _ in self._sync_plan(role).base
-                if hf.endswith(".weight") and (t := read()) is not None}
-
-    @torch.no_grad()
-    def merge_into(self, role: str, outs: dict[str, torch.Tensor]) -> None:
-        """Write base + ``role``'s LoRA delta of each HF module in ``outs`` (its ``weight``) into
-        the tensor given for it, e.g. a row block of a fused vLLM layer: the same bits that
-        :meth:`merged_state_dict` returns for it, without a new tensor per module (the direct
-        vLLM sync, rollout/engines/vllm_kernels.py)."""
-        rows = {module: (read, mod) for hf, module, read, mod in self._sync_plan(role).base
-                if module in outs and hf.endswith(".weight")}
-        if missing := sorted(set(outs) - set(rows)):
-            raise KeyError(f"no weight for modules {missing[:3]}")
-        size, scratch = max(o.numel() for o in outs.values()), {}  # one accumulator per adapter dtype
-        with full_parameters(self._models[role]):
-            for module, out in outs.items():
-                read, mod = rows[module]
-                self._check_mergeable(module, mod, role)
-                w = read().detach()
-                if w.shape != out.shape:
-                    raise ValueError(f"{module}: weight {tuple(w.shape)} does not fit {tuple(out.shape)}")
-                if mod is None:
-                    out.copy_(w)
-                else:
-                    dtype = mod.lora_A[role].weight.dtype
-                    acc = scratch.setdefault(dtype, torch.empty(size, dtype=dtype)) if dtype != out.dtype else None
-                    _merged_weight(w, mod, role, out, acc)
-
-    @staticmethod
-    def _check_mergeable(module: str, mod, role: str) -> None:
-        if mod is not None and (mod.merged or role in getattr(mod, "lora_variant", {})
-                                or mod.lora_bias.get(role, False)):
-            raise NotImplementedError(f"{module}: merged adapters, DoRA and LoRA bias are not supported for sync")
-
-    def _merged(self, role: str, modules: set[str] | None, lora: bool) -> dict[str, torch.Tensor]:
-        sd = {}
-        for hf, module, read, mod in self._sync_plan(role).base:
-            if modules is not None and module not in modules:
-                continue
-            self._check_mergeable(module, mod, role)
-            v = read().detach()
-            sd[hf] = v.clone() if mod is None or not lora else _merged_weight(v, mod, role)
-        return sd
 
     # ------------------------------------------------------------------ saving
     def describe(self, role: str, **info) -> None:

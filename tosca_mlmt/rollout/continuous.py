@@ -31,7 +31,7 @@ from dataclasses import replace
 import numpy as np
 
 from tosca_mlmt.records import Episode
-from tosca_mlmt.rollout.runner import new_episodes
+from tosca_mlmt.rollout.turns import Turns, new_episodes
 from tosca_mlmt.seeds import stream
 
 
@@ -52,7 +52,7 @@ def _writer_writes(cfg) -> bool:
     return cfg.episode.rounds > 0 and cfg.episode.feedback not in ("static", "verdict")
 
 
-def applies(runner) -> bool:
+def applies(runner: Turns) -> bool:
     """Whether ``runner`` plays its episodes continuously: the engine can (submit/step), the
     config asks for it (engine.vllm.continuous_episodes), and both roles fit one batch or no
     writer model writes."""
@@ -67,7 +67,9 @@ def _own(params, j: int):
     return replace(params, seed=params.prompt_seed(j))
 
 
-def run(runner, problems, batch_index: int, firsts: list[int] | None = None) -> list[Episode]:
+def run(runner: Turns, problems, batch_index: int, firsts: list[int] | None = None) -> list[Episode]:
+    """The episodes of ``problems``, as EpisodeRunner.run plays them in batched turns, with the turns
+    of ``runner`` (turns.py) sent as each episode is ready."""
     cfg, eng = runner.cfg, runner.engine
     n, rounds = cfg.episode.n_samples, cfg.episode.rounds
     eng.open_stream(("solver", "writer") if _writer_writes(cfg) else ("solver",))

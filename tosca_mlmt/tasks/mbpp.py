@@ -15,8 +15,7 @@ from typing import Any
 from tosca_mlmt.errors import ConfigError, DataError
 from tosca_mlmt.tasks.base import (DATA_ENV_VAR, LoadResult, Problem, Verdict, check_split, check_text, decode_line,
                                     default_data_path, no_problems, parse_json_line, read_lines, short_repr)
-from tosca_mlmt.tasks.sandbox import run_python, sandbox_fingerprint
-from tosca_mlmt.tasks.sandbox_checks import Planner
+from tosca_mlmt.tasks.sandbox import Planner, run_python, sandbox_fingerprint
 
 DATA_FILE = Path("mbpp") / "mbpp.jsonl"
 SPLIT_IDS = {"train": range(601, 975), "test": range(11, 511)}
@@ -157,7 +156,7 @@ def _parse_row(path: str, line_no: int, line: str) -> dict[str, Any]:
 def _check_tests(path: str, line_no: int, row: dict[str, Any]) -> None:
     """Refuse tests no code could pass honestly or every code passes: a setup or test that does not
     parse, a test row that is not asserts (``print('hello')`` passed any code), or an assert whose
-    comparison the sandbox could only judge inside the code's own process (sandbox_checks.py)."""
+    comparison the sandbox could only judge inside the code's own process (sandbox/checks.py)."""
     where = f"task {row['task_id']}"
     try:
         ast.parse(row.get("test_setup_code", ""))

@@ -1,4 +1,4 @@
-"""Multi-process training on existing engines: accelerate DDP or a DeepSpeed ZeRO engine.
+"""The optimiser side of training (``Trainer``) in one process or many: accelerate DDP or DeepSpeed ZeRO.
 
 Launch with ``torchrun --nproc_per_node N -m tosca_mlmt.cli.main <command>`` (CPU: gloo) or
 ``accelerate launch`` (GPUs). Conventions every trainer follows:
@@ -116,7 +116,7 @@ def default_build_dir() -> Path:
 
 def _deepspeed_build_dir() -> None:
     """DeepSpeed JIT-builds its CPU comm op on first start (~30 s); keep the build in
-    default_build_dir(). Set when an engine starts, not on import: importing must not change the process."""
+    default_build_dir(). Set when a DeepSpeed trainer starts, not on import: importing must not change the process."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default_build_dir()))
     clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
 
@@ -148,7 +148,7 @@ def prebuild_deepspeed_ops() -> str | None:
 
 
 class Closure(nn.Module):
-    """Holds a trainer's modules; ``forward(fn, ...)`` runs ``fn`` inside the engine's forward,
+    """Holds a trainer's modules; ``forward(fn, ...)`` runs ``fn`` inside the wrapper's forward,
     so DDP and DeepSpeed see every trainable parameter that ``fn`` touches (heads included)."""
 
     def __init__(self, modules: dict[str, nn.Module]):
@@ -159,18 +159,21 @@ class Closure(nn.Module):
         return fn(*args, **kwargs)
 
 
-class TrainEngine:
-    """The optimiser side of one trainer: forward/backward/step through DDP or DeepSpeed.
+class Trainer:
+    """The optimiser side of one learner (PPO's policy and value head, the writer and its
+    critic): forward/backward/step through DDP or DeepSpeed. Called a trainer, never an engine:
+    engines are the rollout side (``rollout.engines``).
 
     ``slots`` is the number of micro-batches of a global step (fixed); this rank runs
     ``local_slots = slots / world`` of them. ``backward(loss, weight)`` takes the micro-batch's
-    share ``weight`` of the global mean (sum over all slots of all ranks = 1)."""
+    share ``weight`` of the global mean (sum over all slots of all ranks = 1). ``wrapped`` is
+    the modules as the backend runs them: DeepSpeed's engine, the DDP module, or the modules."""
 
     def __init__(self, dcfg, modules: dict[str, nn.Module], optimizer: torch.optim.Optimizer,
                  scheduler, *, slots: int, micro_size: int, max_grad_norm: float, what: str,
                  find_unused: bool = False):
         self.world, self.max_grad_norm, self.what = world(), max_grad_norm, what
-        self.steps = 0  # optimizer steps taken by this engine (named when training diverges)
+        self.steps = 0  # optimizer steps taken by this trainer (named when training diverges)
         self._loss_sum: torch.Tensor | None = None
         if slots % self.world:
             raise ConfigError(f"invalid value for field '{what}': it gives {slots} micro-batch(es) per optimizer "
@@ -197,11 +200,11 @@ class TrainEngine:
             conf = fill_deepspeed_config(json.loads(Path(ds_path).read_text()), micro_size, self.local_slots,
                                          max_grad_norm, bf16, ds_path)
             self.zero_stage = int(conf.get("zero_optimization", {}).get("stage", 0))
-            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            self.wrapped, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=self.module, optimizer=optimizer, lr_scheduler=scheduler, config=conf,
                 dist_init_required=False)
             if self.zero_stage == 3:
-                track_zero3_engine(self.engine)
+                track_zero3_engine(self.wrapped)
         elif self.kind == "ddp":
             from accelerate import Accelerator
             from accelerate.utils import DistributedDataParallelKwargs
@@ -210,13 +213,13 @@ class TrainEngine:
             # schedule world-size times per step, which breaks world-size independence.
             self.acc = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[
                 DistributedDataParallelKwargs(find_unused_parameters=find_unused)])
-            self.engine = self.acc.prepare(self.module)
+            self.wrapped = self.acc.prepare(self.module)
         else:
             # DDP (accelerate) and DeepSpeed place the modules; one process places them itself
-            self.engine = self.module.to(compute_device())
+            self.wrapped = self.module.to(compute_device())
 
     def __call__(self, fn: Callable, *args, **kwargs):
-        return self.engine(fn, *args, **kwargs)
+        return self.wrapped(fn, *args, **kwargs)
 
     def zero_grad(self) -> None:
         if self.kind != "deepspeed":  # DeepSpeed zeroes its gradient partitions after its step
@@ -231,8 +234,8 @@ class TrainEngine:
         # DDP and DeepSpeed average gradients over ranks (x world undoes it); DeepSpeed also
         # divides by its accumulation steps (x local_slots undoes it).
         if self.kind == "deepspeed":
-            self.engine.backward(loss * (weight * self.world * self.local_slots))
-            self.engine.step()  # applies the optimizer only at the accumulation boundary
+            self.wrapped.backward(loss * (weight * self.world * self.local_slots))
+            self.wrapped.step()  # applies the optimizer only at the accumulation boundary
         else:
             (loss * (weight * self.world)).backward()
 
@@ -242,17 +245,17 @@ class TrainEngine:
         A NaN/inf loss (of any rank's micro-batch) or global grad norm raises
         :class:`TrainingDiverged` naming ``at`` (e.g. "iteration 3") instead: the optimizer
         does not step, so NaN never reaches the weights or a checkpoint, and the last good
-        checkpoint stays the latest. Under DeepSpeed the engine has stepped inside
+        checkpoint stays the latest. Under DeepSpeed its engine has stepped inside
         ``backward`` already; the error still comes before anything is saved."""
         loss = self._step_loss()
         if self.kind == "deepspeed":
-            norm = self.engine.get_global_grad_norm()
+            norm = self.wrapped.get_global_grad_norm()
             self._check_finite(loss, None if norm is None else float(norm), at)
             self.steps += 1
             return float(norm) if norm is not None else float("nan")
         # A parameter without a gradient this step (the writer adapter while only the Q head
         # learns) still takes an AdamW step with a zero gradient, as it must under ZeRO, whose
-        # flat buffers cannot skip it: same moments, step counts and decay on every engine.
+        # flat buffers cannot skip it: same moments, step counts and decay on every backend.
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -294,7 +297,7 @@ class TrainEngine:
         """Collective: every rank calls it. Optimizer (+ scheduler) state into ``folder``."""
         if self.kind == "deepspeed":
             # Frozen base weights are excluded: they never change and come from the model cache.
-            self.engine.save_checkpoint(str(folder / "deepspeed"), tag="state", client_state=extra or {},
+            self.wrapped.save_checkpoint(str(folder / "deepspeed"), tag="state", client_state=extra or {},
                                         exclude_frozen_parameters=True)
         elif is_main():
             torch.save({"optimizer": self.optimizer.state_dict(),
@@ -314,7 +317,7 @@ class TrainEngine:
                 # converter does not take these (non-Megatron) checkpoints.
                 raise ConfigError(f"{folder} holds ZeRO state partitioned over {saved} processes; resume it "
                                   f"with {saved} processes (this launch has {self.world})")
-            _, client = self.engine.load_checkpoint(str(ds_dir), tag="state", load_module_strict=False)
+            _, client = self.wrapped.load_checkpoint(str(ds_dir), tag="state", load_module_strict=False)
             if client is None:
                 raise ConfigError(f"DeepSpeed could not load {ds_dir} (see its log above)")
             return client
@@ -331,9 +334,9 @@ class TrainEngine:
     def close(self) -> None:
         """Drop the wrappers so their gradient hooks leave the shared model's parameters."""
         if self.kind == "deepspeed":
-            untrack_zero3_engine(self.engine)
-            self.engine.destroy()
-        self.engine = self.module
+            untrack_zero3_engine(self.wrapped)
+            self.wrapped.destroy()
+        self.wrapped = self.module
         if hasattr(self, "acc"):
             self.acc.free_memory()
             del self.acc

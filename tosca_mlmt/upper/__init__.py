@@ -7,8 +7,9 @@
                logits (exported as an equivalent Q head); V head for IQL; the target head
 * trunk.py     the writer LM as features + text policy; the adapter's target copy (logits)
 * objective.py TD (DQN or IQL backup) + CQL / expectile terms; AWR / filtered-BC text loss
-* learner.py   one optimiser step, checkpoint state, export of the trained writer
+* learner.py   one optimiser step, its evaluation of Q, checkpoint state, export of the writer
 * report.py    Q by strategy, importance-weighted value of the learned policy, preferences
+* stats.py     one train-upper step as a typed record, and the ``upper/`` rows built from it
 
 Left out: the optional token-level ILQL head (Q/V heads over the vocabulary, decoding with
 logits + beta * (Q - V)). Why: (1) its policy only exists at decoding time, so every engine

@@ -3,7 +3,7 @@
 h(s) [B, H] is the writer's final-layer hidden state at the last token of the state
 prompt (what ``PolicyPair.q_values`` reads at collect time). Two readings of Q:
 
-* ``head``: ``QHead`` (the Linear in policies.py, zero-init, so Q starts at 0 for every
+* ``head``: ``QHead`` (the Linear in models/q_head.py, zero-init, so Q starts at 0 for every
   strategy). Its target network is a copy of the head applied to trunk features computed
   without gradient: the trunk is shared with the text policy and is not duplicated.
 * ``logits`` (ToSCA): Q(s, a) = LM logit of the strategy-index token "a+1" at that same
@@ -29,7 +29,7 @@ from tosca_mlmt.algos.qlearning import hard_update, polyak_update, target_due
 from tosca_mlmt.config import UpperConfig
 from tosca_mlmt.config.episode import SIGNAL_BUCKETS
 from tosca_mlmt.errors import ConfigError
-from tosca_mlmt.models.policies import QHead
+from tosca_mlmt.models.q_head import QHead
 from tosca_mlmt.prompts import boundary_anchor, encode_piece
 from tosca_mlmt.tensors import onto
 

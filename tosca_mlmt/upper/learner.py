@@ -1,4 +1,5 @@
-"""One optimiser step of the upper level, and the learner's full state for checkpoints.
+"""One optimiser step of the upper level, its evaluation of Q, and the learner's full state for
+checkpoints.
 
 Per step, for a batch of logged decisions:
 
@@ -25,11 +26,12 @@ from tosca_mlmt import parallel as dist
 from tosca_mlmt.config import Config
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.models.policies import PolicyPair
-from tosca_mlmt.train.distributed import TrainEngine
+from tosca_mlmt.train.distributed import Trainer
 from tosca_mlmt.upper.critic import StrategyCritic, strategy_token_ids
 from tosca_mlmt.upper.dataset import Transition, batch_indices, eval_sample
 from tosca_mlmt.upper.objective import (DecisionBatch, PolicySpec, advantage_stats, advantages, bc_threshold,
                                         critic_loss, text_loss, text_weights, weight_stats)
+from tosca_mlmt.upper.report import QEvaluation, evaluate_q, preference_table
 from tosca_mlmt.upper.trunk import TargetAdapter, WriterTrunk
 
 
@@ -49,7 +51,7 @@ class UpperLearner:
             bias = self.trunk.lm_head.bias[ids] if getattr(self.trunk.lm_head, "bias", None) is not None else None
         init = policies.q_head if (policies.q_head is not None and policies.q_head.proj.out_features == A) else None
         self.critic = StrategyCritic(self.uc, self.trunk.hidden_size, A, rows, bias, init_head=init)
-        if not resuming and self.critic.needs_feature_stats():  # before the engine: ZeRO-3 would partition the trunk first
+        if not resuming and self.critic.needs_feature_stats():  # before the trainer: ZeRO-3 would partition the trunk first
             self.critic.set_feature_stats(self.features_all())
         self.target_adapter = (TargetAdapter(self.trunk, self.uc.target_update, self.uc.target_tau,
                                              self.uc.target_sync_every) if self.uc.q_source == "logits" else None)
@@ -61,16 +63,16 @@ class UpperLearner:
         optimizer = torch.optim.AdamW(groups, weight_decay=self.uc.weight_decay)
         mbs = self.uc.micro_batch_size or self.uc.batch_size
         model = self.trunk.model
-        for n, p in model.named_parameters():  # the engine must register exactly the writer's tensors
+        for n, p in model.named_parameters():  # the trainer must register exactly the writer's tensors
             p.requires_grad_(n in self.trunk.params)
         # find_unused: the adapter gets no gradient while the text loss warms up (q_trunk_grad off).
-        self.engine = TrainEngine(cfg.distributed, {"writer": model, "critic": self.critic}, optimizer, None,
-                                  slots=-(-self.uc.batch_size // mbs), micro_size=mbs,
-                                  max_grad_norm=self.uc.max_grad_norm, what="upper.micro_batch_size",
-                                  find_unused=True)
+        self.trainer = Trainer(cfg.distributed, {"writer": model, "critic": self.critic}, optimizer, None,
+                               slots=-(-self.uc.batch_size // mbs), micro_size=mbs,
+                               max_grad_norm=self.uc.max_grad_norm, what="upper.micro_batch_size",
+                               find_unused=True)
         for p in self.trunk.params.values():
             p.requires_grad_(False)  # trainable only inside trunk.training()
-        if self.engine.zero_stage == 3 and self.uc.q_source == "logits":
+        if self.trainer.zero_stage == 3 and self.uc.q_source == "logits":
             raise ConfigError("invalid value for field 'upper.q_source': 'logits' keeps a target copy of the "
                               "writer adapter that ZeRO-3 cannot partition; use q_source=head or ZeRO-1/2")
         self.policy = PolicySpec(cfg.episode.strategy_selection, cfg.episode.strategy_temperature, cfg.episode.epsilon)
@@ -101,7 +103,7 @@ class UpperLearner:
         trs = [self.transitions[i] for i in idx]
         rows = [j for j, t in enumerate(trs) if t.next_index >= 0]
         if not rows:
-            if self.engine.zero_stage == 3:  # every rank must run the same forwards (gathers inside)
+            if self.trainer.zero_stage == 3:  # every rank must run the same forwards (gathers inside)
                 with torch.no_grad():
                     self.trunk.states([trs[0].state_ids])
             return None, None
@@ -128,15 +130,15 @@ class UpperLearner:
         idx = batch_indices(len(self.transitions), uc.batch_size, self.cfg.seed, self.step)
         mbs = uc.micro_batch_size or uc.batch_size
         slots = [idx[s:s + mbs] for s in range(0, len(idx), mbs)]
-        local = slots[dist.rank() * self.engine.local_slots:(dist.rank() + 1) * self.engine.local_slots]
+        local = slots[dist.rank() * self.trainer.local_slots:(dist.rank() + 1) * self.trainer.local_slots]
         text_on = uc.text_loss != "none" and self.step > uc.warmup_steps
-        self.engine.zero_grad()
+        self.trainer.zero_grad()
         sums: dict[str, float] = defaultdict(float)
         vecs: dict[str, list[torch.Tensor]] = defaultdict(list)
         with self.trunk.training():
             for mb in local:
-                loss, out = self.engine(self._micro_loss, mb, text_on)
-                self.engine.backward(loss, len(mb) / len(idx))  # micro-batch means -> the batch mean
+                loss, out = self.trainer(self._micro_loss, mb, text_on)
+                self.trainer.backward(loss, len(mb) / len(idx))  # micro-batch means -> the batch mean
                 sums["loss"] += float(loss.detach()) * len(mb)
                 for k in ("td_loss", "cql_term", "v_loss", "text_loss", "text_nll"):
                     if k in out:
@@ -144,7 +146,7 @@ class UpperLearner:
                 for k in ("q_sa", "v", "target", "adv", "w"):
                     if k in out:
                         vecs[k].append(out[k].detach())
-        grad_norm = self.engine.step(at=f"step {self.step}")
+        grad_norm = self.trainer.step(at=f"step {self.step}")
         with dist.full_parameters(self.critic, modify=True):  # the target head is partitioned too
             self.critic.update_target(self.step)
         if self.target_adapter is not None:
@@ -160,7 +162,7 @@ class UpperLearner:
         return m
 
     def _micro_loss(self, mb: list[int], text_on: bool):
-        """Loss of one micro-batch (run inside the engine's forward) and its diagnostics."""
+        """Loss of one micro-batch (run inside the trainer's forward) and its diagnostics."""
         uc = self.uc
         trunk_q_grad = uc.q_source == "logits" or uc.q_trunk_grad
         trs = [self.transitions[i] for i in mb]
@@ -171,7 +173,7 @@ class UpperLearner:
         # every rank keeps the same forwards.
         text_rows = list(range(len(mb))) if text_on else []
         written = torch.tensor([float(t.written) for t in trs])  # a fixed sentence has no text to clone
-        if text_on and self.skip_unweighted_text and uc.text_loss != "awr" and self.engine.zero_stage != 3:
+        if text_on and self.skip_unweighted_text and uc.text_loss != "awr" and self.trainer.zero_stage != 3:
             w0 = written * text_weights(uc.text_loss, None, b.returns, uc.awr_beta, uc.awr_max_weight, self.bc_cut,
                                         b.rewards)  # BC weights read no advantage
             text_rows = [j for j in range(len(mb)) if w0[j] > 0]
@@ -208,6 +210,16 @@ class UpperLearner:
         return loss, out
 
     # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> QEvaluation:
+        """Q of the evaluated states with the current weights, and its metrics (``evaluate_q``)
+        under the policy collect would run with it."""
+        q = self.q_eval()
+        return QEvaluation(q, evaluate_q(q, self.eval_transitions, self.strategies, self.policy))
+
+    def preferences(self, evaluation: QEvaluation) -> dict[str, list[dict]]:
+        """The report's table (``preference_table``) from an evaluation of this learner's Q."""
+        return preference_table(evaluation.q, self.eval_transitions, self.strategies, self.policy)
+
     @torch.no_grad()
     def q_eval(self) -> torch.Tensor:
         """Q(s, .) [M, A] of the evaluated states (``eval_transitions``) with the current weights."""
@@ -234,7 +246,7 @@ class UpperLearner:
         """Collective (every rank calls it); rank 0 writes adapter and heads."""
         from safetensors.torch import save_file
 
-        self.engine.save(folder)
+        self.trainer.save(folder)
         with dist.full_parameters(self.trunk.model, self.critic):  # a collective under ZeRO-3
             trunk = self.trunk.state_dict()
             heads = {k: v.detach().clone().contiguous() for k, v in self.critic.state_dict().items()}
@@ -255,11 +267,11 @@ class UpperLearner:
         with dist.full_parameters(self.trunk.model, self.critic, modify=True):
             self.trunk.load_state_dict(load_file(folder / "writer_adapter.safetensors"))
             self.critic.load_state_dict(heads)
-        self.engine.load(folder)
+        self.trainer.load(folder)
         self.step = step
 
     def close(self) -> None:
-        self.engine.close()
+        self.trainer.close()
 
     def export_writer(self, folder: Path) -> Path:
         """The trained writer (adapter + Q head + strategy list), loadable as model.writer_adapter."""

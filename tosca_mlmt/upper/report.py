@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,6 +18,14 @@ import torch
 from tosca_mlmt.algos.qlearning import importance_weighted_value
 from tosca_mlmt.upper.dataset import Transition
 from tosca_mlmt.upper.objective import PolicySpec
+
+
+@dataclass(frozen=True)
+class QEvaluation:
+    """One evaluation of Q (``UpperLearner.evaluate``): what the metrics row and the report read."""
+
+    q: torch.Tensor  # Q(s, .) [M, A] of the evaluated states (upper.eval_states)
+    metrics: dict[str, float]  # evaluate_q's: mean Q per strategy, off-policy values, agreement
 
 
 def off_policy_values(transitions: list[Transition], pi: torch.Tensor) -> dict[str, float]:

@@ -6,7 +6,7 @@ number shows the number is complete (a newline, a full stop not followed by a di
 a word). Text after that line is never trained on and never verified, so both engines cut the
 sampled ids right after the token that completed the line and report ``finish_reason="answer"``.
 Both engines also stop decoding there by the same test (AnswerLine): the HF engine as a stopping
-criterion, vLLM as a logits processor that forces eos (vllm_stop.py, engine.vllm.stop_in_engine;
+criterion, vLLM as a logits processor that forces eos (vllm/stop.py, engine.vllm.stop_in_engine;
 vLLM's own stop strings are literal). Without it the turn decodes on and the cut is applied
 afterwards: same ids, same logprobs, more compute.
 """

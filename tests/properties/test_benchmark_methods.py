@@ -1,0 +1,223 @@
+"""The learning benchmark's methods: each resolves to a valid configuration in every environment, and
+its units are keyed by what it trains with (two names share units only when their configurations are
+one). A unit costs ~25 CPU minutes, so a method that fails validation or silently equals another must
+fail here, not an hour into a run."""
+
+import importlib
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _benchmark(name: str):
+    """A script of benchmarks/learning/ as a module (benchmarks is a package run from the repository root)."""
+    import sys
+
+    if str(ROOT) not in sys.path:  # run as plain `pytest`, the checkout may not be on the path
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module(f"benchmarks.learning.{name}")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _benchmark("learning_efficacy")
+
+
+@pytest.fixture(scope="module")
+def summary():
+    return _benchmark("learning_summary")
+
+
+def sizes(env: str) -> types.SimpleNamespace:
+    return types.SimpleNamespace(env=env, level=2, test_problems=300, engine="vllm", rounds=4, n_samples=4,
+                                 collect_problems=32, lower_iterations=2, problems_per_iteration=4, upper_steps=30)
+
+
+@pytest.mark.parametrize("env", ["none", "confidence", "verdict"])
+def test_every_method_resolves_and_names_one_configuration(bench, env):
+    every = dict(bench.METHODS, **(bench.VERDICT_CONTROL if env == "verdict" else {}))
+    common, train = bench.run_overrides(sizes(env))
+    ids = {name: bench.identity(preset, extra, common, train) for name, (preset, extra) in every.items()}
+    by_hash: dict[str, list[str]] = {}
+    for name, (h, _) in ids.items():
+        by_hash.setdefault(h, []).append(name)
+    shared = sorted(sorted(names) for names in by_hash.values() if len(names) > 1)
+    # the one declared alias: the preset's configuration under the name it was measured by
+    assert shared == [["mlmt", "mlmt-turn-own-credit-kl-loss"]]
+    assert not ids["untrained"][1] and not ids["solver-only"][1] and ids["mlmt"][1]
+
+
+def test_untrained_unit_ignores_training_sections_only(bench):
+    common, train = bench.run_overrides(sizes("verdict"))
+    base = bench.identity(bench.MLMT, None, common, train)[0]
+    assert bench.identity(bench.MLMT, None, common, {**train, "lower.lr": 1e-5})[0] == base
+    assert bench.identity(bench.MLMT, None, {**common, "episode.max_feedback_tokens": 32}, train)[0] != base
+
+
+def test_auto_precision_without_native_bf16_defines_units_of_its_own(bench):
+    """On a CPU without avx512_bf16/amx_bf16, 'auto' trains in fp32: its units must not pool with bf16 ones."""
+    from tosca_mlmt.precision import native_bf16
+
+    common, train = bench.run_overrides(sizes("none"))
+    explicit = ({**common, "model.dtype": "bfloat16"}, {**train, "lower.autocast": "bf16"})
+    ids = {bf16: [bench.identity(*bench.METHODS[m], common, train, bf16)[0] for m in ("mlmt", "untrained")]
+           + [bench.identity(*bench.METHODS["mlmt"], *explicit, bf16)[0]] for bf16 in (True, False)}
+    assert [a != b for a, b in zip(ids[True], ids[False])] == [True, True, False]  # explicit: one path anywhere
+    assert ids[True][2] != ids[True][0]
+    assert bench.identity(*bench.METHODS["mlmt"], common, train)[0] == ids[native_bf16()][0]  # None: this machine
+
+
+@pytest.mark.parametrize("env,method", [("none", "mlmt"), ("none", "mlmt-sentences-only"), ("confidence", "mlmt-sentences-only"),
+                                        ("verdict", "mlmt-sentences-only"), ("verdict", "solver-only"),
+                                        ("verdict", "mlmt-sentences-only-engine-bonus"),
+                                        ("verdict", "mlmt-verdict-sentences"), ("verdict", "solver-only-verdict-sentences"),
+                                        ("verdict", "mlmt-verdict-sentences-gold-prob"),
+                                        ("verdict", "mlmt-verdict-sentences-sampled-refines")])
+def test_the_measured_units_still_count_for_their_method(bench, env, method):
+    """A knob added with a default that changes no result must not orphan days of measured units:
+    the current resolution of the method hashes to the config its stored units recorded."""
+    import json
+
+    common, train = bench.run_overrides(sizes(env))
+    preset, extra = bench.METHODS[method]
+    h = bench.identity(preset, extra, common, train, bf16=True)[0]  # where every stored unit ran
+    units = sorted((ROOT / "benchmarks" / "results" / "learning_efficacy" / f"{env}-L2").glob(f"{method}-seed*-*.json"))
+    assert units and any(json.loads(u.read_text()).get("config") == h for u in units)
+
+
+def test_ending_turns_inside_vllm_does_not_define_a_unit(bench):
+    """engine.vllm.stop_in_engine changes how much vLLM decodes, not the kept turns, so units run with the
+    post-hoc cut count for the same method, and engine.vllm.direct_sync, rpc_transport and rpc_bucket_mb
+    change how weights reach vLLM, not which; a knob that does change the method still changes the hash."""
+    common, train = bench.run_overrides(sizes("none"))
+    preset, extra = bench.METHODS["mlmt"]
+    h = bench.identity(preset, extra, common, train)[0]
+    assert bench.identity(preset, extra, {**common, "engine.vllm.stop_in_engine": False}, train)[0] == h
+    assert bench.identity(preset, extra, {**common, "engine.vllm.direct_sync": False}, train)[0] == h
+    assert bench.identity(preset, extra, {**common, "engine.vllm.rpc_transport": "bytes",
+                                          "engine.vllm.rpc_bucket_mb": 16}, train)[0] == h
+    assert bench.identity(preset, extra, {**common, "engine.allocator": "glibc"}, train)[0] == h  # malloc
+    # with one base there is no second engine to share memory with
+    assert bench.identity(preset, extra, {**common, "engine.vllm.writer_share": 0.3}, train)[0] == h
+    assert bench.identity(preset, extra, {**common, "engine.vllm.block_size": 64}, train)[0] != h
+    # vLLM's C++ RMSNorm rounds bf16 differently from the PyTorch norm every stored unit ran: its own units
+    assert bench.identity(preset, extra, {**common, "engine.vllm.cpu_norm_kernel": True}, train)[0] != h
+    # a warm-up per writer update is another schedule: units of its own
+    assert bench.identity(preset, extra, common, {**train, "joint.writer_warmup": "update"})[0] != h
+    # scoring the tempered distribution is another objective: units of its own, while raw keeps the old ones
+    assert bench.identity(preset, extra, common, {**train, "lower.logprob_temperature": "sampling"})[0] != h
+    # leaving cut turns out of the loss is another objective: units of its own, while off keeps the old ones
+    assert bench.identity(preset, extra, common, {**train, "lower.mask_truncated": True})[0] != h
+    # chat-template variables change the prompts: units of their own, while none keeps the old ones
+    assert bench.identity(preset, extra, {**common, "model.chat_template_kwargs": {"enable_thinking": False}},
+                          train)[0] != h
+
+
+def test_the_results_page_learning_tables_are_the_stored_units(summary):
+    """The results page's learning-efficacy tables are generated (docs/gen/build.py calls summarise()): a
+    unit added without regenerating it, or a hand edit, leaves the page claiming numbers the units do not give."""
+    text = (ROOT / "docs" / "results" / "index.md").read_text()
+    lines, record = summary.summarise()
+    assert "\n".join(lines) + "\n" in text, "docs/results/index.md is stale: run python docs/gen/build.py"
+
+
+def test_summary_judges_each_writer_by_the_targets_rule(summary):
+    """On hand-made units: a writer 1 point under the template meets "≥ template − 0.02", one 4 points under
+    misses it, and a writer that breaks 4 % of answers misses "c→i ≤ 3 %" while one that breaks none meets it."""
+    import numpy as np
+
+    n = 300
+    template = np.zeros(n)
+    template[:150] = 1
+    close, far = template.copy(), template.copy()
+    close[:3] = 0  # 1 point under the template
+    far[:12] = 0  # 4 points under
+    t1_far = template.copy()  # far's refines broke its 12 right first answers: c->i 4 %
+    unit = lambda t1, fin: [{"seed": 0, "t1": t1, "final": fin, "used": {"rounds": 4}}]  # noqa: E731
+    per = {"verdict-template": unit(template, template), "mlmt": unit(close, close),
+           "mlmt-sentences-only": unit(t1_far, far)}
+    data = {"verdict": {"per": per, "methods": {m: summary.pooled(r) for m, r in per.items()}},
+            "confidence": {"per": {}, "methods": {}}, "none": {"per": {}, "methods": {}}}
+    _, record = summary.targets(data)
+    by = {t["target"]: t for t in record}
+    assert by["verdict: ≥ template − 0.02"]["met_by"] == ["`mlmt`"]
+    assert by["verdict: ≥ template − 0.02"]["missed_by"] == ["selector"]
+    assert by["verdict: c→i ≤ 3 %"]["met_by"] == ["`mlmt`"] and by["verdict: c→i ≤ 3 %"]["missed_by"] == ["selector"]
+    assert not any(t["env"] != "verdict" for t in record)  # no units, no judgement
+
+
+def test_a_later_codes_grid_is_judged_as_a_section_of_its_own(summary):
+    """Units of a tagged grid (later code) are judged apart from the env's stored grid: a writer that
+    breaks more right answers than it fixes in the tagged grid misses there while the stored grid, with
+    no units, gives no judgement."""
+    import numpy as np
+
+    t1 = np.zeros(300)
+    t1[:100] = 1
+    fin = t1.copy()
+    fin[:6] = 0  # 6 right first answers broken
+    fin[200:203] = 1  # 3 wrong ones fixed
+    per = {"mlmt": [{"seed": 0, "t1": t1, "final": fin, "used": {"rounds": 4}}]}
+    data = {"none-v4": {"per": per, "methods": {"mlmt": summary.pooled(per["mlmt"])}},
+            "none": {"per": {}, "methods": {}}}
+    _, record = summary.targets(data)
+    assert [(t["env"], t["missed_by"]) for t in record] == [("none-v4", ["`mlmt`"])]
+    assert summary.SECTIONS["none-v4"][:2] == ("none", "v4")
+    lines = summary.method_table({**data, "none-v4": {**data["none-v4"], "refines": {"mlmt": True}}})
+    assert any("grid none-L2-v4" in line and "`mlmt`" in line and "2.0 % / 1.0 %" in line for line in lines)
+
+
+def test_train_curve_keeps_one_strategy_share_per_iteration(bench, tmp_path):
+    """A strategy no PPO batch chose is absent from that iteration's record: its list holds None there,
+    so every curve lines up with lower/episodes."""
+    import json
+
+    rows = [{"lower/episodes": 16, "lower/strategy_share/a/after_right": 1.0},
+            {"upper/td_loss": 0.5},  # not a PPO iteration
+            {"lower/episodes": 16, "lower/strategy_share/b/after_right": 0.5},
+            {"lower/episodes": 8}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    curve = bench.train_curve(tmp_path / "metrics.jsonl")
+    assert curve["lower/episodes"] == [16, 16, 8]
+    assert curve["lower/strategy_share/a/after_right"] == [1.0, None, None]
+    assert curve["lower/strategy_share/b/after_right"] == [None, 0.5, None]
+
+
+def test_batch_table_skips_a_method_that_ran_no_ppo_iteration(bench):
+    """writer-only freezes the solver: its unit's train curve has keys but no iteration, and the PPO-batch
+    table leaves it out instead of failing (it did, on the first writer-only unit)."""
+    empty = {k: [] for k in bench.CURVE_KEYS}
+    trained = {"lower/reward_turn0": [0.25, 0.5], "lower/reward_turn1": [0.25, 0.5],
+               "lower/right_to_wrong": [0.0, 0.5], "lower/wrong_to_right": [0.0, 0.0], "lower/episodes": [4, 4]}
+    lines = bench.batch_lines({"writer-only": [{"train_curve": empty}], "mlmt": [{"train_curve": trained}]})
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| method")]
+    assert rows == ["| mlmt | 1 | 0.250 → 0.500 | 2 of 3 |"]  # 1 + 2 right first attempts, 0 + 2 broken
+
+
+@pytest.mark.timeout(300)
+def test_a_unit_whose_process_is_killed_raises_instead_of_hanging(bench):
+    """The OOM killer ends a unit's process with a signal; the invocation must move on (multiprocessing.Pool
+    replaced the worker and waited for its lost task forever). os.abort stands in for the kill."""
+    import os
+    from concurrent.futures.process import BrokenProcessPool
+
+    assert bench.in_child(os.getpid) != os.getpid()  # it does run in another process
+    with pytest.raises(BrokenProcessPool):
+        bench.in_child(os.abort)
+
+
+def test_units_are_not_trained_under_the_other_machines_precision():
+    """--native-bf16 only reads another machine's grids: training under it would file fp32 units as bf16."""
+    import subprocess
+    import sys
+
+    from tosca_mlmt.precision import native_bf16
+
+    other = "no" if native_bf16() else "yes"
+    cmd = [sys.executable, "-m", "benchmarks.learning.learning_efficacy", "--env", "none", "--native-bf16", other,
+           "--methods", "untrained", "--seeds", "0", "--work", "/nonexistent"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 2 and f"--native-bf16 {other}" in r.stderr and "--table-only" in r.stderr

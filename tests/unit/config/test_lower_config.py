@@ -1,0 +1,26 @@
+"""The lower section's knobs checked at load (config/lower.py)."""
+
+import pytest
+
+
+@pytest.mark.parametrize("field,bad", [("strategy_temperature", 0.0), ("strategy_temperature", -0.5),
+                                       ("strategy_epsilon", 1.5), ("strategy_epsilon", -0.2)])
+def test_lower_strategy_knobs_are_validated_at_load(field, bad):
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"lower.{field}"):
+        load_config(overrides={f"lower.{field}": bad})
+
+
+@pytest.mark.parametrize("overrides,field", [
+    ({"lower.old_logprobs": "behaviour"}, "lower.old_logprobs"),
+    ({"lower.bonus.scorer": "engine"}, "lower.bonus.scorer"),
+    ({"solver_sampling.temperature": 0.0}, "lower.logprob_temperature")])
+def test_sampling_logprob_temperature_refuses_what_only_raw_logprobs_can_serve(overrides, field):
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.errors import ConfigError
+
+    load_config(overrides={"lower.logprob_temperature": "raw", **overrides})  # raw serves them all
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(overrides={"lower.logprob_temperature": "sampling", **overrides})

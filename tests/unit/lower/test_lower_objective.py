@@ -1,0 +1,125 @@
+"""The lower level's losses (lower/objective.py, algos/losses.py): the PPO loss over the kept mask,
+micro-batches cut to their longest row, and which parameters the value and ArCHer critic losses reach."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from factories import cut_first_attempt, sampled_lower_setup
+from tosca_mlmt.lower.trajectory import to_tensors, without_cut_turns
+
+
+def test_ppo_loss_over_the_kept_mask_is_the_mean_over_the_uncut_tokens_alone():
+    """The reference is computed token by token over the turns that were not cut; the cut turn's
+    tokens get no gradient, and the loss differs from the unmasked one."""
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.lower.objective import UpdateBatch, ppo_loss
+    from tosca_mlmt.lower.scoring import Forward
+
+    lo = load_config().lower
+    trajs = cut_first_attempt(3)
+    tt = to_tensors(trajs, pad_id=0)
+    kept, _ = without_cut_turns(trajs, tt)
+    g = torch.Generator().manual_seed(0)
+    lp = (-torch.rand(tt.mask.shape, generator=g)).requires_grad_()
+    lp0 = lp.detach()
+    old = lp.detach() + 0.3 * torch.randn(tt.mask.shape, generator=g)
+    adv = torch.randn(tt.mask.shape, generator=g)
+
+    def loss_of(t):
+        mb = UpdateBatch(t, old, None, None, adv, torch.zeros_like(adv), torch.zeros_like(adv), None)
+        return ppo_loss(lo, Forward(lp, None, None, None), mb, None)[0]
+
+    loss = loss_of(kept)
+    ref, n = 0.0, 0
+    for b, t in enumerate(trajs):
+        for (s, e), cut in zip(t.turn_spans, t.cut):
+            for i in range(s, e):
+                if not cut:
+                    r = math.exp(float(lp0[b, i]) - float(old[b, i]))
+                    a = float(adv[b, i])
+                    ref += -min(r * a, min(max(r, 1 - lo.clip_low), 1 + lo.clip_high) * a)
+                    n += 1
+    assert float(loss) == pytest.approx(ref / n, rel=1e-5)
+    (grad,) = torch.autograd.grad(loss, lp)
+    s, e = trajs[0].turn_spans[0]
+    assert grad[0, s:e].abs().max() == 0 and grad[kept.mask > 0].abs().max() > 0
+    assert float(loss_of(tt)) != pytest.approx(float(loss), rel=1e-3)
+
+
+@pytest.mark.slow
+def test_micro_batches_are_cut_to_their_longest_row_without_changing_the_loss(debug_cfg, debug_policies):
+    """UpdateBatch.select drops the right padding past the selected rows' longest sequence; the
+    loss and its gradient on the cut micro-batch equal those on the full width (fp32)."""
+    from tosca_mlmt.lower import objective
+    from tosca_mlmt.lower.scoring import SolverScorer
+
+    policies = debug_policies
+    cfg, trajs = sampled_lower_setup(debug_cfg, policies)
+    # the random model writes every turn to max_new_tokens: shorten two refines so rows differ
+    for i in (0, 1):
+        t = trajs[i]
+        s, e = t.turn_spans[-1]
+        k = (e - s) // 2
+        trajs[i] = replace(t, ids=t.ids[: e - k], turn_spans=[*t.turn_spans[:-1], (s, e - k)],
+                           behaviour_logprobs=[*t.behaviour_logprobs[:-1], t.behaviour_logprobs[-1][: e - k - s]])
+    tt = to_tensors(trajs, policies.tokenizer("solver").pad_token_id or 0)
+    lengths = tt.attention_mask.sum(1)
+    rows = torch.argsort(lengths)[:2]  # the two shortest: the most padding to drop
+    assert int(lengths[rows].max()) < tt.input_ids.shape[1]
+    gen = torch.Generator().manual_seed(0)
+    adv = torch.randn(tt.mask.shape, generator=gen) * tt.mask
+    zeros = torch.zeros(tt.mask.shape)
+    full = objective.UpdateBatch(tt, None, None, None, adv, zeros, zeros, None)
+    cut = full.select(rows)
+    assert cut.tt.input_ids.shape == (2, int(lengths[rows].max()))
+    uncut = objective.UpdateBatch(tt.select(rows), None, None, None, adv[rows], zeros[rows], zeros[rows], None)
+    scorer = SolverScorer(cfg.lower, policies, torch.nn.Linear(1, 1))
+    params = [p for p in policies.model("solver").parameters() if p.requires_grad]
+    out = []
+    for mb in (cut, uncut):
+        with policies.use("solver"):
+            fwd = scorer.forward(mb.tt.input_ids, mb.tt.attention_mask)
+        loss, _ = objective.ppo_loss(cfg.lower, fwd, mb, None)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        out.append((loss.detach(), [g for g in grads if g is not None]))
+    assert out[0][1], "no gradient reached the adapter"
+    assert torch.allclose(out[0][0], out[1][0], rtol=1e-5, atol=1e-7)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(out[0][1], out[1][1]))
+
+
+def test_the_value_loss_moves_the_adapter_and_the_archer_critic_does_not(debug_cfg, debug_policies):
+    """gae's value head reads the trunk undetached (lower.vf_coef's help says so, as in TRL's value-head
+    models): its loss alone has a gradient on the solver's adapter. ArCHer's critic reads detached
+    features: its loss has none there, only on the critic."""
+    from tosca_mlmt.algos.losses import value_loss
+    from tosca_mlmt.lower import archer
+    from tosca_mlmt.lower.scoring import SolverScorer
+
+    policies = debug_policies
+    cfg, trajs = sampled_lower_setup(debug_cfg, policies)
+    tt = to_tensors(trajs, policies.tokenizer("solver").pad_token_id or 0)
+    hidden_size = policies.model("solver").config.hidden_size
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hidden_size, 1)
+    scorer = SolverScorer(cfg.lower, policies, head)
+    adapter = [p for p in policies.model("solver").parameters() if p.requires_grad]
+    with policies.use("solver"):
+        fwd = scorer.forward(tt.input_ids, tt.attention_mask, values=True)
+    returns = torch.ones_like(fwd.values)
+    vl, _ = value_loss(fwd.values, fwd.values.detach(), returns, tt.mask)
+    grads = torch.autograd.grad(vl, adapter, allow_unused=True, retain_graph=True)
+    assert any(g is not None and g.abs().sum() > 0 for g in grads), "the value loss did not reach the adapter"
+
+    critic = archer.UtteranceCritic(hidden_size)
+    n_turns = max(len(t.turn_spans) for t in trajs)
+    spans = [list(t.turn_spans) for t in trajs]
+    y = torch.ones(len(trajs), n_turns)
+    valid = torch.tensor([[float(k < len(s)) for k in range(n_turns)] for s in spans])
+    targets = archer.CriticTargets(spans, y, y, valid)
+    closs = archer.loss_on(critic, fwd.hidden, targets, n_turns)
+    grads = torch.autograd.grad(closs, adapter + list(critic.parameters()), allow_unused=True)
+    assert all(g is None for g in grads[: len(adapter)]), "the ArCHer critic moved the actor"
+    assert any(g is not None and g.abs().sum() > 0 for g in grads[len(adapter):])
