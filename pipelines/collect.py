@@ -27,6 +27,7 @@ from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.rollout.engines import make_engine
 from tosca_mlmt.rollout.engines.base import hit_rate, prefix_counts
 from tosca_mlmt.rollout.runner import EpisodeRunner
+from tosca_mlmt.rollout.tool import require_check
 from tosca_mlmt.rollout.turns import first_samples
 from tosca_mlmt.samples import sample_rows
 from tosca_mlmt.store import write_snapshot
@@ -91,6 +92,7 @@ class CollectStage:
         cfg, timer = self.cfg, self.timer
         with timer("load_task"):
             self.task = make_task(cfg.task)
+            require_check(cfg.episode, self.task)  # writer_sees/feedback: tool, refused before any model loads
             self.skipped = 0
             if self.problems is None:
                 loaded = self.task.load(cfg.task.split, cfg.task.limit or None, cfg.task.skip_bad_rows)

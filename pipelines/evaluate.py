@@ -7,12 +7,18 @@ the run's seed; eval.json records the rule.
 There is no oracle stop: every episode runs all K rounds even when turn 1 was already
 right, so Acc@final measures what a user of the system would get, and right->wrong
 (breaking a correct answer) is counted.
+
+``--majority K`` and ``--resample tool`` add the inference-matched controls (analysis/controls.py):
+the same solver, sampled at its own temperature with no feedback, given as many generations as the
+feedback method. Their answers are one more snapshot in the eval folder, each problem's votes and
+checks are in controls.json, and the accuracies in eval.json.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -102,22 +108,107 @@ def _on_top(trained: dict, path: str | Path | None, overrides: dict | None) -> d
     return tree
 
 
-def evaluate(cfg: Config, out: str | Path, *, console=None, compare_to: str | Path | None = None) -> EvalResult:
+def evaluate(cfg: Config, out: str | Path, *, console=None, compare_to: str | Path | None = None,
+             majority: int | None = None, resample: str | None = None) -> EvalResult:
     """``compare_to``: an earlier eval folder on the same problems; the before/after comparison
-    (``compare_outcomes``) is added to the report as ``compared_to``."""
-    if cfg.task.split != "test":
-        raise ConfigError("invalid value for field 'task.split': eval runs on held-out problems only (test)")
+    (``compare_outcomes``) is added to the report as ``compared_to``. ``majority`` (k; 0 = 1 +
+    episode.rounds) and ``resample`` ("tool"): the controls (``plan_controls``), added to the report."""
+    from tosca_mlmt.analysis.controls import plan_controls
+
+    if cfg.task.split not in ("test", "test-unseen"):
+        raise ConfigError("invalid value for field 'task.split': eval runs on held-out problems only (test, "
+                          "or arith's test-unseen)")
     rd = RunDir(out, "eval", console)
     before = eval_outcomes(compare_to) if compare_to is not None else None  # a bad folder fails before the eval
-    cfg = eval_config(cfg)
-    res = collect(cfg, rd.path / "snapshots", console=console, prefix="eval")
+    plan = plan_controls(majority, resample, cfg.episode.rounds, cfg.solver_sampling.temperature)
+    task = _control_task(cfg, plan)  # a task without a checker fails before the eval
+    sampled, cfg = cfg, eval_config(cfg)
+    with _shared_models(cfg, plan) as shared:
+        res = collect(cfg, rd.path / "snapshots", console=console, prefix="eval", **shared)
+        ctl = (collect(control_config(sampled, plan), rd.path / "snapshots", console=console, prefix="eval", **shared)
+               if plan is not None else None)
     report = {"snapshot_id": res.snapshot_id, "task": cfg.task.name, "split": cfg.task.split,
               "solver_adapter": cfg.model.solver_adapter or None, "writer_adapter": cfg.model.writer_adapter or None,
               "strategy_selection": cfg.episode.strategy_selection, "epsilon": cfg.episode.epsilon, **res.summary}
     if before is not None and dist.is_main():  # under torchrun every rank collected its share; one reports
         after = _outcomes(rd.path / "snapshots", res.snapshot_id, report.get("environment", "honest"))
         report["compared_to"] = {"eval": str(compare_to), **compare_outcomes(before, after, compare_to)}
+    if ctl is not None and dist.is_main():
+        report.update(_controls(rd, task, plan, sampled, res.snapshot_id, ctl.snapshot_id))
     return EvalResult(rd.write_json("eval.json", report), report)
+
+
+def control_config(cfg: Config, plan) -> Config:
+    """The controls' collect (``cfg`` as given, before eval_config): turn 1 only, ``plan.samples``
+    answers per problem sampled at the solver's own temperature (solver_sampling), no writer turn."""
+    return replace(cfg, collect=replace(cfg.collect, solve_temperature=-1.0, refine_temperature=-1.0,
+                                        writer_temperature=-1.0),
+                   episode=replace(cfg.episode, rounds=0, n_samples=plan.samples, counterfactual=False,
+                                   gold_prob=False))
+
+
+def _control_task(cfg: Config, plan):
+    """The task whose checker gates the resamples (None without ``--resample``)."""
+    from tosca_mlmt.analysis.controls import checker
+    from tosca_mlmt.tasks import make_task
+
+    if plan is None or not plan.resample:
+        return None
+    task = make_task(cfg.task)
+    if checker(task) is None:
+        raise ConfigError(f"--resample tool: task {cfg.task.name!r} has no checker (a "
+                          "check_attempt(problem, response) method whose report has .flagged)")
+    return task
+
+
+@contextmanager
+def _shared_models(cfg: Config, plan):
+    """One model load and one engine for the eval and its controls' collect; without controls
+    nothing (collect loads its own, as before)."""
+    if plan is None:
+        yield {}
+        return
+    from tosca_mlmt import runtime
+    from tosca_mlmt.models.policies import PolicyPair
+    from tosca_mlmt.rollout.engines import make_engine
+
+    runtime.setup(cfg)  # as collect's setup does first: threads, seeds, process group
+    policies = PolicyPair(cfg.model, seed=cfg.seed)
+    engine = make_engine(cfg, policies)
+    try:
+        yield {"policies": policies, "engine": engine}
+    finally:
+        engine.close()
+
+
+def _controls(rd: RunDir, task, plan, cfg: Config, sid: str, control_sid: str) -> dict:
+    """The controls' numbers for eval.json; each problem's samples, votes and checks go to controls.json."""
+    from tosca_mlmt.analysis.controls import check, control_row, control_summary
+
+    tags, snaps = cfg.episode.reasoning_tags, rd.path / "snapshots"
+    firsts, samples = _attempts(snaps, sid, tags), _attempts(snaps, control_sid, tags)
+    rows = []
+    for pid, [(problem, first)] in firsts.items():
+        flag = lambda a, p=problem: check(task, p, a.text).flagged  # noqa: E731
+        rows.append({"id": pid, **control_row(first, [a for _, a in samples[pid]], plan, flag)})
+    rd.write_json("controls.json", {"snapshot_id": control_sid, "rows": rows})
+    return {**control_summary(rows, plan),
+            "controls": {"snapshot_id": control_sid, "temperature": cfg.solver_sampling.temperature,
+                         "samples_per_problem": plan.samples, "rows": "controls.json"}}
+
+
+def _attempts(snapshots: Path, sid: str, tags: list[str]) -> dict:
+    """Each problem's turn-1 answers in one snapshot, by problem id and then sample: (problem, Attempt)."""
+    from tosca_mlmt.analysis.controls import Attempt
+    from tosca_mlmt.rollout.engines.stop import final_text
+    from tosca_mlmt.store import load_snapshot
+
+    out: dict = {}
+    for e in sorted(load_snapshot(snapshots, sid).episodes(), key=lambda e: (e.problem.id, e.sample)):
+        t = e.solver_turns[0]
+        out.setdefault(e.problem.id, []).append((e.problem, Attempt(final_text(t.text, tags), t.extracted,
+                                                                    bool(t.correct))))
+    return out
 
 
 def eval_config(cfg: Config) -> Config:

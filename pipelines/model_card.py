@@ -269,6 +269,8 @@ def training_notes(cfg: Config, role: str) -> list[str]:
         elif e.feedback == "verdict":
             notes.append("the feedback was the verifier's verdict, \"Your answer is right.\" or \"Your answer is "
                          "wrong.\" (a privileged control)")
+        elif e.feedback == "tool":
+            notes.append("the feedback was the task's own check's fixed hint on the attempt (e.g. \"Recheck 7 + 10.\")")
         elif fixed:
             notes.append("for some strategies the feedback was only their fixed sentence: "
                          + "; ".join(f"\"{v}\"" for v in fixed.values()))

@@ -16,14 +16,30 @@ from tosca_mlmt.leak import leak_rate
 
 
 def environment(episodes: list[Episode]) -> str:
-    """"honest", or "privileged:<what>" when the writer saw the verifier's verdict or the feedback was
-    the verdict itself: such numbers answer a sanity question and must never sit beside honest ones."""
-    seen = {t.info.get("writer_sees") for ep in episodes for t in ep.turns if t.kind == "feedback"}
-    if "verdict" in seen:
+    """"privileged:<what>" when the writer saw the verifier's verdict, the feedback was the verdict itself,
+    or the writer read the verifier's ``feedback_context`` (mbpp: the first failing grading test's error):
+    such numbers answer a sanity question and must never sit beside honest ones. Else "honest:tool" when
+    a task's own check of the attempt (episode.writer_sees or feedback: tool) informed the feedback, else
+    "honest"."""
+    fbs = [t for ep in episodes for t in ep.turns if t.kind == "feedback"]
+    if any(t.info.get("writer_sees") == "verdict" for t in fbs):
         return "privileged:writer_sees_verdict"
-    if any(t.info.get("feedback") == "verdict" for ep in episodes for t in ep.turns if t.kind == "feedback"):
+    if any(t.info.get("feedback") == "verdict" for t in fbs):
         return "privileged:verdict_feedback"
+    if any(_writer_read_verifier_context(ep) for ep in episodes):
+        return "privileged:grading_tests"
+    if any("tool" in (t.info.get("writer_sees"), t.info.get("feedback")) for t in fbs):
+        return "honest:tool"
     return "honest"
+
+
+def _writer_read_verifier_context(ep: Episode) -> bool:
+    """Whether a writer state of ``ep`` held a solver turn's ``feedback_context``: every solver turn
+    before the last feedback turn is in that turn's state (rollout/turns.py: plan_feedback)."""
+    last = max((i for i, t in enumerate(ep.turns) if t.kind == "feedback"), default=-1)
+    if last >= 0 and "tool" in (ep.turns[last].info.get("writer_sees"), ep.turns[last].info.get("feedback")):
+        return False  # under a tool the writer's state holds the task's public check in its place
+    return any(t.info.get("feedback_context") for t in ep.turns[:last] if t.role == "solver")
 
 
 def summarize(episodes: list[Episode]) -> dict[str, float]:

@@ -9,6 +9,11 @@ per seed checks the primary contrast.
 
 Pre-registered primary contrast: `mlmt` minus each baseline on Acc@final.
 
+arith's test set asks few distinct facts (level 2: about 35 in 300 problems) in phrasings training also uses, so
+learning_summary reports beside each per-problem interval one that resamples whole facts (the honest one; "CI > 0"
+targets are judged by it), and every unit is also evaluated out of distribution (--ood-evals, OOD_EVALS): on
+arith's test-unseen split (the same facts in phrasings training never uses) and on gsm8k's test problems.
+
 Environments (--env): `none` (the writer sees problem and attempts), `confidence` (plus the solver's
 bucketed mean log-prob: honest), `verdict` (plus the verifier's right/wrong: a privileged sanity
 environment; its results are labelled and never mixed with honest ones).
@@ -16,6 +21,7 @@ environment; its results are labelled and never mixed with honest ones).
     python -m benchmarks.learning.learning_efficacy --env verdict --seeds 0 1 2 --test-problems 300
     python -m benchmarks.learning.learning_efficacy --smoke          # minutes: wiring only, decides nothing
     python -m benchmarks.learning.learning_efficacy --env confidence --methods mlmt --seeds 0 --tag fixes  # a grid apart
+    python -m benchmarks.learning.learning_efficacy --env none --ladder --methods single-turn-grpo-x2 single-turn-grpo-x4
 
 Each (method, seed) is one *unit*, written as soon as it finishes to
 benchmarks/results/learning_efficacy/<env>-L<level>/<method>-seed<k>-<hash>.json with its git sha, the
@@ -64,12 +70,14 @@ VERDICT_SENTENCES = [
     {"name": "say_wrong", "instruction": "Tell the solver its answer is wrong.", "prefix": "Your answer is wrong."}]
 VERDICT_SELECTOR = {"episode.strategies": VERDICT_SENTENCES,
                     "episode.prefix_only": [s["name"] for s in VERDICT_SENTENCES]}
+SCORE = ROOT / "configs" / "score.yaml"
+SINGLE_TURN_GRPO = ROOT / "configs" / "single-turn-grpo.yaml"
 # name -> (preset, overrides). All share the compute budget set in main(). Units are found by the hash of
 # the resolved configuration, not by name (identity), so a renamed method keeps its units.
 METHODS = {
     "untrained": (MLMT, None),  # no training: eval of the base pair
-    "score": (ROOT / "configs" / "score.yaml", {}),
-    "single-turn-grpo": (ROOT / "configs" / "single-turn-grpo.yaml", {}),
+    "score": (SCORE, {}),
+    "single-turn-grpo": (SINGLE_TURN_GRPO, {}),
     "mlmt": (MLMT, {}),
     "mlmt-no-bonus": (MLMT, {"lower.bonus.coef": 0.0}),
     "writer-only": (MLMT, {"joint.freeze_solver": True}),
@@ -136,7 +144,26 @@ METHODS = {
     "mlmt-turn-own-credit-kl-reward": (MLMT, {"lower.kl_mode": "reward"}),
     # the preset's configuration under the name it was measured by before it became the preset
     "mlmt-turn-own-credit-kl-loss": (MLMT, {"lower.turn_gamma": 0.0, "lower.kl_mode": "loss"}),
+    # the refines masked out of the solver's loss (lower.train_refine: false): does training the refine
+    # interfere with turn 1? Paired with mlmt, its Acc@t1 gap is what the refine's gradient does to turn 1
+    "mlmt-masked-refine": (ROOT / "configs" / "mlmt-masked-refine.yaml", {}),
+    # --- the baselines as first measured, before every method got one KL setting (beta 0.01 in the loss) ---
+    # SCoRe with its KL as a per-token reward under grpo's std division: seed 0 collapsed (Acc@t1 0.053)
+    "score-kl-reward": (SCORE, {"lower.kl_mode": "reward"}),
+    # single-turn GRPO without a KL (beta 0), pinned to the values its units were measured with
+    "single-turn-grpo-no-kl": (SINGLE_TURN_GRPO, {"lower.kl_coef": 0.0, "lower.kl_mode": "reward",
+                                                  "lower.turn_gamma": 1.0}),
 }
+# the compute ladder (--ladder): single-turn GRPO at 2x, 4x and 8x the PPO iterations of a round (1x is
+# single-turn-grpo), so the hierarchy is also compared with a single-turn solver given its wall time
+LADDER = (2, 4, 8)
+
+
+def ladder(lower_iterations: int) -> dict[str, tuple[Path, dict]]:
+    """The ladder's methods at a grid's ``--lower-iterations``: each differs from single-turn-grpo in
+    joint.lower_iterations alone."""
+    return {f"single-turn-grpo-x{k}": (SINGLE_TURN_GRPO, {"joint.lower_iterations": k * lower_iterations})
+            for k in LADDER}
 # the control of the privileged environment: the verdict itself as feedback, solver trained like mlmt's
 VERDICT_CONTROL = {"verdict-template": (MLMT, {"episode.feedback": "verdict", "joint.freeze_writer": True}),
                    "verdict-template-reward-to-go": (MLMT, {**REWARD_TO_GO, "episode.feedback": "verdict",
@@ -146,7 +173,9 @@ ENV_OVERRIDES = {"none": {}, "confidence": {"episode.writer_sees": "confidence"}
 
 
 def run_method(name: str, preset: Path, extra: dict | None, common: dict, train: dict, evalsel: dict, seed: int,
-               work: Path, sha: str, reuse: Path | None = None) -> dict:
+               work: Path, sha: str, reuse: Path | None = None, evals: dict[str, dict] | None = None) -> dict:
+    """Train (unless ``extra`` is None), evaluate on arith's test split, then on each of ``evals`` (name ->
+    overrides of the eval config: out-of-distribution evals, OOD_EVALS), kept under the unit's "evals"."""
     from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.evaluate import adapters_from_run, eval_outcomes, evaluate
     from tosca_mlmt.pipelines.train_joint import train_joint
@@ -180,6 +209,14 @@ def run_method(name: str, preset: Path, extra: dict | None, common: dict, train:
     o = eval_outcomes(folder / "eval", texts=True)  # per problem, sorted by id: every method pairs up
     out = {"ids": o["ids"], "t1": np.array(o["t1"], dtype=float), "final": np.array(o["final"], dtype=float),
            "answers": answer_tails(o)}
+    if evals:
+        out["evals"] = {}
+    for ood, overrides in (evals or {}).items():
+        evaluate(load_config(preset, {**common, **(extra or {}), **adapters, **evalsel, "task.split": "test",
+                                      "seed": 0, **overrides}), folder / f"eval-{ood}")
+        o = eval_outcomes(folder / f"eval-{ood}")
+        out["evals"][ood] = {"ids": list(o["ids"]), "t1": [float(v) for v in o["t1"]],
+                             "final": [float(v) for v in o["final"]]}
     return {"method": name, "seed": seed, "git_sha": sha, "train_seconds": None if reused else round(train_s, 1),
             "eval_seconds": round(time.time() - t0 - train_s, 1), "used": used, "reused_run": reused,
             "environment": report.get("environment"), "train_curve": curve, **out}
@@ -267,6 +304,9 @@ def identity(preset: Path, extra: dict | None, common: dict, train: dict,
     # objective, so it defines units of its own
     if cfg["lower"]["logprob_temperature"] == "raw":
         cfg["lower"].pop("logprob_temperature")
+    # lower.train_refine on trains the refines, as every unit before the knob did
+    if cfg["lower"]["train_refine"]:
+        cfg["lower"].pop("train_refine")
     # lower.mask_truncated off trains on every turn, as every unit before the knob did
     if not cfg["lower"]["mask_truncated"]:
         cfg["lower"].pop("mask_truncated")
@@ -330,6 +370,7 @@ def paired_finals(per: dict[str, list[dict]], a: str, b: str) -> tuple[list[int]
 
 def table(per: dict[str, list[dict]], primary: str) -> tuple[dict, list[str]]:
     from tosca_mlmt.analysis.stats import mcnemar, paired_bootstrap
+    from tosca_mlmt.tasks.arith import facts_of
 
     summary, lines = {}, []
     lines.append("| method | seeds x problems | Acc@t1 | Acc@final | Δ | i→c | c→i |")
@@ -346,8 +387,9 @@ def table(per: dict[str, list[dict]], primary: str) -> tuple[dict, list[str]]:
                      ("acc_t1", "acc_final", "delta", "wrong_to_right", "right_to_wrong")) + " |")
     if primary in per:
         lines += ["", f"Contrast: {primary} minus each baseline on Acc@final (paired over the seeds both have x "
-                      "problems; McNemar p per seed).", "", "| baseline | seeds | difference [95 % CI] | "
-                      "McNemar p per seed |", "|---|---|---|---|"]
+                      "problems; McNemar p per seed; the interval over facts resamples arith's facts, not its "
+                      "problems).", "", "| baseline | seeds | difference [95 % CI] | 95 % CI over facts | "
+                      "McNemar p per seed |", "|---|---|---|---|---|"]
         for name in per:
             if name == primary:
                 continue
@@ -355,10 +397,13 @@ def table(per: dict[str, list[dict]], primary: str) -> tuple[dict, list[str]]:
             if not common:
                 continue
             d = paired_bootstrap(a, b)
+            ids = per[primary][0].get("ids")
+            f = paired_bootstrap(a, b, groups=np.array(facts_of(list(ids)))) if ids is not None else None
             ps = [mcnemar(a[i], b[i])["p"] for i in range(len(common))]
-            summary[f"{primary}-minus-{name}"] = {**d, "mcnemar_p": ps, "seeds": common}
+            summary[f"{primary}-minus-{name}"] = {**d, "mcnemar_p": ps, "seeds": common, "by_fact": f}
+            by_fact = f"[{f['lo']:+.3f}, {f['hi']:+.3f}] ({f['clusters']} facts)" if f else "—"
             lines.append(f"| {name} | {', '.join(map(str, common))} | {d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] | "
-                         + ", ".join(f"{p:.3g}" for p in ps) + " |")
+                         f"{by_fact} | " + ", ".join(f"{p:.3g}" for p in ps) + " |")
     return summary, lines
 
 
@@ -428,6 +473,41 @@ def run_overrides(args) -> tuple[dict, dict]:
     return common, train
 
 
+# the out-of-distribution evals every unit also runs (--ood-evals), beside arith's test split: the same test
+# facts in phrasings training never uses (does what was learned transfer past the templates?), and grade-school
+# word problems (gsm8k's test split, from ../shared/data or $TOSCA_MLMT_DATA). Their results sit under the unit's
+# "evals" and do not define it (a unit without them still counts).
+OOD_EVALS = {"test-unseen": {"task.split": "test-unseen"}, "gsm8k": {"task.name": "gsm8k", "task.split": "test"}}
+
+
+def ood_overrides(args) -> dict[str, dict]:
+    """name -> eval-config overrides of the OOD evals ``args`` asks for (--ood-evals, --ood-problems)."""
+    limit = {"task.limit": args.ood_problems} if args.ood_problems else {}
+    return {name: {**OOD_EVALS[name], **(limit if name != "test-unseen" else {})} for name in args.ood_evals}
+
+
+def ood_lines(per: dict[str, list[dict]]) -> list[str]:
+    """Every method's Acc@t1 / Acc@final on each OOD eval its units ran (pooled over seeds; test-unseen's
+    interval resamples facts, as the summary's do)."""
+    from tosca_mlmt.analysis.stats import paired_bootstrap
+    from tosca_mlmt.tasks.arith import facts_of
+
+    lines = []
+    for name, runs in per.items():
+        for ood in sorted({k for r in runs for k in r.get("evals") or {}}):
+            got = [r["evals"][ood] for r in runs if ood in (r.get("evals") or {})]
+            if any(g["ids"] != got[0]["ids"] for g in got):
+                continue  # seeds on different problems (another --ood-problems) do not pool
+            fin, t1 = np.array([g["final"] for g in got]), np.array([g["t1"] for g in got])
+            groups = np.array(facts_of(got[0]["ids"])) if ood == "test-unseen" else None
+            d = paired_bootstrap(fin, groups=groups)
+            lines.append(f"| {name} | {ood} | {len(got)} x {fin.shape[1]} | {t1.mean():.3f} | "
+                         f"{d['mean']:.3f} [{d['lo']:.3f}, {d['hi']:.3f}] |")
+    head = ["", "Out-of-distribution evals (test-unseen: interval over facts).", "",
+            "| method | eval | seeds x problems | Acc@t1 | Acc@final [95 % CI] |", "|---|---|---|---|---|"]
+    return head + lines if lines else []
+
+
 def in_child(fn, *args):
     """``fn(*args)`` in a spawned child process of its own. A child killed by a signal (the OOM killer)
     raises BrokenProcessPool here: multiprocessing.Pool replaced such a worker and waited for its lost
@@ -451,7 +531,8 @@ class Units:
     method's resolved configuration, whichever name ran them."""
 
     def __init__(self, args):
-        self.every = dict(METHODS, **(VERDICT_CONTROL if args.env == "verdict" else {}))
+        self.every = dict(METHODS, **(VERDICT_CONTROL if args.env == "verdict" else {}),
+                          **(ladder(args.lower_iterations) if getattr(args, "ladder", False) else {}))
         common, train = run_overrides(args)
         bf16 = {"auto": None, "yes": True, "no": False}[getattr(args, "native_bf16", "auto")]
         ids = {name: identity(preset, extra, common, train, bf16) for name, (preset, extra) in self.every.items()}
@@ -525,6 +606,15 @@ def parser() -> argparse.ArgumentParser:
                     help="where model.dtype and lower.autocast 'auto' resolve to bf16, which defines the units: "
                          "auto = as on this machine; yes reads (--table-only) grids measured on a CPU with native "
                          "bf16, as every stored grid was, from a machine without it")
+    ap.add_argument("--ladder", action="store_true",
+                    help="add the compute ladder: single-turn GRPO at " + ", ".join(f"{k}x" for k in LADDER)
+                         + " the PPO iterations (methods single-turn-grpo-x<k>; 1x is single-turn-grpo), to compare "
+                           "the hierarchy at equal wall time; run and tabled only with this option")
+    ap.add_argument("--ood-evals", nargs="*", default=list(OOD_EVALS), choices=tuple(OOD_EVALS),
+                    help="out-of-distribution evals each new unit also runs after arith's test split (none: "
+                         "--ood-evals with no name); they do not define the unit")
+    ap.add_argument("--ood-problems", type=int, default=300,
+                    help="problems of each OOD eval other than test-unseen (which pairs with --test-problems)")
     ap.add_argument("--force", action="store_true", help="redo units that already have results")
     ap.add_argument("--budget-minutes", type=float, default=0.0, help="start no unit after this (0 = none)")
     ap.add_argument("--table-only", action="store_true",
@@ -539,7 +629,7 @@ def main() -> None:
     ap = parser()
     args = ap.parse_args()
     if args.smoke:
-        args.seeds, args.test_problems, args.rounds = args.seeds[:1], 8, 1
+        args.seeds, args.test_problems, args.rounds, args.ood_problems = args.seeds[:1], 8, 1, 8
         args.collect_problems, args.lower_iterations, args.problems_per_iteration, args.upper_steps = 2, 1, 2, 2
 
     from tosca_mlmt.precision import native_bf16
@@ -599,7 +689,8 @@ def main() -> None:
                 print(f"budget spent: {name} seed {seed} not started", flush=True)
                 continue
             try:
-                r = run_unit(name, preset, extra, common, train, evalsel, seed, work, sha, args.reuse_runs)
+                r = run_unit(name, preset, extra, common, train, evalsel, seed, work, sha, args.reuse_runs,
+                             ood_overrides(args))
             except BrokenProcessPool:  # killed, not failed: the next units may fit
                 lost.append(f"{name} seed {seed}")
                 print(f"{name} seed {seed}: its process was killed (out of memory?); no unit written, a rerun "
@@ -617,7 +708,7 @@ def main() -> None:
         ap.error(f"--primary {args.primary} has the configuration of {same_as[args.primary]}; name that one")
     seeds = sorted({r["seed"] for name, runs in per.items() if name != "untrained" for r in runs}) or args.seeds
     summary, lines = table(per, args.primary)
-    lines += batch_lines(per)
+    lines += batch_lines(per) + ood_lines(per)
     if same_as:
         lines += ["", "Same configuration, shown once: " + "; ".join(f"{a} = {b}" for a, b in same_as.items()) + "."]
     label = "privileged (writer sees the verdict)" if args.env == "verdict" else "honest"

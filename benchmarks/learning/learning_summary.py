@@ -1,7 +1,9 @@
 """The learning benchmark across environments: the results page's tables, computed from the stored units.
 
 One table holds each environment's headline methods (pooled over their seeds x problems, paired
-bootstrap 95 % intervals) and one holds issue 13's targets, each with the contrasts that decide it and
+bootstrap 95 % intervals, and beside them the interval that resamples arith's facts instead of its
+problems, with the number of facts: fact_groups) and one holds issue 13's targets ("CI > 0" judged by
+the interval over facts: lower), each with the contrasts that decide it and
 whether it is met. Both come from the units under benchmarks/results/learning_efficacy/<env>-L2/ (and the
 later code's grids, <env>-L2-<tag>/, as sections of their own: SECTIONS) at the
 benchmark's default sizes and eval rule (learning_efficacy.Units: a unit counts for a method only under
@@ -37,7 +39,11 @@ SECTIONS = {**{env: (env, "", label) for env, label in ENVS.items()},
             "confidence-fixes": ("confidence", "fixes", "confidence (honest), grid confidence-L2-fixes: the fixes of 2026-11-29"),
             "none-v4": ("none", "v4", "none (honest), grid none-L2-v4: verifier v4 on")}
 # (method, label) per environment, in the table's order; the writers are the rows the targets judge
-CONTROLS = [("untrained", "untrained"), ("score", "SCoRe"), ("single-turn-grpo", "single-turn GRPO")]
+# (score-kl-reward and single-turn-grpo-no-kl: the baselines' units from before one KL setting for every method;
+# the targets judge against score, the baseline as its paper specifies it)
+CONTROLS = [("untrained", "untrained"), ("score", "SCoRe"),
+            ("score-kl-reward", "SCoRe, KL as a reward under std normalisation (as first measured)"),
+            ("single-turn-grpo", "single-turn GRPO"), ("single-turn-grpo-no-kl", "single-turn GRPO, β = 0 (as first measured)")]
 WRITERS = {"verdict": [("mlmt", "`mlmt`"), ("mlmt-sentences-only", "selector"),
                        ("mlmt-verdict-sentences", "verdict selector"),
                        ("mlmt-verdict-sentences-gold-prob", "verdict selector on p_gold"),
@@ -75,21 +81,51 @@ def env_units(env: str, tag: str = "") -> tuple[dict[str, list[dict]], dict[str,
     return per, refines
 
 
+def fact_groups(runs: list[dict]) -> np.ndarray | None:
+    """Each test problem's arith fact (the units' problems, by id), or None when the units keep no ids.
+
+    arith's test set asks few distinct facts (level 2: about 35) in many phrasings, and a method that
+    gets a fact right mostly gets all its phrasings right: resampling problems treats phrasings as
+    independent draws and overstates certainty, resampling facts does not (the "by fact" intervals)."""
+    from tosca_mlmt.tasks.arith import facts_of
+
+    ids = [r.get("ids") for r in runs]
+    if any(i is None for i in ids):
+        return None
+    if any(list(i) != list(ids[0]) for i in ids):
+        raise ValueError(f"units of seeds {[r['seed'] for r in runs]} were evaluated on different problems")
+    return np.array(facts_of(list(ids[0])))
+
+
 def pooled(runs: list[dict]) -> dict:
     from tosca_mlmt.analysis.stats import paired_bootstrap
 
     t1, fin = np.stack([r["t1"] for r in runs]), np.stack([r["final"] for r in runs])
+    facts = fact_groups(runs)
     return {"seeds": [r["seed"] for r in runs], "problems": int(t1.shape[1]), "trained": runs[0]["used"] != {},
             "acc_t1": float(t1.mean()), "acc_final": paired_bootstrap(fin), "delta": float((fin - t1).mean()),
+            "acc_final_by_fact": None if facts is None else paired_bootstrap(fin, groups=facts),
             "right_to_wrong": float((t1 * (1 - fin)).mean()), "wrong_to_right": float(((1 - t1) * fin).mean())}
 
 
 def contrast(per: dict[str, list[dict]], a: str, b: str) -> dict | None:
-    """Acc@final of a minus b, paired over the seeds both have x problems."""
+    """Acc@final of a minus b, paired over the seeds both have x problems; ``by_fact``: the interval with
+    whole facts resampled (None without problem ids)."""
     from tosca_mlmt.analysis.stats import paired_bootstrap
 
     common, fa, fb = le.paired_finals(per, a, b)
-    return {**paired_bootstrap(fa, fb), "seeds": common} if common else None
+    if not common:
+        return None
+    runs = [r for m in (a, b) for r in per[m] if r["seed"] in common]
+    facts = fact_groups(runs)
+    return {**paired_bootstrap(fa, fb), "seeds": common,
+            "by_fact": None if facts is None else paired_bootstrap(fa, fb, groups=facts)}
+
+
+def lower(d: dict) -> float:
+    """The lower end a "CI > 0" target is judged by: the by-fact interval's where the units have one (the
+    per-problem interval overstates certainty when phrasings of one fact share their outcome)."""
+    return (d.get("by_fact") or d)["lo"]
 
 
 def _num(x: float, sign: str = "") -> str:
@@ -100,13 +136,18 @@ def _ci(d: dict, sign: str = "") -> str:
     return f"{_num(d['mean'], sign)} [{_num(d['lo'], sign)}, {_num(d['hi'], sign)}]"
 
 
+def _by_fact(d: dict | None, sign: str = "") -> str:
+    """A by-fact interval and its number of facts: [lo, hi] over G facts."""
+    return "—" if d is None else f"[{_num(d['lo'], sign)}, {_num(d['hi'], sign)}] over {d['clusters']} facts"
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.1f} %"
 
 
 def method_table(data: dict) -> list[str]:
-    lines = ["| env | method | seeds × problems | Acc@t1 | Acc@final [95 % CI] | Δ | c→i / i→c (of all problems) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| env | method | seeds × problems | Acc@t1 | Acc@final [95 % CI] | 95 % CI by fact | Δ | "
+             "c→i / i→c (of all problems) |", "|---|---|---|---|---|---|---|---|"]
     for section, (env, _, label) in SECTIONS.items():
         if section not in data or not data[section]["methods"]:
             continue
@@ -124,7 +165,8 @@ def method_table(data: dict) -> list[str]:
             size = f"{len(c['seeds'])} × {c['problems']}" if c["trained"] else "one unit"
             flips = (f"{_pct(c['right_to_wrong'])} / {_pct(c['wrong_to_right'])}" if data[section]["refines"][m] else "—")
             delta = _num(c["delta"], "+") if data[section]["refines"][m] else "0"
-            lines.append(f"| {label if first else ''} | {name} | {size} | {c['acc_t1']:.3f} | {fin} | {delta} | {flips} |")
+            lines.append(f"| {label if first else ''} | {name} | {size} | {c['acc_t1']:.3f} | {fin} | "
+                         f"{_by_fact(c.get('acc_final_by_fact'))} | {delta} | {flips} |")
             first = False
     return lines
 
@@ -169,7 +211,8 @@ def targets(data: dict) -> tuple[list[str], list[dict]]:
             if d is None:
                 return None
             where = f" (seeds {', '.join(map(str, d['seeds']))})" if seeds else ""
-            return _ci(d, "+") + where, d
+            fact = f", by fact {_by_fact(d['by_fact'], '+')}" if d.get("by_fact") else ""
+            return _ci(d, "+") + fact + where, d
         return measure
 
     def flips(per, cells, m):
@@ -183,8 +226,9 @@ def targets(data: dict) -> tuple[list[str], list[dict]]:
 
     controls = [("verdict-template", "template"), ("single-turn-grpo", "single-turn GRPO")]
     add("verdict: Acc@final ≥ untrained + 0.30, CI > 0", "verdict", versus("untrained"),
-        lambda d: d["mean"] >= 0.30 and d["lo"] > 0, controls)
-    add("verdict: ≥ SCoRe + 0.10, CI > 0", "verdict", versus("score", seeds=True), lambda d: d["mean"] >= 0.10 and d["lo"] > 0)
+        lambda d: d["mean"] >= 0.30 and lower(d) > 0, controls)
+    add("verdict: ≥ SCoRe + 0.10, CI > 0", "verdict", versus("score", seeds=True),
+        lambda d: d["mean"] >= 0.10 and lower(d) > 0)
     add("verdict: ≥ template − 0.02", "verdict", versus("verdict-template"), lambda d: d["mean"] >= -0.02)
     add("verdict: c→i ≤ 3 %", "verdict", broken, lambda c: c["right_to_wrong"] <= 0.03)
     # every section of the honest envs, each env's grids together
@@ -205,6 +249,9 @@ def summarise() -> tuple[list[str], dict]:
         data[section] = {"per": per, "refines": refines, "methods": cells}
     target_lines, record = targets(data)
     lines = method_table(data) + [""] + target_lines
+    for section, d in data.items():  # units that also ran the OOD evals (--ood-evals): each grid's table
+        ood = le.ood_lines({m: d["per"][m] for m, _ in rows(SECTIONS[section][0]) if m in d["per"]})
+        lines += [f"OOD evals of {_short(section)}:" if x.startswith("Out-of-distribution") else x for x in ood]
     out = {section: {"env": SECTIONS[section][0], "grid_tag": SECTIONS[section][1], "methods": d["methods"],
                      "code": sorted({r["git_sha"] for m, _ in rows(SECTIONS[section][0]) for r in d["per"].get(m, [])})}
            for section, d in data.items()}

@@ -221,3 +221,132 @@ def test_units_are_not_trained_under_the_other_machines_precision():
            "--methods", "untrained", "--seeds", "0", "--work", "/nonexistent"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 2 and f"--native-bf16 {other}" in r.stderr and "--table-only" in r.stderr
+
+
+def test_summary_intervals_resample_facts_and_ci_targets_are_judged_by_them(summary):
+    """arith's 300 level-2 test problems ask 35 facts. On hand-made units whose outcome is one per fact, the
+    by-fact interval (whole facts resampled) is wider than the per-problem one, counts the facts, and decides
+    "CI > 0": a writer 0.33 above the untrained pair whose per-problem interval clears 0 misses the target when
+    the by-fact one does not."""
+    from collections import Counter
+
+    import numpy as np
+
+    from tosca_mlmt.analysis.stats import paired_bootstrap
+    from tosca_mlmt.tasks.arith import ArithTask
+
+    problems = ArithTask(2).load("test", 300).problems
+    ids, facts = [p.id for p in problems], np.array([p.meta["fact"] for p in problems])
+    good = {f for f, _ in Counter(facts).most_common(19)}  # the writer is right on the 19 most asked facts
+    fin = np.array([1.0 if f in good else 0.0 for f in facts])
+    unit = lambda x: [{"seed": 0, "t1": x, "final": x, "used": {"rounds": 4}, "ids": ids}]  # noqa: E731
+    per = {"untrained": unit(1 - fin), "mlmt": unit(fin)}
+    cell = summary.pooled(per["mlmt"])
+    by_fact, per_problem = cell["acc_final_by_fact"], cell["acc_final"]
+    assert by_fact["clusters"] == len(set(facts)) == 35
+    assert by_fact["hi"] - by_fact["lo"] > 2 * (per_problem["hi"] - per_problem["lo"])
+    d = summary.contrast(per, "mlmt", "untrained")
+    assert d["by_fact"] == paired_bootstrap(fin[None], (1 - fin)[None], groups=facts)
+    assert d["mean"] >= 0.30 and d["lo"] > 0 > d["by_fact"]["lo"] == summary.lower(d)  # the premise
+    data = {"verdict": {"per": per, "methods": {m: summary.pooled(r) for m, r in per.items()}}}
+    _, record = summary.targets(data)
+    by = {t["target"]: t for t in record}
+    assert by["verdict: Acc@final ≥ untrained + 0.30, CI > 0"]["missed_by"] == ["`mlmt`"]
+    lines = summary.method_table({"verdict": {**data["verdict"], "refines": {"mlmt": True, "untrained": True}}})
+    assert any("`mlmt`" in line and "over 35 facts" in line for line in lines)
+    rec, lines = summary.le.table(per, "mlmt")  # the benchmark's own table reports it too
+    assert rec["mlmt-minus-untrained"]["by_fact"] == d["by_fact"] and any("(35 facts)" in x for x in lines)
+
+
+def test_every_unit_is_also_evaluated_on_unseen_phrasings_and_gsm8k(bench, monkeypatch, tmp_path):
+    """By default a unit runs arith's test split, then test-unseen (the same facts, phrasings training never
+    uses) and gsm8k's test split, each a valid eval config, and keeps their per-problem outcomes apart from
+    the unit's own (which define it); ood_lines reports them per method."""
+    import numpy as np
+
+    from tosca_mlmt.pipelines import evaluate as ev
+
+    args = bench.parser().parse_args([])
+    assert set(args.ood_evals) == {"test-unseen", "gsm8k"}
+    assert "ood_evals" not in bench._unit_key(args) and bench.parser().parse_args(["--ood-evals"]).ood_evals == []
+    common, train = bench.run_overrides(args)
+    seen = []
+
+    def fake_evaluate(cfg, out):  # the eval config each eval resolves to, without a model
+        seen.append((cfg.task.name, cfg.task.split, cfg.task.limit))
+        return types.SimpleNamespace(report={"environment": "honest"})
+
+    fake_outcomes = lambda folder, texts=False: {  # noqa: E731
+        "ids": [f"arith-L2-unseen-{k:04d}" for k in range(3)], "t1": [0, 1, 0], "final": [1, 1, 0],
+        **({"t1_text": ["1"] * 3, "final_text": ["2"] * 3} if texts else {})}
+    monkeypatch.setattr(ev, "evaluate", fake_evaluate)
+    monkeypatch.setattr(ev, "eval_outcomes", fake_outcomes)
+    r = bench.run_method("untrained", bench.MLMT, None, common, train, {}, 0, tmp_path, "sha", None,
+                         bench.ood_overrides(args))
+    assert seen == [("arith", "test", 300), ("arith", "test-unseen", 300), ("gsm8k", "test", 300)]
+    assert set(r["evals"]) == {"test-unseen", "gsm8k"} and r["evals"]["gsm8k"]["final"] == [1.0, 1.0, 0.0]
+    lines = bench.ood_lines({"untrained": [{**r, "t1": np.array(r["t1"]), "final": np.array(r["final"])}]})
+    assert any("| untrained | test-unseen | 1 x 3 | 0.333 | 0.667" in line for line in lines)
+    assert any("| untrained | gsm8k |" in line for line in lines)
+    assert bench.ood_lines({"untrained": [{"seed": 0}]}) == []  # a unit from before the OOD evals: no table
+
+
+# methods named for a KL setting of their own: the units measured before every method got one
+OWN_KL = {"mlmt-reward-to-go", "mlmt-reward-to-go-no-signal-table", "mlmt-reward-to-go-greedy-writer-data",
+          "solver-only-reward-to-go", "verdict-template-reward-to-go", "mlmt-turn-own-credit-kl-reward",
+          "score-kl-reward", "single-turn-grpo-no-kl"}
+
+
+def test_every_method_trains_with_one_kl_setting(bench):
+    """Baselines and controls are regularised as the method is: every preset the benchmark names, and every
+    method that does not say otherwise by name (OWN_KL), resolves to beta 0.01 in the loss. Single-turn
+    GRPO trained with beta 0 and SCoRe with its KL as a reward until then."""
+    from tosca_mlmt.config import load_config
+
+    common, train = bench.run_overrides(sizes("verdict"))
+    every = dict(bench.METHODS, **bench.VERDICT_CONTROL, **bench.ladder(2))
+    assert OWN_KL <= set(every)
+    kl = {}
+    for name, (preset, extra) in every.items():
+        lo = load_config(preset, {**common, **train, **(extra or {})}).lower
+        kl[name] = (lo.kl_coef, lo.kl_mode)
+    by_preset = {load_config(p).lower.kl_coef for p, _ in every.values()}
+    assert by_preset == {0.01}
+    assert {kl[m] for m in every if m not in OWN_KL} == {(0.01, "loss")}
+    assert all(kl[m] != (0.01, "loss") for m in OWN_KL)
+
+
+def test_the_ladder_rungs_differ_from_single_turn_grpo_in_iterations_alone(bench):
+    """--ladder: single-turn GRPO at 2x, 4x, 8x a grid's PPO iterations per round; resolved, each rung is
+    single-turn-grpo but for joint.lower_iterations, and each has units of its own."""
+    import dataclasses
+
+    from tosca_mlmt.config import load_config
+
+    args = bench.parser().parse_args(["--env", "none", "--lower-iterations", "3", "--ladder"])
+    common, train = bench.run_overrides(args)
+    rungs = {"single-turn-grpo": bench.METHODS["single-turn-grpo"], **bench.ladder(args.lower_iterations)}
+    resolved = {m: load_config(p, {**common, **train, **e}) for m, (p, e) in rungs.items()}
+    iterations = {m: c.joint.lower_iterations for m, c in resolved.items()}
+    assert iterations == {"single-turn-grpo": 3, "single-turn-grpo-x2": 6, "single-turn-grpo-x4": 12,
+                          "single-turn-grpo-x8": 24}
+    base = resolved["single-turn-grpo"]
+    for m, c in resolved.items():
+        assert dataclasses.replace(c, joint=dataclasses.replace(c.joint, lower_iterations=3)) == base, m
+    hashes = {bench.identity(p, e, common, train)[0] for p, e in rungs.values()}
+    assert len(hashes) == 4
+    assert set(bench.Units(args).every) >= set(rungs)
+    assert not set(bench.ladder(3)) & set(bench.Units(bench.parser().parse_args(["--env", "none"])).every)
+
+
+def test_the_masked_refine_control_is_mlmt_but_for_the_refines_loss(bench):
+    import dataclasses
+
+    from tosca_mlmt.config import load_config
+
+    common, train = bench.run_overrides(sizes("none"))
+    preset, extra = bench.METHODS["mlmt-masked-refine"]
+    control = load_config(preset, {**common, **train, **extra})
+    method = load_config(bench.MLMT, {**common, **train})
+    assert not control.lower.train_refine and method.lower.train_refine
+    assert dataclasses.replace(control, lower=dataclasses.replace(control.lower, train_refine=True)) == method

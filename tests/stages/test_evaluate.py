@@ -32,6 +32,21 @@ def test_eval_uses_only_held_out_problems_and_runs_every_round(tmp_path):
     assert rep["environment"] == snap.manifest["summary"]["environment"] == "privileged:writer_sees_verdict"
 
 
+def test_eval_runs_arith_unseen_phrasings_split(tmp_path):
+    """--split test-unseen: the test facts in phrasings training never uses, recorded as that split."""
+    from tosca_mlmt.store import load_snapshot
+    from tosca_mlmt.tasks.arith import ArithTask
+
+    run_mlmt("eval", "--out", tmp_path, "--task", "arith", "--split", "test-unseen", "--limit", "2", "--no-wandb",
+             "--set", "task.level=2", "--set", "model.solver=tiny-random", *TINY, check=True)
+    rep = json.loads((tmp_path / "eval.json").read_text())
+    snap = load_snapshot(tmp_path / "snapshots", rep["snapshot_id"])
+    unseen = [q.id for q in ArithTask(2).load("test-unseen", 2).problems]
+    assert rep["split"] == "test-unseen" and sorted(snap.manifest["task"]["problem_ids"]) == sorted(unseen)
+    p = run_mlmt("eval", "--out", tmp_path / "gsm8k", "--task", "gsm8k", "--split", "test-unseen", "--no-wandb")
+    assert p.returncode == 2 and "task.split" in p.stderr
+
+
 def test_eval_refuses_the_training_split(tmp_path):
     p = run_mlmt("eval", "--out", tmp_path, "--task", "arith", "--split", "train", "--no-wandb")
     assert p.returncode == 2 and "held-out" in p.stderr

@@ -68,7 +68,8 @@ def _notes(h: Headline) -> list[str]:
     if d["lo"] <= 0 <= d["hi"]:
         notes.append("The difference's interval includes 0: these problems cannot tell the change from the luck of "
                      "which problems the test set holds.")
-    envs = sorted({c.get("before_environment", "honest"), c.get("after_environment", "honest")} - {"honest"})
+    envs = sorted(e for e in {c.get("before_environment", "honest"), c.get("after_environment", "honest")}
+                  if str(e).startswith("privileged"))  # honest:tool is honest
     if envs:
         notes.append(f"**Privileged environment** ({', '.join(f'`{e}`' for e in envs)}): a sanity check of the "
                      "learning machinery, not a result.")

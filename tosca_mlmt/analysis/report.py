@@ -157,21 +157,21 @@ def _feedback_length(t: Tables, figures: dict[str, str]) -> list[str]:
 
 
 def environment_lines(snapshots: pd.DataFrame) -> list[str]:
-    """A privileged environment (the writer saw the verifier's verdict) is a sanity check, not a
-    result: say so above everything, and name the snapshots, so its numbers are never read as honest."""
+    """A privileged environment (the writer saw the verifier's verdict or grading output) is a sanity check,
+    not a result: say so above everything, and name the snapshots, so its numbers are never read as honest."""
     env = snapshots["environment"]
     if not len(env):
         return []
-    privileged = sorted(set(e for e in env if e != "honest"))
+    privileged = sorted(set(e for e in env if str(e).startswith("privileged")))  # honest:tool is honest
     if not privileged:
         return ["Environment: **honest** (the writer saw only the problem and the attempts it may see at test "
                 "time).", ""]
     mixed = " Honest and privileged snapshots are **mixed** in this report: compare rows only within one " \
-            "environment." if (env == "honest").any() else ""
+            "environment." if (~env.astype(str).str.startswith("privileged")).any() else ""
     return [f"> **Privileged environment** ({', '.join(f'`{e}`' for e in privileged)}): the writer saw the "
-            "verifier's verdict, which no honest system has at test time. These numbers are a sanity check of "
-            f"the learning machinery, not a result.{mixed} The `environment` column of the snapshot table says "
-            "which row is which.", ""]
+            "verifier's verdict or its grading tests' output, which no honest system has at test time. These "
+            f"numbers are a sanity check of the learning machinery, not a result.{mixed} The `environment` column "
+            "of the snapshot table says which row is which.", ""]
 
 
 def render_report(t: Tables, figures: dict[str, str], sources: list[str], headline: Headline | None = None) -> str:

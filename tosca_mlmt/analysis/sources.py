@@ -64,11 +64,26 @@ def _add_run(src: Sources, run: Path) -> None:
         label = name if rel == Path(".") else f"{name}/{rel}"
         # Runs in different places can share a folder name; the full path tells them apart.
         src.metrics[str(p.parent) if label in src.metrics else label] = p
+    evals = sorted(p for p in run.rglob("eval.json") if _visible(p, run))
+    controls = {_control_id(p) for p in evals}
     for folder in snaps:
-        _add_snapshot(src, folder)
-    for p in sorted(p for p in run.rglob("eval.json") if _visible(p, run)):
+        if folder.name not in controls:
+            _add_snapshot(src, folder)
+    for p in evals:
         if p.parent.resolve() not in {e.resolve() for e in src.evals}:
             src.evals.append(p.parent)
+
+
+def _control_id(eval_json: Path) -> str | None:
+    """The snapshot of an eval's controls (``mlmt eval --majority/--resample``: sampled turn-1 answers,
+    no feedback), left out of a run folder's snapshots: it is no held-out eval of the pair. Given by
+    its id, it is read like any snapshot."""
+    try:
+        report = json.loads(eval_json.read_text())
+    except (OSError, ValueError):
+        return None  # read_evals names a broken eval.json
+    controls = report.get("controls") if isinstance(report, dict) else None
+    return controls.get("snapshot_id") if isinstance(controls, dict) else None
 
 
 def resolve(args: list[str], root: Path) -> Sources:

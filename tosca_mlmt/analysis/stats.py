@@ -25,16 +25,22 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def paired_bootstrap(a: np.ndarray, b: np.ndarray | None = None, n_boot: int = 2000, seed: int = 0,
-                     level: float = 0.95) -> dict[str, float]:
+                     level: float = 0.95, groups=None) -> dict[str, float]:
     """Mean of ``a`` (or of ``a - b`` when ``b`` is given) with a two-level bootstrap interval.
 
     a, b: [S seeds, N problems] arrays of per-problem outcomes (0/1 or any score), paired by
     position. Each replicate draws S seeds with replacement, then N problems with replacement
-    (the same problems for every seed drawn, keeping the pairing), and takes the mean."""
+    (the same problems for every seed drawn, keeping the pairing), and takes the mean.
+
+    ``groups`` [N] (optional) names each problem's cluster, e.g. arith's fact: problems of one fact
+    in other phrasings are not independent draws, so a replicate draws G clusters (of the G distinct
+    names) with replacement and takes all their problems; the result then holds ``clusters``: G."""
     x = np.asarray(a, dtype=float) - (0.0 if b is None else np.asarray(b, dtype=float))
     if x.ndim != 2:
         raise ValueError(f"expected [seeds, problems], got shape {x.shape}")
     S, N = x.shape
+    if groups is not None:
+        return _clustered(x, np.asarray(groups), n_boot, seed, level)
     rng = np.random.default_rng(seed)
     means = np.empty(n_boot)
     for r in range(n_boot):
@@ -43,6 +49,26 @@ def paired_bootstrap(a: np.ndarray, b: np.ndarray | None = None, n_boot: int = 2
         means[r] = x[np.ix_(rows, cols)].mean()
     lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
     return {"mean": float(x.mean()), "lo": float(lo), "hi": float(hi), "seeds": S, "problems": N}
+
+
+def _clustered(x: np.ndarray, groups: np.ndarray, n_boot: int, seed: int, level: float) -> dict[str, float]:
+    """paired_bootstrap's replicates with whole clusters of problems resampled (same draw order: seeds, then
+    clusters, so one problem per cluster gives paired_bootstrap's interval exactly)."""
+    S, N = x.shape
+    if groups.shape != (N,):
+        raise ValueError(f"groups: expected one name per problem ({N}), got shape {groups.shape}")
+    _, inv = np.unique(groups, return_inverse=True)
+    G = int(inv.max()) + 1
+    sums = np.stack([np.bincount(inv, weights=row, minlength=G) for row in x])  # [S, G]
+    counts = np.bincount(inv, minlength=G).astype(float)
+    rng = np.random.default_rng(seed)
+    means = np.empty(n_boot)
+    for r in range(n_boot):
+        rows = rng.integers(0, S, S)
+        cl = rng.integers(0, G, G)
+        means[r] = sums[np.ix_(rows, cl)].sum() / (S * counts[cl].sum())
+    lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return {"mean": float(x.mean()), "lo": float(lo), "hi": float(hi), "seeds": S, "problems": N, "clusters": G}
 
 
 def mcnemar(a: np.ndarray, b: np.ndarray) -> dict[str, float]:

@@ -161,7 +161,7 @@ def snapshot_index(manifests: list[dict]) -> pd.DataFrame:
         "snapshot": m["id"], "created_at": m.get("created_at", ""), "iteration": m.get("iteration"),
         "kind": m.get("kind", ""), "format_version": m["format_version"],
         "episodes": m.get("rows", {}).get("episodes"),
-        "source": EVAL if (m.get("task") or {}).get("split") == "test" else TRAIN,
+        "source": EVAL if (m.get("task") or {}).get("split") in ("test", "test-unseen") else TRAIN,
         "temperature": solve_temperature(m),
         # "privileged:..." when the writer saw the verifier (episode.writer_sees/feedback: verdict);
         # snapshots from before the label existed were all honest

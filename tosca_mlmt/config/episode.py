@@ -17,7 +17,8 @@ SELECTION_MODES = ("auto", "uniform", "softmax", "epsilon_softmax", "epsilon_gre
 # What episode.writer_sees tells the writer about an attempt, as levels; a level's index is the
 # state's writer signal o(s) (0 when it sees nothing), the row of the Q head's signal table
 # (upper.q_signal), which has SIGNAL_BUCKETS rows whatever the channel.
-WRITER_SIGNALS = {"none": ("",), "confidence": ("low", "medium", "high"), "verdict": ("incorrect", "correct")}
+WRITER_SIGNALS = {"none": ("",), "confidence": ("low", "medium", "high"), "verdict": ("incorrect", "correct"),
+                  "tool": ("not_flagged", "flagged")}
 SIGNAL_BUCKETS = max(len(v) for v in WRITER_SIGNALS.values())
 
 # instruction: what the writer is told to do; prefix: the fixed sentence that opens the feedback
@@ -66,11 +67,15 @@ class EpisodeConfig(Section):
                                         "for a fixed text, episode.feedback=static).", min=1)
     feedback: str = knob("generate", "generate = the writer model writes feedback; static = the chosen strategy's "
                                      "instruction is the feedback verbatim (SCoRe's fixed self-correction prompt); "
-                                     "verdict = 'Your answer is right/wrong.' from the verifier (a privileged control).",
-                         choices=("generate", "static", "verdict"))
+                                     "verdict = 'Your answer is right/wrong.' from the verifier (a privileged control); "
+                                     "tool = the task's own check's hint on the attempt ('Recheck 7 + 10.': a fixed "
+                                     "rule, honest; the task needs check_attempt).",
+                         choices=("generate", "static", "verdict", "tool"))
     writer_sees: str = knob("none", "Extra signal in the writer's state per attempt: none; confidence = the solver's "
                                     "mean token log-prob bucketed low/medium/high (honest); verdict = the verifier's "
-                                    "right/wrong (privileged: labelled in every summary).",
+                                    "right/wrong (privileged: labelled in every summary); tool = what the task's own "
+                                    "check of the attempt found (arith/gsm8k/math500: the step checker; mbpp: its "
+                                    "public test; honest, labelled honest:tool; the task needs check_attempt).",
                             choices=tuple(WRITER_SIGNALS))
     confidence_edges: list = knob(dataclasses.MISSING, "writer_sees=confidence: mean log-prob edges [low|medium, "
                                                        "medium|high], ascending.",

@@ -127,6 +127,12 @@ class LowerConfig(Section):
                                        "estimate (the group's baseline) and its tokens stay in the context of later "
                                        "turns; the policy, value and KL-loss terms skip them, and the turns masked are "
                                        "logged (lower/truncated_turns, lower/loss_tokens).")
+    train_refine: bool = knob(True, "Train the solver on its refines too (the method). false = the masked-refine "
+                                    "control: every refine's tokens leave the PPO loss (policy, value and KL-loss "
+                                    "terms), so only turn 1 is trained, and the refines are still sampled, rewarded "
+                                    "and in the advantage estimate. It asks whether training the refine interferes "
+                                    "with turn 1 (configs/mlmt-masked-refine.yaml). The context bonus, which moves "
+                                    "only refine tokens, is then not computed; lower/loss_tokens logs what is left.")
     old_logprobs: str = knob("auto", "PPO's pi_old: recompute = a no-grad forward with the weights that sampled "
                                      "(on-policy); auto = the same, but the forward is skipped for the rows where "
                                      "pi_old is exactly pi_theta at the loss, with epochs 1 the first minibatch's "

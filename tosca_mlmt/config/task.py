@@ -134,7 +134,8 @@ class TaskConfig(Section):
                               "file, module or class is refused then.", rule=NON_EMPTY)
     data_path: str = knob("", "Data root for gsm8k/math500/mbpp (default: $TOSCA_MLMT_DATA or ../shared/data).",
                           rule=EXISTING_DIR_OR_EMPTY)
-    split: str = knob("train", "Which split to draw problems from.", choices=("train", "test"))
+    split: str = knob("train", "Which split to draw problems from. test-unseen (arith only): the test facts in "
+                               "phrasings training never uses.", choices=("train", "test", "test-unseen"))
     limit: int = knob(16, "Number of problems (0 = the whole split).", min=0)
     level: int = knob(1, "arith difficulty level (docs: guides/own-task.md lists the levels).", min=1, max=6)
     skip_bad_rows: bool = knob(False, "Drop malformed data rows (counted in the manifest) instead of failing.")
@@ -195,6 +196,8 @@ class TaskConfig(Section):
             fn = load_object(self.reward, f"{prefix}reward")
             if not callable(fn):
                 raise _bad(f"{prefix}reward", self.reward, f"names a {type(fn).__name__}, not a function")
+        need(self.split != "test-unseen" or self.name not in BUILTIN_TASKS or self.name == "arith",
+             f"{prefix}split", f"'test-unseen' is arith's split only; task {show(self.name)} has train and test")
         if self.name == "jsonl":
             need(bool(self.path.strip()), f"{prefix}path", "required by task.name 'jsonl' (a .jsonl or .parquet "
                                                            "file, or a datasets folder)")

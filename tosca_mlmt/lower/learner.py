@@ -31,7 +31,8 @@ from tosca_mlmt.errors import MlmtError
 from tosca_mlmt.lower import archer, objective, stats
 from tosca_mlmt.lower.objective import UpdateBatch
 from tosca_mlmt.lower.scoring import Scores, SolverScorer
-from tosca_mlmt.lower.trajectory import SolverTrajectory, TrajectoryTensors, to_tensors, without_cut_turns
+from tosca_mlmt.lower.trajectory import (SolverTrajectory, TrajectoryTensors, first_turn_only, to_tensors,
+                                         without_cut_turns)
 from tosca_mlmt.metrics import StageTimer
 from tosca_mlmt.models.policies import PolicyPair
 from tosca_mlmt.seeds import seeded, stream
@@ -121,6 +122,8 @@ class LowerLearner:
                 self._warn_if_mostly_clipped(bstats)
         # a cut turn's reward stays in the estimate above (its group's baseline); only the loss drops its tokens
         loss_tt, masked = without_cut_turns(trajs, tt) if lo.mask_truncated else (tt, 0)
+        if not lo.train_refine:  # the masked-refine control: the refines shape the advantages above, nothing else
+            loss_tt = first_turn_only(loss_tt)
         batch = UpdateBatch(loss_tt, scores.old_logprobs, scores.old_values, scores.ref_logprobs, adv, returns,
                             rewards.kl_weight, critic_targets, scores.old_current)
         with timer("update"):
@@ -156,7 +159,7 @@ class LowerLearner:
         and a batch of one minibatch keeps the pass where the reference runs (the pre-update
         KL diagnostics need some scored rows), as before partial skips."""
         lo = self.lo
-        bonus_reads_it = (lo.bonus.coef > 0 and n_turns > 1 and lo.bonus.model == "policy"
+        bonus_reads_it = (lo.bonus.coef > 0 and lo.train_refine and n_turns > 1 and lo.bonus.model == "policy"
                           and not engine_scored_bonus)  # bonus.model=reference reads the reference pass
         kl_in_reward = lo.kl_mode == "reward" and (lo.kl_coef > 0 or lo.score.enabled)
         if (lo.old_logprobs != "auto" or lo.epochs != 1 or bonus_reads_it or kl_in_reward
@@ -179,8 +182,7 @@ class LowerLearner:
             x.q, x.v, targets = archer.evaluate(self.critic, self.critic_target, scores.turn_features,
                                                 turn_sums(rewards.rewards, tt.turn_ids, tt.n_turns),
                                                 x.valid().float(), [t.turn_spans for t in trajs], self.lo.gamma)
-        adv, returns = self.estimator(x, gamma=self.lo.gamma, lam=self.lo.lam, norm_std=self.lo.grpo_norm_std,
-                                      baseline=self.lo.reinforce_baseline, turn_gamma=self.lo.turn_gamma)
+        adv, returns = objective.estimate(self.lo, x)
         return adv, returns, targets
 
     @torch.no_grad()
@@ -193,10 +195,10 @@ class LowerLearner:
         return bonus, stats.bonus_stats(terms)
 
     def _bonus(self, trajs, lp_with, ref_with, adv, engine=None) -> tuple[torch.Tensor, objective.BonusTerms | None]:
-        """Bonus [B, T] and its per-refine terms; None when none was computed (coefficient 0 or
-        no refine with its feedback intact)."""
+        """Bonus [B, T] and its per-refine terms; None when none was computed (coefficient 0, refines
+        out of the loss (lower.train_refine=false), or no refine with its feedback intact)."""
         bo = self.lo.bonus
-        if bo.coef == 0:
+        if bo.coef == 0 or not self.lo.train_refine:  # lands on refine tokens only, which a masked refine drops
             return torch.zeros_like(adv), None
         if bo.scorer == "engine" and engine is None:
             raise MlmtError("lower.bonus.scorer=engine: the bonus is scored by the rollout engine, and this update "

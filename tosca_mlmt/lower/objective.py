@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tosca_mlmt.algos.advantages import ADVANTAGES, AdvantageInputs
 from tosca_mlmt.algos.bonus import GATES, context_bonus
 from tosca_mlmt.algos.losses import POLICY_LOSSES, kl_estimate, value_loss
 from tosca_mlmt.lower import archer
@@ -54,6 +55,12 @@ def token_rewards(trajs: list[SolverTrajectory], tt: TrajectoryTensors, scores: 
         rewards -= kl_weight * kl
     rewards *= tt.mask
     return TokenRewards(rewards, kl, kl_weight, stage)
+
+
+def estimate(lo: "LowerConfig", x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages [B, T], returns [B, T]) of the estimator ``lower.advantage`` with its knobs."""
+    return ADVANTAGES[lo.advantage](x, gamma=lo.gamma, lam=lo.lam, norm_std=lo.grpo_norm_std,
+                                    baseline=lo.reinforce_baseline, turn_gamma=lo.turn_gamma)
 
 
 @dataclass

@@ -109,6 +109,12 @@ def without_cut_turns(trajs: list[SolverTrajectory], tt: TrajectoryTensors) -> t
     return replace(tt, mask=mask), cut
 
 
+def first_turn_only(tt: TrajectoryTensors) -> TrajectoryTensors:
+    """``tt`` with the mask [B, T] off on every refine (lower.train_refine=false): only the loss reads
+    it, so the refines' rewards still shape the advantages while their tokens take no gradient."""
+    return replace(tt, mask=tt.mask * (tt.turn_ids <= 0))
+
+
 def shaped_turn_rewards(trajs: list[SolverTrajectory], cfg: LowerConfig, step: int) -> tuple[list[list[float]], list[list[float]], int]:
     """Per-turn task rewards and per-turn KL weights under the configured shaping.
 

@@ -69,7 +69,7 @@ def held_out_lines(rec: dict, role: str, given: bool) -> list[str]:
         whose = f" (this run's `{partner['role']}/`)" if partner.get("this_run") else ""
         what = "the feedback came from" if role == "solver" else "the answers came from"
         lines.append(f"In it, {what} the {partner['role']} adapter `{partner['adapter_sha']}`{whose}.")
-    if rec.get("environment", "honest") != "honest":
+    if str(rec.get("environment", "honest")).startswith("privileged"):  # honest:tool is honest
         lines.append(f"**Environment {rec['environment']}**: privileged, a sanity check, not a result.")
     lines += ["", "| turn | accuracy | 95 % interval (Wilson) | problems |", "|---|---|---|---|"]
     for k in ("t1", "final"):

@@ -49,7 +49,7 @@ class _Drawn:
 
 def _writer_writes(cfg) -> bool:
     """Whether the writer model generates any feedback (not with no rounds, nor with fixed feedback)."""
-    return cfg.episode.rounds > 0 and cfg.episode.feedback not in ("static", "verdict")
+    return cfg.episode.rounds > 0 and cfg.episode.feedback not in ("static", "verdict", "tool")
 
 
 def applies(runner: Turns) -> bool:

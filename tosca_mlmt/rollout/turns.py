@@ -10,9 +10,9 @@ episodes; continuous.py imports nothing else of rollout/, and the runner imports
 What the writer sees (``episode.writer_sees``) besides the problem and the attempts:
 ``none``; ``confidence``, the solver's mean token log-prob on each attempt bucketed into
 low/medium/high (honest: available at test time); ``verdict``, the verifier's right/wrong on
-each attempt. ``verdict`` (and ``episode.feedback: verdict``) is a privileged sanity
-environment, like a critic that sees test results: summaries carry ``environment`` so its
-numbers are never mixed with honest ones.
+each attempt; ``tool``, what the task's own check of each attempt found (rollout/tool.py; honest).
+``verdict`` (and ``episode.feedback: verdict``) is a privileged sanity environment, like a critic
+that sees test results: summaries carry ``environment`` so its numbers are never mixed with honest ones.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from tosca_mlmt.records import Episode, FeedbackSpan, Turn
 from tosca_mlmt.rollout.engines.base import Engine, Generation, SamplingParams
 from tosca_mlmt.rollout.engines.stop import after_reasoning, final_text, thinking_end
 from tosca_mlmt.rollout.gold import gold_continuation, gold_prob
+from tosca_mlmt.rollout.tool import attempt_report, require_check, uses_tool
 from tosca_mlmt.strategies import behaviour_distribution, sample_strategies
 from tosca_mlmt.tasks.base import Problem, Task, Verdict
 from tosca_mlmt.tasks.reward import RewardContext
@@ -112,6 +113,7 @@ class FeedbackPlan:
     signal: int  # what episode.writer_sees told the writer about the last attempt
     fixed: Generation | None  # feedback that needs no writer model (_feedback_text), else None
     cut: int = 0  # ids cut from the state's left before Q read it, so that every strategy's prompt fits
+    tool: object = None  # the task's check of the last attempt (a ToolReport) under writer_sees/feedback: tool
 
 
 class Turns:
@@ -143,11 +145,14 @@ class Turns:
         # solver turns end at the task's first complete answer line (rollout/engines/stop.py)
         self.stop_regex = getattr(task, "stop_regex", None) if cfg.episode.stop_at_answer else None
         self.tags = cfg.episode.reasoning_tags  # a reasoning model's [open, close] thinking tags, or []
+        # under a tool the writer reads the task's own check of the attempt, never the verifier's context
+        self.tool_informed = uses_tool(cfg.episode)
         if self.stop_regex:
             self.stop_regex = after_reasoning(self.stop_regex, self.tags)
         if cfg.episode.gold_prob and not hasattr(task, "answer_slot"):
             raise ConfigError(f"invalid value true for field 'episode.gold_prob': task {task.name!r} has no "
                               "'The answer is: N' line to score the gold answer at (arith and gsm8k have one)")
+        require_check(cfg.episode, task)
 
     # ------------------------------------------------------------------ helpers
     def _seed(self, round_: int, kind: str, batch_index: int) -> int:
@@ -173,7 +178,7 @@ class Turns:
         for (_, t), v in zip(scored, verify_turns(self.task, self.tags, [(ep, t, t.kind) for ep, t in scored])):
             apply_verdict(t, v)
 
-    def _writer_signal(self, turn: Turn) -> tuple[int, str]:
+    def _writer_signal(self, turn: Turn, report=None) -> tuple[int, str]:
         """What ``episode.writer_sees`` tells the writer about one attempt (module doc): the level's
         index o in WRITER_SIGNALS[sees] (the Q head's signal table row) and the sentence its state gets."""
         sees = self.cfg.episode.writer_sees
@@ -185,25 +190,35 @@ class Turns:
         if sees == "verdict":
             o = int(bool(turn.correct))
             return o, f"Checker's verdict on this attempt: {WRITER_SIGNALS[sees][o]}."
+        if sees == "tool":  # the task's own check (``report``, a ToolReport): flagged or not
+            return int(bool(report.flagged)), report.describe()
         return 0, ""
 
-    def _feedback_info(self, signal: int) -> dict:
+    def _tool_report(self, ep: Episode, turn: Turn):
+        """The task's check of an attempt under writer_sees/feedback: tool (rollout/tool.py), else None."""
+        e = self.cfg.episode
+        return attempt_report(self.task, ep.problem, turn, self.tags, e.writer_reads_thinking) if uses_tool(e) else None
+
+    def _feedback_info(self, signal: int, report=None) -> dict:
         """Labels on each feedback turn that say what the writer saw and who wrote g (metrics.environment),
-        and the state's writer signal (upper.q_signal reads it) when it saw one."""
+        the state's writer signal (upper.q_signal reads it) when it saw one, and the tool's report if any."""
         e = self.cfg.episode
         info = {k: v for k, v in (("writer_sees", e.writer_sees), ("feedback", e.feedback)) if v not in ("none", "generate")}
+        info |= {"tool_report": report.to_json()} if report is not None else {}
         return info | ({"writer_signal": signal} if e.writer_sees != "none" else {})
 
-    def _feedback_text(self, ep: Episode, action: int) -> str | None:
+    def _feedback_text(self, ep: Episode, action: int, report=None) -> str | None:
         """Fixed feedback that replaces the writer model: the strategy's instruction (static), the
-        verifier's verdict on the last attempt (verdict: a privileged control) or, for a strategy in
-        episode.prefix_only, its prefix alone; None = the writer writes it."""
+        verifier's verdict on the last attempt (verdict: a privileged control), the task's check's hint
+        (tool: ``report``) or, for a strategy in episode.prefix_only, its prefix alone; None = the writer writes it."""
         mode = self.cfg.episode.feedback
         if mode == "static":
             return self.strategies[action]["instruction"]
         if mode == "verdict":
             right = ep.solver_turns[-1].correct
             return "Your answer is right." if right else "Your answer is wrong."
+        if mode == "tool":  # the task's check's hint on the last attempt: a fixed rule, honest
+            return report.hint()
         if self._prefix_only(action):
             return self.strategies[action]["prefix"]
         return None
@@ -253,23 +268,25 @@ class Turns:
         when the writer has seen enough decisions, the strategy drawn from ``rng`` (one
         ``rng.random(len(episodes))`` draw, via choose_strategies) and the writer's prompt."""
         cfg, wfmt = self.cfg, self.fmt["writer"]
-        states, signals = [], []
+        states, signals, reports = [], [], []
         for ep in episodes:
             pieces: list = [WRITER_STATE.format(question=ep.problem.question)]
             solver_turns = ep.solver_turns
             for i, st in enumerate(solver_turns):
                 pieces += [f"Student's attempt {i + 1}:\n", self._attempt_ids_for_writer(st.response_ids), "\n\n"]
-                signal, seen = self._writer_signal(st)
+                report = self._tool_report(ep, st)
+                signal, seen = self._writer_signal(st, report)
                 if seen:
                     pieces.append(f"{seen}\n\n")
                 fc = st.info.get("feedback_context")
-                if fc:
+                if fc and not self.tool_informed:  # the grading tests' error: with a tool, only the public check
                     pieces.append(f"Result of checking attempt {i + 1}:\n{fc}\n\n")
                 if i < len(solver_turns) - 1:
                     fb = [t for t in ep.turns if t.kind == "feedback"][i]
                     pieces += [f"Feedback after attempt {i + 1}:\n", wfmt.strip_eos(fb.response_ids), "\n\n"]
             states.append(pieces)
             signals.append(signal)  # about the last attempt: the one this feedback is on
+            reports.append(report)
         rendered = [wfmt.user_prompt_with_ids(WRITER_SYSTEM, pieces) for pieces in states]  # (ids, cuts)
         # A prompt over episode.max_prompt_tokens loses its left end. The cut is taken here, before Q
         # reads the state, and sized for the longest strategy text, so whichever strategy is drawn its
@@ -289,11 +306,11 @@ class Turns:
             ids, c = ids[:cuts[-1]] + self.strategy_ids[a] + ids[cuts[-1]:], cuts_left[i]
             # Fixed feedback needs no writer model (SCoRe's static instruction, the verdict control, a
             # prefix_only strategy): finish_reason "fixed", no log-probs, nothing for the text loss to clone.
-            t = self._feedback_text(ep, a)
+            t = self._feedback_text(ep, a, reports[i])
             fixed = None if t is None else Generation(tuple(wfmt.encode(t) + [wfmt.close_id]), (), "fixed")
             plans.append(FeedbackPlan(int(a), float(chosen_p[i]), [float(x) for x in probs[i]],
                                       None if q_np is None else [float(x) for x in q_np[i]], ids[c:],
-                                      cuts[-1] - c, signals[i], fixed, c))
+                                      cuts[-1] - c, signals[i], fixed, c, reports[i]))
         return plans
 
     def record_feedback(self, ep: Episode, rnd: int, plan: FeedbackPlan, g: Generation, seen: list[int]) -> None:
@@ -308,7 +325,7 @@ class Turns:
             behaviour_probs=plan.probs, q_values=plan.q,
             # a cut that took the whole state leaves one token of it, so h(s) stays defined
             state_len=max(plan.state_len - shift, 1), truncated=plan.cut + shift > 0,
-            info=self._feedback_info(plan.signal)))
+            info=self._feedback_info(plan.signal, plan.tool)))
 
     def refine_prompt(self, ep: Episode, ctx: list[int]) -> tuple[list[int], FeedbackSpan]:
         """Turn 3's prompt: the solver's context ``ctx`` with the last feedback appended, and where g

@@ -110,9 +110,10 @@ def open_snapshot(root: str | Path, ref: str, verify: bool = True) -> Snapshot:
 
 
 def environment_of(m: dict) -> str:
-    """"honest" or "privileged:<what>", as metrics.environment labels episodes (the writer saw
-    the verifier's verdict, or the feedback was the verdict). From the manifest's summary when
-    the writer recorded one (collect), else from its config (train-lower batches have none)."""
+    """"honest", "honest:tool" or "privileged:<what>", as metrics.environment labels episodes (the
+    writer saw the verifier's verdict or grading output, or the feedback was the verdict). From the
+    manifest's summary when the writer recorded one (collect), else from its config (train-lower
+    batches have none)."""
     env = (m.get("summary") or {}).get("environment") if isinstance(m.get("summary"), dict) else None
     if isinstance(env, str):
         return env
@@ -122,6 +123,12 @@ def environment_of(m: dict) -> str:
         return "privileged:writer_sees_verdict"
     if ep.get("feedback") == "verdict":
         return "privileged:verdict_feedback"
+    task = (m.get("config") or {}).get("task") if isinstance(m.get("config"), dict) else None
+    tool = "tool" in (ep.get("writer_sees"), ep.get("feedback"))  # the public check replaces the grading error
+    if isinstance(task, dict) and task.get("name") == "mbpp" and (ep.get("rounds", 1) or 0) > 0 and not tool:
+        return "privileged:grading_tests"  # the writer read the grading tests' error (feedback_context)
+    if tool:
+        return "honest:tool"
     return "honest"
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from tosca_mlmt.tasks.base import LoadResult, Problem, Verdict, check_split
 from tosca_mlmt.tasks.mathverify import (ANSWER_FORMAT, ANSWER_LINE, answer_slot, echoes_format, extract_answer,
                                          is_equivalent)
+from tosca_mlmt.tasks.steps import StepReport, check_steps
 
 # v2: an echo of the answer-format instruction scores wrong; v3: an answer line's number is read alone, and
 # an unevaluated expression ("11 + 2") is no answer; v4: an empty last answer line reads only what follows it
@@ -65,6 +66,24 @@ BOXES = ("{n} has {a} boxes with {b} {i} in each box and {c} loose {i}. How many
          "What is {a} * {b} + {c}?", "There are {a} bags of {b} {i} and {c} more {i}. How many {i} are there?",
          "{n} packs {b} {i} into each of {a} boxes and keeps {c} aside. How many {i} does {n} have?")
 OPS = {"+": ("plus", lambda a, b: a + b), "-": ("minus", lambda a, b: a - b)}
+# Phrasings only the test-unseen split uses (never the training generator nor the test set): whether what a
+# method learned carries over to the same kind of fact asked in words it never saw. Same names and items.
+UNSEEN = {"+": ("If you start with {a} and add {b}, what number do you end up with?",
+                "Increase {a} by {b}. What is the result?", "Start at {a} and count up {b}. Where do you stop?",
+                "What total do {a} and {b} make together?",
+                "{n} counted {a} {i} in one jar and {b} {i} in another jar. Together, what is the count of {i}?",
+                "A class has {a} {i}. The teacher brings {b} extra {i}. What is the total number of {i} now?"),
+          "-": ("If you start with {a} and remove {b}, what number is left?",
+                "Decrease {a} by {b}. What is the result?", "Start at {a} and count down {b}. Where do you stop?",
+                "{a} is how much more than {b}?",
+                "{n} owned {a} {i} but sold {b} of them at a yard sale. What number of {i} remain with {n}?",
+                "A jar held {a} {i}. After {n} removed {b}, what number of {i} stayed in the jar?"),
+          "+-": ("Begin with {a}, add {b}, then subtract {c}. What do you get?",
+                 "{n} started the day with {a} {i}, found {b} more at noon and gave {c} to a friend in the evening. "
+                 "What number of {i} does {n} end the day with?"),
+          "*+": ("Multiply {a} by {b}, then add {c}. What is the result?",
+                 "{n} fills {a} crates, putting {b} {i} in every crate, and has {c} {i} left over. "
+                 "What is the total count of {i}?")}
 
 
 def _two_operand(level: int, r: random.Random) -> tuple[str, tuple]:
@@ -113,6 +132,12 @@ def phrase(level: int, op: str, x: tuple, r: random.Random) -> str:
     return r.choice(pool).format(a=x[0], b=x[1], o=op, w=OPS[op][0], n=n, i=i)
 
 
+def phrase_unseen(op: str, x: tuple, r: random.Random) -> str:
+    """``x`` in one of the UNSEEN phrasings (the test-unseen split's only)."""
+    n, i = r.choice(NAMES), r.choice(ITEMS)
+    return r.choice(UNSEEN[op]).format(**dict(zip("abc", x)), n=n, i=i)
+
+
 def _problem(level: int, op: str, x: tuple, question: str, pid: str, split: str) -> Problem:
     return Problem("arith", pid, question, str(fact_answer(op, x)), split,
                    {"level": level, "fact": fact_key(op, x)})
@@ -145,20 +170,64 @@ def fixed_test_set(level: int, n: int = TEST_SIZE) -> list[Problem]:
     return out
 
 
-def _read_test_file(level: int) -> list[Problem] | None:
-    path = DATA_DIR / f"test-L{level}.jsonl"
+def unseen_test_set(level: int) -> list[Problem]:
+    """The test-unseen problems of ``level``: problem k asks the fact of the fixed test set's problem k (test
+    facts only, paired by position) in an UNSEEN phrasing."""
+    r = random.Random(f"{GENERATOR_VERSION}:test-unseen:{level}")
+    out = []
+    for k, p in enumerate(fixed_test_set(level)):
+        op, x = _fact_of(p)
+        out.append(_problem(level, op, x, phrase_unseen(op, x, r), f"arith-L{level}-unseen-{k:04d}", "test-unseen"))
+    return out
+
+
+def _fact_of(p: Problem) -> tuple[str, tuple]:
+    """(op, operands) of a problem's stored fact; a sum's operands are stored sorted and asked larger first,
+    as levels 2 and 3 generate them."""
+    op, operands = p.meta["fact"].split(":")
+    x = tuple(int(v) for v in operands.split(","))
+    return op, (tuple(sorted(x, reverse=True)) if op == "+" else x)
+
+
+TEST_FILES = {"test": ("test-L{level}.jsonl", fixed_test_set), "test-unseen": ("test-unseen-L{level}.jsonl",
+                                                                                unseen_test_set)}
+
+
+def _read_test_file(level: int, split: str = "test") -> list[Problem] | None:
+    path = DATA_DIR / TEST_FILES[split][0].format(level=level)
     if not path.is_file():
         return None
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return [Problem("arith", r["id"], r["question"], r["answer"], "test", r["meta"]) for r in rows]
+    return [Problem("arith", r["id"], r["question"], r["answer"], split, r["meta"]) for r in rows]
+
+
+def facts_of(ids: list[str]) -> list[str]:
+    """The fact of each test problem id (test or test-unseen, any level): the cluster a fact-level bootstrap
+    resamples. An id of no shipped test set raises ValueError naming it."""
+    known: dict[str, str] = {}
+    for level in sorted({_level_of(i) for i in ids}):
+        for split, (_, make) in TEST_FILES.items():
+            known.update((p.id, p.meta["fact"]) for p in (_read_test_file(level, split) or make(level)))
+    missing = next((i for i in ids if i not in known), None)
+    if missing is not None:
+        raise ValueError(f"problem id {missing!r} is no arith test problem")
+    return [known[i] for i in ids]
+
+
+def _level_of(pid: str) -> int:
+    level = pid.split("-")[1][1:] if pid.startswith("arith-L") else ""
+    if not level.isdigit() or int(level) not in LEVELS:
+        raise ValueError(f"problem id {pid!r} is no arith test problem")
+    return int(level)
 
 
 def write_test_files(folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for level in LEVELS:
-        lines = [json.dumps({"id": p.id, "question": p.question, "answer": p.answer, "meta": p.meta}, sort_keys=True)
-                 for p in fixed_test_set(level)]
-        (folder / f"test-L{level}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        for name, make in TEST_FILES.values():
+            lines = [json.dumps({"id": p.id, "question": p.question, "answer": p.answer, "meta": p.meta},
+                                sort_keys=True) for p in make(level)]
+            (folder / name.format(level=level)).write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 LEVELS = (1, 2, 3, 4, 5, 6)
@@ -181,11 +250,12 @@ class ArithTask:
 
     def load(self, split: str, limit: int | None = None, skip_bad_rows: bool = False) -> LoadResult:
         """train: the first ``limit`` generated problems (1000 when no limit: the generator has no end);
-        test: the level's fixed test set (the shipped file; generated when the package has no data/)."""
-        check_split(split)
-        if split == "test":
-            problems = _read_test_file(self.level) or fixed_test_set(self.level)
+        test: the level's fixed test set (the shipped file; generated when the package has no data/);
+        test-unseen: the same test facts in phrasings training never uses (UNSEEN)."""
+        if split in TEST_FILES:
+            problems = _read_test_file(self.level, split) or TEST_FILES[split][1](self.level)
             return LoadResult(problems[:limit] if limit else problems)
+        check_split(split)
         return LoadResult([generate(self.level, i) for i in range(limit or 1000)])
 
     def instruction(self, problem: Problem) -> str:
@@ -197,6 +267,11 @@ class ArithTask:
         pred = extract_answer(response)
         ok = pred is not None and is_equivalent(pred, problem.answer)
         return Verdict(ok, 1.0 if ok else 0.0, pred)
+
+    def check_attempt(self, problem: Problem, response: str) -> StepReport:
+        """The step checker's report on ``response`` (tasks/steps.py), with the answer this task's own
+        extraction reads; it sees the question and the attempt only, never the gold answer."""
+        return check_steps(problem.question, response, extract_answer(response))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,39 @@ class LoadResult:
     skipped_rows: int = 0  # malformed rows dropped under --skip-bad-rows
 
 
+class ToolReport(Protocol):
+    """What a task's own check found in one attempt (``Task.check_attempt``). It is computed from the
+    problem's question and the attempt only, never the gold answer or grading tests, so a writer that
+    reads it (episode.writer_sees: tool) knows nothing it could not know at test time."""
+
+    @property
+    def flagged(self) -> bool:
+        """The check found something wrong (the writer's signal level: 1 flagged, 0 not)."""
+        ...
+
+    def features(self) -> tuple[float, ...]:
+        """A compact numeric state of the report (first entry: flagged)."""
+        ...
+
+    def to_json(self) -> dict:
+        """The report as JSON, stored on the feedback turn's ``info["tool_report"]``."""
+        ...
+
+    def describe(self) -> str:
+        """One line for the writer's state: what the check found ("Step check: `7 + 10 = 18` does not hold.")."""
+        ...
+
+    def hint(self) -> str:
+        """Feedback for the solver (episode.feedback: tool) that points at what was flagged without
+        stating a corrected value ("Recheck 7 + 10.")."""
+        ...
+
+
 class Task(Protocol):
+    """A task may also define ``check_attempt(problem, response) -> ToolReport``: its own honest check of
+    an attempt (the step checker for arith, gsm8k and math500), which episode.writer_sees: tool and
+    episode.feedback: tool need; a task without it is refused under either."""
+
     name: str
     verifier_version: str  # bump whenever scoring could change; recorded in manifests
 

@@ -15,6 +15,7 @@ from tosca_mlmt.tasks.base import (DATA_ENV_VAR, LoadResult, Problem, Verdict, c
                                     stable_split)
 from tosca_mlmt.tasks.mathverify import (ANSWER_FORMAT, ANSWER_LINE, VERIFIER_VERSION, answer_slot, echoes_format,
                                          extract_answer, extract_gold, fold_width, gold_problem, match_method)
+from tosca_mlmt.tasks.steps import StepReport, check_steps
 
 
 
@@ -86,6 +87,11 @@ class _MathTask:
         method = match_method(extracted, problem.answer) if extracted is not None else None
         correct = method is not None
         return Verdict(correct, 1.0 if correct else 0.0, extracted, info={"method": method})
+
+    def check_attempt(self, problem: Problem, response: str) -> StepReport:
+        """The step checker's report on ``response`` (tasks/steps.py), with the answer this task's own
+        extraction reads; it sees the question and the attempt only, never the gold answer."""
+        return check_steps(problem.question, response, extract_answer(response))
 
 
 class GSM8KTask(_MathTask):

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import ast
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tosca_mlmt.errors import ConfigError, DataError
 from tosca_mlmt.tasks.base import (DATA_ENV_VAR, LoadResult, Problem, Verdict, check_split, check_text, decode_line,
                                     default_data_path, no_problems, parse_json_line, read_lines, short_repr)
-from tosca_mlmt.tasks.sandbox import Planner, run_python, sandbox_fingerprint
+from tosca_mlmt.tasks.sandbox import Planner, clean_text, run_python, sandbox_fingerprint
 
 DATA_FILE = Path("mbpp") / "mbpp.jsonl"
 SPLIT_IDS = {"train": range(601, 975), "test": range(11, 511)}
@@ -40,6 +41,41 @@ def extract_code(response: str) -> str | None:
         defining = [b for b in blocks if "def " in b]
         return (defining or blocks)[-1]
     return response if "def " in response else None
+
+
+@dataclass(frozen=True)
+class PublicTestReport:
+    """MBPP's own check of an attempt (``check_attempt``): its code run against the one test the instruction
+    shows, never the grading run, so what it says is what the student could learn by running the example."""
+
+    code_found: bool
+    passed: bool
+    error: str  # the sandbox's error on the public test ("" when it passed or no code was found)
+
+    @property
+    def flagged(self) -> bool:
+        return not self.passed
+
+    def features(self) -> tuple[float, float, float]:
+        """(flagged, no code found, the public test fails)."""
+        return float(self.flagged), float(not self.code_found), float(self.code_found and not self.passed)
+
+    def to_json(self) -> dict:
+        return {"flagged": self.flagged, "code_found": self.code_found, "passed": self.passed, "error": self.error}
+
+    def describe(self) -> str:
+        if not self.code_found:
+            return "Public test check: no code to run."
+        if self.passed:
+            return "Public test check: the example test from the question passes."
+        return f"Public test check: the example test from the question fails: {self.error}"
+
+    def hint(self) -> str:
+        if not self.code_found:
+            return "Write your solution as a Python function in a ```python code block."
+        if self.passed:
+            return "Your code passes the example test; check the other cases the question describes."
+        return "Your code fails the example test in the question; trace it by hand on that input."
 
 
 class MBPPTask:
@@ -99,6 +135,15 @@ class MBPPTask:
             f"Your function will be checked with tests like this one:\n{example}\n\n"
             "Write the Python function in a ```python code block."
         )
+
+    def check_attempt(self, problem: Problem, response: str) -> PublicTestReport:
+        """The attempt's code against the public test only (the one ``instruction`` shows), in the sandbox."""
+        code = extract_code(response)
+        if code is None:
+            return PublicTestReport(False, False, "")
+        public = problem.meta["tests"][:1]
+        result = run_python(code, public, setup=problem.meta.get("setup", ""), timeout_s=self.timeout_s)
+        return PublicTestReport(True, result.all_passed, "" if result.all_passed else clean_text(result.error, 300))
 
     def verify(self, problem: Problem, response: str) -> Verdict:
         tests = problem.meta["tests"]

@@ -64,6 +64,24 @@ class StepReport:
         return {"equations": self.equations, "flagged": self.flagged, "copied": self.copied,
                 "slips": [{"expression": s.expression, "written": s.written} for s in self.slips]}
 
+    def describe(self) -> str:
+        """The writer's line (episode.writer_sees: tool): the attempt's own numbers, never a recomputed one."""
+        found = []
+        if self.slips:
+            first, more = self.slips[0], len(self.slips) - 1
+            found.append(f"`{first.expression} = {first.written}` does not hold"
+                         + (f" (nor {more} later step(s))" if more else ""))
+        if self.copied is not None:
+            found.append(f"the final answer {self.copied} is a number the question gives")
+        if found:
+            return f"Step check: {'; '.join(found)}."
+        if self.equations:
+            return f"Step check: all {self.equations} equation(s) in the attempt hold."
+        return "Step check: no arithmetic to check."
+
+    def hint(self) -> str:
+        return hint(self)
+
 
 def evaluate(expression: str) -> Fraction | None:
     """The exact value of ``a op b op c ...`` (digits and ``+ - * / × ÷ x`` only; ``*`` and ``/``

@@ -70,3 +70,50 @@ def test_bootstrap_mean_matches_the_exact_binomial_resampling_distribution():
     assert flat[2] - flat[1] < hi - lo
     assert bootstrap_mean(np.ones(7)) == (1.0, 1.0, 1.0)
     assert all(math.isnan(v) for v in bootstrap_mean([]))
+
+
+def _fact_outcomes(per_fact, size):
+    """[1, facts x size] outcomes where every problem of a fact shares its fact's outcome, and the fact names."""
+    x = np.repeat(np.asarray(per_fact, dtype=float), size)[None, :]
+    return x, np.repeat(np.arange(len(per_fact)), size)
+
+
+def test_fact_clustered_interval_is_the_bootstrap_over_facts_and_wider():
+    """All problems of a fact share an outcome: resampling problems treats 300 phrasings as 300 draws, while
+    only 12 facts were drawn. With equal-sized facts the clustered interval is exactly the problem-level
+    bootstrap over one column per fact (same seed, same draws); it is wider than the per-problem one."""
+    a_fact, b_fact = [1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1, 0], [1, 0, 1, 1, 0, 0, 1, 0, 0, 1, 0, 0]
+    a, facts = _fact_outcomes(a_fact, 25)
+    b, _ = _fact_outcomes(b_fact, 25)
+    # a second seed with other outcomes per fact (reversed blocks: still constant within each fact's positions)
+    a2, b2 = np.vstack([a, a[:, ::-1]]), np.vstack([b, b[:, ::-1]])
+    for x, y in ((a, b), (a2, b2)):
+        clustered = paired_bootstrap(x, y, groups=facts)
+        per_problem = paired_bootstrap(x, y)
+        assert clustered["clusters"] == 12 and clustered["mean"] == per_problem["mean"]
+        assert clustered["hi"] - clustered["lo"] > 2 * (per_problem["hi"] - per_problem["lo"])
+    one_row = paired_bootstrap(np.array([a_fact], float), np.array([b_fact], float))
+    clustered = paired_bootstrap(a, b, groups=facts)
+    assert (clustered["lo"], clustered["hi"]) == pytest.approx((one_row["lo"], one_row["hi"]), abs=1e-12)
+    # a problem per cluster is the per-problem bootstrap itself
+    own = paired_bootstrap(a2, b2, groups=np.arange(a2.shape[1]))
+    assert (own["lo"], own["hi"]) == (paired_bootstrap(a2, b2)["lo"], paired_bootstrap(a2, b2)["hi"])
+
+
+def test_fact_clustered_interval_matches_the_exact_resampling_distribution():
+    """Facts of unequal sizes (a replicate's mean is its drawn problems' mean, not a mean of fact means):
+    enumerate all 5^5 equally likely draws of 5 facts and take the exact 2.5 / 97.5 % quantiles (neighbouring
+    atoms near the lower one lie 0.011 apart: the tolerance tells them apart)."""
+    import itertools
+
+    sizes, outcome = [1, 2, 3, 4, 5], [1.0, 0.0, 1.0, 1.0, 0.0]
+    x = np.concatenate([[o] * n for o, n in zip(outcome, sizes)])[None, :]
+    groups = np.concatenate([[f"fact{k}"] * n for k, n in enumerate(sizes)])
+    draws = np.array([sum(outcome[k] * sizes[k] for k in d) / sum(sizes[k] for k in d)
+                      for d in itertools.product(range(5), repeat=5)])
+    lo, hi = np.quantile(draws, [0.025, 0.975], method="inverted_cdf")
+    got = paired_bootstrap(x, groups=groups, n_boot=20_000, seed=3)
+    assert got["mean"] == pytest.approx(8 / 15) and 0.05 < lo < 0.1
+    assert got["lo"] == pytest.approx(lo, abs=0.005) and got["hi"] == pytest.approx(hi, abs=0.005)
+    with pytest.raises(ValueError, match="groups"):
+        paired_bootstrap(x, groups=groups[:-1])

@@ -133,3 +133,14 @@ def test_demo_runs_the_selector_and_demo_text_is_the_same_run_with_the_writers_t
     assert demo.episode.prefix_only == sel.episode.prefix_only and text.episode.prefix_only == full.episode.prefix_only
     assert demo.engine.name == "vllm" and demo.task.level == 2
     assert dataclasses.replace(demo, episode=dataclasses.replace(demo.episode, prefix_only=text.episode.prefix_only)) == text
+
+
+def test_no_preset_is_the_combination_the_loader_warns_about():
+    """The KL as a reward under grpo's std division collapsed SCoRe (configs/score.yaml until it moved the KL
+    into the loss): no shipped preset may load with that warning (or any other ConfigWarning)."""
+    import warnings
+
+    for name in preset_files():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            load_config(name)

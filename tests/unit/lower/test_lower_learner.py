@@ -178,6 +178,35 @@ def test_mask_truncated_drops_cut_turns_from_the_loss_but_not_from_the_advantage
 
 
 @pytest.mark.slow
+def test_train_refine_off_leaves_the_gradient_blind_to_refine_rewards(lower_setup, policies):
+    """lower.train_refine=false (the masked-refine control): two batches that differ only in the refines'
+    rewards give the same gradient, turn 1's (turn_gamma 0: turn 1 is credited by its own reward); on, the
+    refines train and the same change moves the gradient. The bonus and the KL loss stay on."""
+    from tosca_mlmt.lower.learner import LowerLearner
+
+    cfg, trajs = lower_setup
+    model = policies.model("solver")
+    params = {n: p for n, p in model.named_parameters() if ".solver." in n}
+    finals = {"kept": lambda i: float(i % 2), "broke": lambda i: float(i % 3 == 0)}
+    grads, tokens = {}, {}
+    for train_refine in (False, True):
+        lo = replace(cfg.lower, turn_gamma=0.0, kl_mode="loss", train_refine=train_refine,
+                     minibatch_size=len(trajs), epochs=1, max_grad_norm=1e9)
+        for name, final in finals.items():
+            ts = [replace(t, turn_rewards=[float(i % 2), final(i)]) for i, t in enumerate(trajs)]
+            with restored(params):
+                out = LowerLearner(replace(cfg, lower=lo), policies).update(ts, step=0).metrics
+                grads[train_refine, name] = {n: p.grad.clone() for n, p in params.items()}
+            tokens[train_refine] = out["loss_tokens"]
+    for n in params:
+        torch.testing.assert_close(grads[False, "kept"][n], grads[False, "broke"][n], atol=0, rtol=0)
+    assert any(g.abs().sum() > 0 for g in grads[False, "kept"].values())
+    assert any(not torch.allclose(grads[True, "kept"][n], grads[True, "broke"][n]) for n in params)
+    turn1 = sum(e - s for t in trajs for s, e in t.turn_spans[:1])
+    assert tokens[False] == turn1 < tokens[True]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kl_mode, norm_std, warns", [("reward", True, True), ("loss", True, False),
                                                        ("reward", False, False)])
 def test_learner_warns_about_kl_rewards_under_std_normalised_grpo(lower_setup, policies, kl_mode, norm_std, warns):

@@ -123,3 +123,87 @@ def test_the_value_loss_moves_the_adapter_and_the_archer_critic_does_not(debug_c
     grads = torch.autograd.grad(closs, adapter + list(critic.parameters()), allow_unused=True)
     assert all(g is None for g in grads[: len(adapter)]), "the ArCHer critic moved the actor"
     assert any(g is not None and g.abs().sum() > 0 for g in grads[len(adapter):])
+
+
+def _two_turn_group(r1s: list[float], r2s: list[float], problem: str = "p") -> list:
+    """Hand-made two-turn trajectories of one problem: turn 1 at [1, 4), feedback [4, 6), the refine [6, 9)."""
+    from tosca_mlmt.lower.trajectory import SolverTrajectory
+
+    return [SolverTrajectory(f"e{i}", problem, list(range(10, 19)), [(1, 4), (6, 9)], [r1, r2],
+                             [[-0.5] * 3, [-0.5] * 3], [None, (4, 6)], [False, False])
+            for i, (r1, r2) in enumerate(zip(r1s, r2s))]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_score_advantages_match_the_papers_shaping_computed_by_hand(stage):
+    """configs/score.yaml on a group of four two-turn episodes with KL terms: stage I returns R1 = R2 = r2,
+    stage II R2 = r2 + alpha (r2 - r1) and R1 = r1 + R2 (turn_gamma 1), each turn's advantage
+    (R - group mean) / (group std + eps); the KL sits in the loss with SCoRe's per-turn betas and moves no
+    advantage. The preset loads without the KL-reward collapse warning."""
+    import statistics
+    import warnings
+
+    from tosca_mlmt.algos.advantages import AdvantageInputs
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.lower import objective
+    from tosca_mlmt.lower.scoring import Scores
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a ConfigWarning fails the test
+        lo = load_config("score").lower
+    sc = lo.score
+    r1s, r2s = [0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]
+    trajs = _two_turn_group(r1s, r2s)
+    tt = to_tensors(trajs, pad_id=0)
+    g = torch.Generator().manual_seed(1)
+    old = -torch.rand(tt.mask.shape, generator=g) * tt.mask
+    ref = old - 0.2 * torch.rand(tt.mask.shape, generator=g) * tt.mask  # KL terms of a few tenths of a nat
+    step = 0 if stage == 1 else sc.stage1_steps
+    rewards = objective.token_rewards(trajs, tt, Scores(old, None, None, ref, None), lo, step)
+    adv, _ = objective.estimate(lo, AdvantageInputs(rewards.rewards, tt.mask, tt.turn_ids, tt.groups, tt.n_turns))
+    assert rewards.stage == stage and rewards.kl.abs().sum() > 0
+    if stage == 1:
+        R2 = list(r2s)
+        R1 = list(R2)
+        betas = (sc.beta2, lo.kl_coef)
+    else:
+        R2 = [r2 + sc.alpha * (r2 - r1) for r1, r2 in zip(r1s, r2s)]
+        R1 = [r1 + R for r1, R in zip(r1s, R2)]
+        betas = (sc.beta1, sc.beta1)
+    for k, (R, beta) in enumerate(zip((R1, R2), betas)):
+        mean, std = statistics.fmean(R), statistics.pstdev(R)
+        want = torch.tensor([(x - mean) / (std + 1e-6) for x in R])
+        s, e = trajs[0].turn_spans[k]
+        for b in range(len(trajs)):
+            torch.testing.assert_close(adv[b, s:e], want[b].expand(e - s).float(), atol=1e-5, rtol=0)
+        assert torch.all(rewards.kl_weight[:, s:e] == beta)
+
+
+def test_first_turn_only_leaves_the_refines_no_gradient_whatever_their_advantages():
+    """The masked-refine control's loss mask (lower.train_refine=false): the loss's gradient is the same
+    whatever the refines' advantages are (a refine-only change of reward), and all zero on refine tokens;
+    with the whole mask the same change moves it."""
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.lower.objective import UpdateBatch, ppo_loss
+    from tosca_mlmt.lower.scoring import Forward
+    from tosca_mlmt.lower.trajectory import first_turn_only
+
+    lo = load_config("mlmt").lower
+    trajs = _two_turn_group([0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0])
+    tt = to_tensors(trajs, pad_id=0)
+    masked = first_turn_only(tt)
+    refine = tt.turn_ids == 1
+    assert masked.mask[refine].sum() == 0 and torch.equal(masked.mask[~refine], tt.mask[~refine])
+    g = torch.Generator().manual_seed(0)
+    lp = (-torch.rand(tt.mask.shape, generator=g)).requires_grad_()
+    old, ref = lp.detach() + 0.1 * torch.randn(tt.mask.shape, generator=g), lp.detach() - 0.3
+    adv = torch.randn(tt.mask.shape, generator=g) * tt.mask
+    other = torch.where(refine, -3.0 * adv, adv)  # the refines' advantages alone change
+
+    def grad(t, a):
+        mb = UpdateBatch(t, old, None, ref, a, torch.zeros_like(a), torch.full_like(a, lo.kl_coef), None)
+        return torch.autograd.grad(ppo_loss(lo, Forward(lp, None, None, None), mb, None)[0], lp)[0]
+
+    assert torch.equal(grad(masked, adv), grad(masked, other))
+    assert grad(masked, adv)[refine].abs().max() == 0 and grad(masked, adv)[~refine].abs().max() > 0
+    assert not torch.allclose(grad(tt, adv), grad(tt, other))
