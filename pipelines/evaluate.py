@@ -149,15 +149,13 @@ def control_config(cfg: Config, plan) -> Config:
 
 def _control_task(cfg: Config, plan):
     """The task whose checker gates the resamples (None without ``--resample``)."""
-    from tosca_mlmt.analysis.controls import checker
+    from tosca_mlmt.analysis.controls import require_checker
     from tosca_mlmt.tasks import make_task
 
     if plan is None or not plan.resample:
         return None
     task = make_task(cfg.task)
-    if checker(task) is None:
-        raise ConfigError(f"--resample tool: task {cfg.task.name!r} has no checker (a "
-                          "check_attempt(problem, response) method whose report has .flagged)")
+    require_checker(task)
     return task
 
 
@@ -183,13 +181,13 @@ def _shared_models(cfg: Config, plan):
 
 def _controls(rd: RunDir, task, plan, cfg: Config, sid: str, control_sid: str) -> dict:
     """The controls' numbers for eval.json; each problem's samples, votes and checks go to controls.json."""
-    from tosca_mlmt.analysis.controls import check, control_row, control_summary
+    from tosca_mlmt.analysis.controls import control_row, control_summary, flagged
 
-    tags, snaps = cfg.episode.reasoning_tags, rd.path / "snapshots"
-    firsts, samples = _attempts(snaps, sid, tags), _attempts(snaps, control_sid, tags)
+    tags, reads, snaps = cfg.episode.reasoning_tags, cfg.episode.writer_reads_thinking, rd.path / "snapshots"
+    firsts, samples = _attempts(snaps, sid), _attempts(snaps, control_sid)
     rows = []
     for pid, [(problem, first)] in firsts.items():
-        flag = lambda a, p=problem: check(task, p, a.text).flagged  # noqa: E731
+        flag = lambda a, p=problem: flagged(task, p, a.turn, tags, reads)  # noqa: E731
         rows.append({"id": pid, **control_row(first, [a for _, a in samples[pid]], plan, flag)})
     rd.write_json("controls.json", {"snapshot_id": control_sid, "rows": rows})
     return {**control_summary(rows, plan),
@@ -197,17 +195,16 @@ def _controls(rd: RunDir, task, plan, cfg: Config, sid: str, control_sid: str) -
                          "samples_per_problem": plan.samples, "rows": "controls.json"}}
 
 
-def _attempts(snapshots: Path, sid: str, tags: list[str]) -> dict:
-    """Each problem's turn-1 answers in one snapshot, by problem id and then sample: (problem, Attempt)."""
+def _attempts(snapshots: Path, sid: str) -> dict:
+    """Each problem's turn-1 answers in one snapshot, by problem id and then sample: (problem, Attempt),
+    the Attempt holding the stored turn for the checker (which reads it as the method's tool does)."""
     from tosca_mlmt.analysis.controls import Attempt
-    from tosca_mlmt.rollout.engines.stop import final_text
     from tosca_mlmt.store import load_snapshot
 
     out: dict = {}
     for e in sorted(load_snapshot(snapshots, sid).episodes(), key=lambda e: (e.problem.id, e.sample)):
         t = e.solver_turns[0]
-        out.setdefault(e.problem.id, []).append((e.problem, Attempt(final_text(t.text, tags), t.extracted,
-                                                                    bool(t.correct))))
+        out.setdefault(e.problem.id, []).append((e.problem, Attempt(t.extracted, bool(t.correct), t)))
     return out
 
 

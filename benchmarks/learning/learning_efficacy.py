@@ -368,6 +368,17 @@ def paired_finals(per: dict[str, list[dict]], a: str, b: str) -> tuple[list[int]
     return common, np.stack([mine[k]["final"] for k in common]), np.stack([theirs[k]["final"] for k in common])
 
 
+def problem_ids(runs: list[dict], method: str) -> list | None:
+    """The test problems' ids that ``method``'s units were evaluated on (None when a unit keeps none); a
+    ValueError when its seeds disagree, as the per-problem pairing needs one order of problems."""
+    ids = [r.get("ids") for r in runs]
+    if not ids or any(i is None for i in ids):
+        return None
+    if any(list(i) != list(ids[0]) for i in ids):
+        raise ValueError(f"{method}: units of seeds {[r['seed'] for r in runs]} were evaluated on different problems")
+    return list(ids[0])
+
+
 def table(per: dict[str, list[dict]], primary: str) -> tuple[dict, list[str]]:
     from tosca_mlmt.analysis.stats import mcnemar, paired_bootstrap
     from tosca_mlmt.tasks.arith import facts_of
@@ -390,6 +401,8 @@ def table(per: dict[str, list[dict]], primary: str) -> tuple[dict, list[str]]:
                       "problems; McNemar p per seed; the interval over facts resamples arith's facts, not its "
                       "problems).", "", "| baseline | seeds | difference [95 % CI] | 95 % CI over facts | "
                       "McNemar p per seed |", "|---|---|---|---|---|"]
+        ids = problem_ids(per[primary], primary)
+        facts = None if ids is None else np.array(facts_of(ids))  # once: facts_of reads the test files
         for name in per:
             if name == primary:
                 continue
@@ -397,8 +410,11 @@ def table(per: dict[str, list[dict]], primary: str) -> tuple[dict, list[str]]:
             if not common:
                 continue
             d = paired_bootstrap(a, b)
-            ids = per[primary][0].get("ids")
-            f = paired_bootstrap(a, b, groups=np.array(facts_of(list(ids)))) if ids is not None else None
+            theirs = problem_ids([r for r in per[name] if r["seed"] in common], name)
+            if ids is not None and theirs is not None and theirs != ids:
+                raise ValueError(f"{name} was evaluated on other problems than {primary}: their Acc@final "
+                                 "cannot be paired problem by problem")
+            f = paired_bootstrap(a, b, groups=facts) if facts is not None and theirs is not None else None
             ps = [mcnemar(a[i], b[i])["p"] for i in range(len(common))]
             summary[f"{primary}-minus-{name}"] = {**d, "mcnemar_p": ps, "seeds": common, "by_fact": f}
             by_fact = f"[{f['lo']:+.3f}, {f['hi']:+.3f}] ({f['clusters']} facts)" if f else "—"

@@ -89,12 +89,8 @@ def fact_groups(runs: list[dict]) -> np.ndarray | None:
     independent draws and overstates certainty, resampling facts does not (the "by fact" intervals)."""
     from tosca_mlmt.tasks.arith import facts_of
 
-    ids = [r.get("ids") for r in runs]
-    if any(i is None for i in ids):
-        return None
-    if any(list(i) != list(ids[0]) for i in ids):
-        raise ValueError(f"units of seeds {[r['seed'] for r in runs]} were evaluated on different problems")
-    return np.array(facts_of(list(ids[0])))
+    ids = le.problem_ids(runs, "units")
+    return None if ids is None else np.array(facts_of(ids))
 
 
 def pooled(runs: list[dict]) -> dict:

@@ -258,6 +258,34 @@ def test_summary_intervals_resample_facts_and_ci_targets_are_judged_by_them(summ
     assert rec["mlmt-minus-untrained"]["by_fact"] == d["by_fact"] and any("(35 facts)" in x for x in lines)
 
 
+def test_the_benchmark_table_reads_the_facts_once_and_pairs_only_units_of_the_same_problems(bench, monkeypatch):
+    """The by-fact contrasts share the primary's facts (facts_of reads the test files: once, not per
+    baseline), and a baseline evaluated on other problems is an error, not a contrast paired by position."""
+    import numpy as np
+
+    import tosca_mlmt.tasks.arith as arith
+
+    problems = arith.ArithTask(2).load("test", 40).problems
+    ids = [p.id for p in problems]
+    rng = np.random.default_rng(0)
+    unit = lambda ids_: [{"seed": s, "t1": (x := (rng.random(40) < 0.5).astype(float)), "final": x,  # noqa: E731
+                          "used": {}, "ids": ids_} for s in (0, 1)]
+    calls = []
+    real = arith.facts_of
+    monkeypatch.setattr(arith, "facts_of", lambda i: calls.append(1) or real(i))
+    per = {"mlmt": unit(ids), "untrained": unit(ids), "writer-only": unit(ids)}
+    rec, _ = bench.table(per, "mlmt")
+    from tosca_mlmt.analysis.stats import paired_bootstrap
+
+    finals = {m: np.stack([r["final"] for r in runs]) for m, runs in per.items()}
+    for b in ("untrained", "writer-only"):
+        want = paired_bootstrap(finals["mlmt"], finals[b], groups=np.array(real(ids)))
+        assert rec[f"mlmt-minus-{b}"]["by_fact"] == want and want["clusters"] < 40
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="writer-only was evaluated on other problems than mlmt"):
+        bench.table({**per, "writer-only": unit(ids[::-1])}, "mlmt")
+
+
 def test_every_unit_is_also_evaluated_on_unseen_phrasings_and_gsm8k(bench, monkeypatch, tmp_path):
     """By default a unit runs arith's test split, then test-unseen (the same facts, phrasings training never
     uses) and gsm8k's test split, each a valid eval config, and keeps their per-problem outcomes apart from

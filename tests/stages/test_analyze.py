@@ -210,6 +210,15 @@ def test_privileged_snapshots_are_labelled_above_everything_in_the_report():
     assert "`privileged:writer_sees=verdict`" in banner([honest, priv]) and "mixed" in banner([honest, priv])
 
 
+def test_the_snapshot_index_environment_is_the_one_mlmt_snapshots_shows():
+    """An mbpp collect whose summary predates the grading-tests label: both views call it privileged."""
+    from tosca_mlmt.store import environment_of
+
+    m = {"id": "m", "created_at": "2026-01-01T00:00:01+00:00", "format_version": 2,
+         "config": {"task": {"name": "mbpp"}, "episode": {"rounds": 1}}, "summary": {"environment": "honest"}}
+    assert snapshot_index([m])["environment"].tolist() == [environment_of(m)] == ["privileged:grading_tests"]
+
+
 # ---------------------------------------------------------------------- the result: before vs after
 
 # Ten held-out problems, (correct at turn 1, correct at the end). Final answers: before 3 right, after 7;

@@ -5,38 +5,59 @@ A feedback method with K rounds makes 1 + K solver generations per problem. Two 
 as many, from the solver alone, sampled at its own temperature and shown no feedback:
 
 * **majority of k**: the solver answers k times; the answer given most often counts. Answers
-  vote by ``answer_key`` (a number by its exact value, so ``12``, ``12.0`` and ``$12`` are one
-  vote); an attempt without an answer does not vote. Ties go to the tied answer that came
-  first in sample order; when no sample gave an answer, the first sample stands.
+  vote by ``answer_key``: a number by its exact value (``12``, ``12.0``, ``$12`` and
+  ``\\frac{24}{2}`` are one vote), other text by ``normalize_string``, the spelling the verifier's
+  string match compares (``\\dfrac{x}{2}`` and ``\\frac{x}{2}`` are one vote); answers equal only
+  to math_verify (``\\sqrt{4}`` and ``2``) still vote apart. An attempt without an answer does not
+  vote. Ties go to the tied answer that came first in sample order; when no sample gave an
+  answer, the first sample stands.
 * **tool-gated resampling**: the first answer is the eval's own turn 1. While the task's
-  checker (``check``: the task's ``check_attempt``, e.g. the step checker of tasks/steps.py on
-  arith, gsm8k and math500, mbpp's public test) flags the current answer and a resample is
-  left, the next sampled answer replaces it; an unflagged answer stands. With K = 1: flagged
-  -> the resample is final, otherwise the first answer is.
+  checker (its ``check_attempt``: the step checker of tasks/steps.py on arith, gsm8k and
+  math500, mbpp's public test) flags the current answer and a resample is left, the next
+  sampled answer replaces it; an unflagged answer stands. With K = 1: flagged -> the resample
+  is final, otherwise the first answer is. The checker reads what the method's tool reads
+  (``flagged``: rollout/tool.attempt_report), so the control and the method are gated alike.
 
-The functions here are pure over answers, flags and verdicts; the eval stage generates the
-samples (pipelines/evaluate.py) and stores them, so every number here can be recomputed.
+Apart from ``flagged``, the functions here are pure over answers, flags and verdicts; the eval
+stage generates the samples (pipelines/evaluate.py) and stores them, so every number here can be
+recomputed.
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from fractions import Fraction
 
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.leak import number_value
+from tosca_mlmt.records import Turn
+from tosca_mlmt.rollout.tool import attempt_report, has_check
 from tosca_mlmt.tasks.base import Problem
+from tosca_mlmt.tasks.mathverify import normalize_string
 
-STEP_TASKS = ("arith", "gsm8k", "math500")  # their answers are numbers the step checker can recheck
+# A fraction of two integers as LaTeX writes it, braces optional on one digit: \frac{1}{2}, \frac12, -\frac{3}4.
+_FRAC_RE = re.compile(r"(-?)\\frac(?:\{(-?\d+)\}|(\d))(?:\{(\d+)\}|(\d))")
+
+
+def _latex_fraction(text: str) -> Fraction | None:
+    m = _FRAC_RE.fullmatch(text)
+    if m is None or int(m[4] or m[5]) == 0:
+        return None
+    value = Fraction(int(m[2] or m[3]), int(m[4] or m[5]))
+    return -value if m[1] else value
 
 
 def answer_key(answer: str | None) -> str | None:
-    """What the vote compares: a number by its exact value, other text with its whitespace
-    collapsed; None (no answer, or an empty one) does not vote."""
-    text = " ".join((answer or "").split())
+    """What the vote compares: a number (also a LaTeX fraction of integers) by its exact value, other
+    text by ``normalize_string`` (the spelling the verifier's string match compares); None (no answer,
+    or an empty one) does not vote."""
+    text = normalize_string(answer or "")
     if not text:
         return None
     value = number_value(text)
+    value = _latex_fraction(text) if value is None else value
     return text if value is None else f"={value}"
 
 
@@ -56,37 +77,28 @@ def gated_index(flags: list[bool]) -> int:
     return next((i for i, flagged in enumerate(flags) if not flagged), len(flags))
 
 
-def checker(task):
-    """The task's test-time checker, ``(problem, response) -> report with .flagged``, or None:
-    its own ``check_attempt``, else the step checker for the tasks in STEP_TASKS that lack one (reading
-    the answer the task's verifier extracts; the gold answer is not used)."""
-    own = getattr(task, "check_attempt", None)
-    if own is not None:
-        return own
-    if getattr(task, "name", None) in STEP_TASKS:
-        from tosca_mlmt.tasks.steps import check_steps
-
-        return lambda problem, response: check_steps(problem.question, response,
-                                                     task.verify(problem, response).extracted)
-    return None
-
-
-def check(task, problem: Problem, response: str):
-    """The checker's report on ``response`` (what the verifier reads of an attempt)."""
-    fn = checker(task)
-    if fn is None:
+def require_checker(task) -> None:
+    """Refuse ``--resample tool`` for a task that has no ``check_attempt`` (rollout/tool.has_check, the
+    rule the episode's tool uses), naming the task."""
+    if not has_check(task):
         raise ConfigError(f"--resample tool: task {getattr(task, 'name', task)!r} has no checker (a "
                           "check_attempt(problem, response) method whose report has .flagged)")
-    return fn(problem, response)
+
+
+def flagged(task, problem: Problem, turn: Turn, tags: list[str], reads_thinking: bool) -> bool:
+    """The gate's verdict on a solver turn: the task's check of exactly the text the method's tool
+    checks (rollout/tool.attempt_report: the whole attempt, thinking included, unless
+    ``episode.writer_reads_thinking`` is off)."""
+    return bool(attempt_report(task, problem, turn, tags, reads_thinking).flagged)
 
 
 @dataclass(frozen=True)
 class Attempt:
     """One solver answer as the controls read it."""
 
-    text: str  # what the verifier read
-    answer: str | None  # the answer it extracted
+    answer: str | None  # the answer the verifier extracted
     correct: bool
+    turn: Turn | None = field(default=None, compare=False, repr=False)  # the stored turn, for the checker
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,8 @@ LOWER = {
     "lower/bonus/clip_rate": "Share of refines whose bonus was clipped.",
     "lower/bonus/gate_mean": "Mean gate value (`lower.bonus_gate`) over refines.",
     "lower/bonus/corr_correct": "Correlation of the bonus with the refine's correctness.",
-    "lower/bonus/engine_scored": "Share of no-feedback log-probs taken from the rollout engine, not the trainer.",
+    "lower/bonus/engine_scored": "1 when the bonus's no-feedback log-probs came from the rollout engine, 0 from the trainer "
+                                 "or when no bonus was computed (coef 0, lower.train_refine false).",
     "lower/bonus/<transition>/count": "Refines of a transition (right_to_right, right_to_wrong, wrong_to_right, "
                                       "wrong_to_wrong) in the batch.",
     "lower/bonus/<transition>/mean": "Mean bonus of the transition's refines.",

@@ -34,33 +34,17 @@ def paired_bootstrap(a: np.ndarray, b: np.ndarray | None = None, n_boot: int = 2
 
     ``groups`` [N] (optional) names each problem's cluster, e.g. arith's fact: problems of one fact
     in other phrasings are not independent draws, so a replicate draws G clusters (of the G distinct
-    names) with replacement and takes all their problems; the result then holds ``clusters``: G."""
+    names) with replacement and takes all their problems; the result then holds ``clusters``: G.
+    No groups is ``groups = arange(N)``: one problem per cluster gives the same interval exactly only
+    when the names sort in problem order (clusters are indexed by sorted name, so other names permute
+    which problem each draw picks: the same distribution, other replicates)."""
     x = np.asarray(a, dtype=float) - (0.0 if b is None else np.asarray(b, dtype=float))
     if x.ndim != 2:
         raise ValueError(f"expected [seeds, problems], got shape {x.shape}")
     S, N = x.shape
-    if groups is not None:
-        return _clustered(x, np.asarray(groups), n_boot, seed, level)
-    rng = np.random.default_rng(seed)
-    means = np.empty(n_boot)
-    for r in range(n_boot):
-        rows = rng.integers(0, S, S)
-        cols = rng.integers(0, N, N)
-        means[r] = x[np.ix_(rows, cols)].mean()
-    lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
-    return {"mean": float(x.mean()), "lo": float(lo), "hi": float(hi), "seeds": S, "problems": N}
-
-
-def _clustered(x: np.ndarray, groups: np.ndarray, n_boot: int, seed: int, level: float) -> dict[str, float]:
-    """paired_bootstrap's replicates with whole clusters of problems resampled (same draw order: seeds, then
-    clusters, so one problem per cluster gives paired_bootstrap's interval exactly)."""
-    S, N = x.shape
-    if groups.shape != (N,):
-        raise ValueError(f"groups: expected one name per problem ({N}), got shape {groups.shape}")
-    _, inv = np.unique(groups, return_inverse=True)
-    G = int(inv.max()) + 1
-    sums = np.stack([np.bincount(inv, weights=row, minlength=G) for row in x])  # [S, G]
-    counts = np.bincount(inv, minlength=G).astype(float)
+    # no groups: every problem its own cluster, the same draws and replicate means as a per-problem bootstrap
+    sums, counts = _cluster_totals(x, groups)  # [S, G], [G]
+    G = len(counts)
     rng = np.random.default_rng(seed)
     means = np.empty(n_boot)
     for r in range(n_boot):
@@ -68,7 +52,22 @@ def _clustered(x: np.ndarray, groups: np.ndarray, n_boot: int, seed: int, level:
         cl = rng.integers(0, G, G)
         means[r] = sums[np.ix_(rows, cl)].sum() / (S * counts[cl].sum())
     lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
-    return {"mean": float(x.mean()), "lo": float(lo), "hi": float(hi), "seeds": S, "problems": N, "clusters": G}
+    out = {"mean": float(x.mean()), "lo": float(lo), "hi": float(hi), "seeds": S, "problems": N}
+    return out if groups is None else {**out, "clusters": G}
+
+
+def _cluster_totals(x: np.ndarray, groups) -> tuple[np.ndarray, np.ndarray]:
+    """Per-cluster sums of ``x`` [..., N] ([..., G], clusters in sorted name order) and cluster sizes [G];
+    ``groups`` [N] names each value's cluster, None = each value its own (the sums are then ``x`` itself)."""
+    N = x.shape[-1]
+    groups = np.arange(N) if groups is None else np.asarray(groups)
+    if groups.shape != (N,):
+        raise ValueError(f"groups: expected one name per value ({N}), got shape {groups.shape}")
+    _, inv = np.unique(groups, return_inverse=True)
+    G = int(inv.max()) + 1 if N else 0
+    flat = x.reshape(math.prod(x.shape[:-1]), N)
+    sums = np.array([np.bincount(inv, weights=row, minlength=G) for row in flat]).reshape(*x.shape[:-1], G)
+    return sums, np.bincount(inv, minlength=G).astype(float)
 
 
 def mcnemar(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
@@ -97,11 +96,7 @@ def bootstrap_mean(values, groups=None, n_boot: int = 2000, seed: int = 0,
         raise ValueError(f"expected a 1-d array, got shape {x.shape}")
     if not len(x):
         return (math.nan, math.nan, math.nan)
-    if groups is None:
-        sums, counts = x, np.ones_like(x)
-    else:
-        _, inv = np.unique(np.asarray(groups), return_inverse=True)
-        sums, counts = np.bincount(inv, weights=x), np.bincount(inv).astype(float)
+    sums, counts = _cluster_totals(x, groups)
     rng = np.random.default_rng(seed)
     # all replicates at once: n_boot x G indices (G is at most a few thousand problems here)
     idx = rng.integers(0, len(sums), (n_boot, len(sums)))

@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 
 from tosca_mlmt.analysis.stats import bootstrap_mean
+from tosca_mlmt.store import environment_of
 
 LEVELS = ("lower", "upper", "joint")
 # Clocks, throughput and the iteration, round and step counters describe the machine or the x axis, not
@@ -163,9 +164,8 @@ def snapshot_index(manifests: list[dict]) -> pd.DataFrame:
         "episodes": m.get("rows", {}).get("episodes"),
         "source": EVAL if (m.get("task") or {}).get("split") in ("test", "test-unseen") else TRAIN,
         "temperature": solve_temperature(m),
-        # "privileged:..." when the writer saw the verifier (episode.writer_sees/feedback: verdict);
-        # snapshots from before the label existed were all honest
-        "environment": (m.get("summary") or {}).get("environment", "honest")} for m in manifests],
+        # the label mlmt snapshots shows too: "privileged:..." when the writer saw the verifier
+        "environment": environment_of(m)} for m in manifests],
         columns=["snapshot", "created_at", "iteration", "kind", "format_version", "episodes", "source", "temperature",
                  "environment"])
     df["iteration"] = df["iteration"].astype("Int64")

@@ -56,7 +56,8 @@ class ContextBonus(Section):
                                "train-lower only (snapshots bring no engine), bonus.model=policy only. auto = "
                                "engine where it is faster and allowed (a vLLM engine sampled the batch, "
                                "bonus.model=policy), else trainer; logged per iteration as "
-                               "lower/bonus/engine_scored.",
+                               "lower/bonus/engine_scored (0 where no bonus is computed: coef 0 or "
+                               "train_refine=false).",
                        choices=("auto", "trainer", "engine"))
 
     def check(self, prefix: str) -> None:
@@ -167,6 +168,12 @@ class LowerConfig(Section):
     save_every: int = knob(2, "Checkpoint every N iterations (and always at the end).", min=1)
     keep_checkpoints: int = knob(2, "How many checkpoints to keep.", min=1)
     keep_snapshots: bool = knob(True, "Write each online iteration's batch as a snapshot under <run>/snapshots.")
+
+    @property
+    def bonus_on(self) -> bool:
+        """Whether an update computes the context bonus: it lands on refine tokens only, so neither a zero
+        coefficient nor the masked-refine control (train_refine=false, refines out of the loss) computes it."""
+        return self.bonus.coef > 0 and self.train_refine
 
     def check(self, prefix: str) -> None:
         # the engines log raw (temperature-1) log-probs, which are not the tempered distribution's

@@ -26,7 +26,7 @@ from tosca_mlmt import parallel as dist
 from tosca_mlmt.algos.advantages import ADVANTAGES, CRITIC, VALUES, AdvantageInputs, turn_sums
 from tosca_mlmt.algos.qlearning import polyak_update
 from tosca_mlmt.config import Config
-from tosca_mlmt.config.lower import warn_kl_reward_collapse
+from tosca_mlmt.config.lower import LowerConfig, warn_kl_reward_collapse
 from tosca_mlmt.errors import MlmtError
 from tosca_mlmt.lower import archer, objective, stats
 from tosca_mlmt.lower.objective import UpdateBatch
@@ -39,6 +39,21 @@ from tosca_mlmt.seeds import seeded, stream
 from tosca_mlmt.train.distributed import Trainer
 
 VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+def bonus_scored_by_engine(lo: LowerConfig, engine) -> bool:
+    """lower.bonus.scorer resolved for one update: False where no bonus is computed (lo.bonus_on), so
+    lower/bonus/engine_scored never claims a bonus that was not. auto picks the engine only where that is
+    faster and reads the same model: a vLLM engine (one prefill per refine instead of a trainer
+    forward, and with it the pi_old pass can go) that sampled this batch (online) and serves the
+    policy the bonus reads (bonus.model=policy). An HF engine's scoring is the trainer's forward
+    again, so auto keeps the trainer there."""
+    bo = lo.bonus
+    if not lo.bonus_on:
+        return False
+    if bo.scorer == "auto":  # the engine scores raw log-probs only
+        return engine is not None and engine.name == "vllm" and bo.model == "policy" and lo.logprob_temperature == "raw"
+    return bo.scorer == "engine"
 
 
 class LowerLearner:
@@ -139,16 +154,8 @@ class LowerLearner:
                                  refine_bonus=tuple(stats.refine_bonus_rows(terms)))
 
     def engine_scores_bonus(self, engine) -> bool:
-        """lower.bonus.scorer resolved for one update. auto picks the engine only where that is
-        faster and reads the same model: a vLLM engine (one prefill per refine instead of a trainer
-        forward, and with it the pi_old pass can go) that sampled this batch (online) and serves the
-        policy the bonus reads (bonus.model=policy). An HF engine's scoring is the trainer's forward
-        again, so auto keeps the trainer there."""
-        bo = self.lo.bonus
-        if bo.scorer == "auto":  # the engine scores raw log-probs only
-            return (engine is not None and engine.name == "vllm" and bo.model == "policy"
-                    and self.lo.logprob_temperature == "raw")
-        return bo.scorer == "engine"
+        """lower.bonus.scorer resolved for one update (bonus_scored_by_engine)."""
+        return bonus_scored_by_engine(self.lo, engine)
 
     def current_rows(self, step: int, rows: int, n_turns: int, needs, engine_scored_bonus: bool) -> list[int]:
         """The rows whose pi_old pass can be skipped (lower.old_logprobs=auto): with one epoch, the
@@ -159,7 +166,7 @@ class LowerLearner:
         and a batch of one minibatch keeps the pass where the reference runs (the pre-update
         KL diagnostics need some scored rows), as before partial skips."""
         lo = self.lo
-        bonus_reads_it = (lo.bonus.coef > 0 and lo.train_refine and n_turns > 1 and lo.bonus.model == "policy"
+        bonus_reads_it = (lo.bonus_on and n_turns > 1 and lo.bonus.model == "policy"
                           and not engine_scored_bonus)  # bonus.model=reference reads the reference pass
         kl_in_reward = lo.kl_mode == "reward" and (lo.kl_coef > 0 or lo.score.enabled)
         if (lo.old_logprobs != "auto" or lo.epochs != 1 or bonus_reads_it or kl_in_reward
@@ -198,7 +205,7 @@ class LowerLearner:
         """Bonus [B, T] and its per-refine terms; None when none was computed (coefficient 0, refines
         out of the loss (lower.train_refine=false), or no refine with its feedback intact)."""
         bo = self.lo.bonus
-        if bo.coef == 0 or not self.lo.train_refine:  # lands on refine tokens only, which a masked refine drops
+        if not self.lo.bonus_on:
             return torch.zeros_like(adv), None
         if bo.scorer == "engine" and engine is None:
             raise MlmtError("lower.bonus.scorer=engine: the bonus is scored by the rollout engine, and this update "

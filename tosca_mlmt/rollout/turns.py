@@ -31,7 +31,7 @@ from tosca_mlmt.records import Episode, FeedbackSpan, Turn
 from tosca_mlmt.rollout.engines.base import Engine, Generation, SamplingParams
 from tosca_mlmt.rollout.engines.stop import after_reasoning, final_text, thinking_end
 from tosca_mlmt.rollout.gold import gold_continuation, gold_prob
-from tosca_mlmt.rollout.tool import attempt_report, require_check, uses_tool
+from tosca_mlmt.rollout.tool import AttemptReports, require_check, uses_tool
 from tosca_mlmt.strategies import behaviour_distribution, sample_strategies
 from tosca_mlmt.tasks.base import Problem, Task, Verdict
 from tosca_mlmt.tasks.reward import RewardContext
@@ -147,6 +147,8 @@ class Turns:
         self.tags = cfg.episode.reasoning_tags  # a reasoning model's [open, close] thinking tags, or []
         # under a tool the writer reads the task's own check of the attempt, never the verifier's context
         self.tool_informed = uses_tool(cfg.episode)
+        self.reports = (AttemptReports(task, self.tags, cfg.episode.writer_reads_thinking)
+                        if self.tool_informed else None)
         if self.stop_regex:
             self.stop_regex = after_reasoning(self.stop_regex, self.tags)
         if cfg.episode.gold_prob and not hasattr(task, "answer_slot"):
@@ -196,8 +198,7 @@ class Turns:
 
     def _tool_report(self, ep: Episode, turn: Turn):
         """The task's check of an attempt under writer_sees/feedback: tool (rollout/tool.py), else None."""
-        e = self.cfg.episode
-        return attempt_report(self.task, ep.problem, turn, self.tags, e.writer_reads_thinking) if uses_tool(e) else None
+        return self.reports.of(ep.problem, turn) if self.reports is not None else None
 
     def _feedback_info(self, signal: int, report=None) -> dict:
         """Labels on each feedback turn that say what the writer saw and who wrote g (metrics.environment),

@@ -112,18 +112,25 @@ def open_snapshot(root: str | Path, ref: str, verify: bool = True) -> Snapshot:
 def environment_of(m: dict) -> str:
     """"honest", "honest:tool" or "privileged:<what>", as metrics.environment labels episodes (the
     writer saw the verifier's verdict or grading output, or the feedback was the verdict). From the
-    manifest's summary when the writer recorded one (collect), else from its config (train-lower
-    batches have none)."""
+    manifest's summary where it records one, else from its config. A summary of "honest" on an mbpp
+    config with a feedback round and no tool is corrected to "privileged:grading_tests": snapshots
+    written before metrics.environment knew of ``feedback_context`` say "honest", though their
+    writer read the grading tests' error."""
     env = (m.get("summary") or {}).get("environment") if isinstance(m.get("summary"), dict) else None
-    if isinstance(env, str):
+    from_config = _environment_of_config(m.get("config") if isinstance(m.get("config"), dict) else {})
+    if isinstance(env, str) and not (env == "honest" and from_config == "privileged:grading_tests"):
         return env
-    ep = (m.get("config") or {}).get("episode") if isinstance(m.get("config"), dict) else None
-    ep = ep if isinstance(ep, dict) else {}
+    return from_config
+
+
+def _environment_of_config(config: dict) -> str:
+    """The label metrics.environment gives the episodes a config produces."""
+    ep = config.get("episode") if isinstance(config.get("episode"), dict) else {}
     if ep.get("writer_sees") == "verdict":
         return "privileged:writer_sees_verdict"
     if ep.get("feedback") == "verdict":
         return "privileged:verdict_feedback"
-    task = (m.get("config") or {}).get("task") if isinstance(m.get("config"), dict) else None
+    task = config.get("task")
     tool = "tool" in (ep.get("writer_sees"), ep.get("feedback"))  # the public check replaces the grading error
     if isinstance(task, dict) and task.get("name") == "mbpp" and (ep.get("rounds", 1) or 0) > 0 and not tool:
         return "privileged:grading_tests"  # the writer read the grading tests' error (feedback_context)

@@ -6,7 +6,8 @@ report knows nothing it could not know at test time. It does two things:
 * re-evaluates every ``a + b = c`` the attempt writes (``+ - * / × ÷``, several operands,
   ordinary precedence) and reports each one whose stated result is wrong: a *slip*;
 * flags a final answer equal to a number the question gives (a copied operand: "18 - 1" answered
-  "18"), the other common way a small solver fails.
+  "18"), the other common way a small solver fails, unless a step of the attempt that holds arrives at it
+  ("18 - 9 = 9" is worked out, not copied).
 
 Model text is never evaluated as Python: a regular expression finds candidate equations made
 of digits and operators only, and a small parser over exact fractions computes them, with
@@ -146,7 +147,7 @@ def _matches(written: Fraction, value: Fraction, rhs: str) -> bool:
 
 def check_steps(question: str, attempt: str, answer: str | None) -> StepReport:
     """The report on ``attempt`` (its extracted final ``answer``, None when it gave none)."""
-    checked, slips = 0, []
+    checked, slips, derived = 0, [], set()
     for m in _EQUATION_RE.finditer(attempt):
         lhs, rhs = m.group("lhs"), m.group("rhs")
         if _CHAIN_BEFORE_RE.search(attempt[max(0, m.start() - 8):m.start()]):
@@ -157,8 +158,11 @@ def check_steps(question: str, attempt: str, answer: str | None) -> StepReport:
         checked += 1
         if not _matches(written, value, rhs):
             slips.append(Slip(" ".join(_tokens(lhs) or [lhs]), rhs))
+        else:
+            derived.add(written)
     final = number_value(answer) if answer else None
-    copied = answer.strip() if final is not None and final in numbers_in(question) else None
+    # an answer a step that holds arrives at is worked out, not copied ("18 - 9 = 9" asked of 18 and 9)
+    copied = answer.strip() if final is not None and final in numbers_in(question) and final not in derived else None
     return StepReport(checked, tuple(slips), copied)
 
 

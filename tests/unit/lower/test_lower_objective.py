@@ -207,3 +207,26 @@ def test_first_turn_only_leaves_the_refines_no_gradient_whatever_their_advantage
     assert torch.equal(grad(masked, adv), grad(masked, other))
     assert grad(masked, adv)[refine].abs().max() == 0 and grad(masked, adv)[~refine].abs().max() > 0
     assert not torch.allclose(grad(tt, adv), grad(tt, other))
+
+
+@pytest.mark.parametrize("coef, train_refine, scorer, on, by_vllm", [
+    (0.1, True, "auto", True, True),
+    (0.1, True, "engine", True, True),
+    (0.1, True, "trainer", True, False),
+    (0.1, False, "auto", False, False),  # the masked-refine control computes no bonus, so no engine scored one
+    (0.1, False, "engine", False, False),
+    (0.0, True, "auto", False, False),
+])
+def test_the_engine_scores_the_bonus_only_where_one_is_computed(coef, train_refine, scorer, on, by_vllm):
+    """lower.bonus_on is the one switch: lower/bonus/engine_scored follows it, as the bonus and pi_old skip do."""
+    from types import SimpleNamespace
+
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.lower.learner import bonus_scored_by_engine
+
+    lo = load_config("mlmt").lower
+    lo = replace(lo, train_refine=train_refine, bonus=replace(lo.bonus, coef=coef, scorer=scorer, model="policy"),
+                 logprob_temperature="raw")
+    assert lo.bonus_on is on
+    assert bonus_scored_by_engine(lo, SimpleNamespace(name="vllm")) is by_vllm
+    assert bonus_scored_by_engine(lo, SimpleNamespace(name="hf")) is (by_vllm and scorer == "engine")

@@ -148,3 +148,29 @@ def test_under_a_tool_the_writer_never_reads_the_grading_context(tiny_cfg, polic
     state = policies.tokenizer("writer").decode(fb.prompt_ids[:fb.state_len])
     assert ("hidden test: assert f(3) == 9" in state) is shown
     assert environment([ep]) == ("privileged:grading_tests" if shown else "honest:tool")
+
+
+class _Counted(ArithTask):
+    """Arith whose check counts its runs (mbpp's check is a sandbox run: each one costs)."""
+
+    def __init__(self, n_digits):
+        super().__init__(n_digits)
+        self.checked: list[str] = []
+
+    def check_attempt(self, problem, response):
+        self.checked.append(response)
+        return super().check_attempt(problem, response)
+
+
+@pytest.mark.parametrize("field", ["writer_sees", "feedback"])
+def test_each_attempt_a_writer_reads_is_checked_once_per_episode(tiny_cfg, policies, field):
+    """Round k's writer state reads attempts 1..k: their checks are run once each, not once per round
+    (3 rounds read 3 attempts: 3 checks, where re-checking every round would run 1 + 2 + 3 = 6)."""
+    attempt, task = "7 + 10 = 18\nThe answer is: 18", _Counted(1)
+    ep = _run(tiny_cfg, policies, attempt, task=task, rounds=3, **{field: "tool"})
+    assert len(ep.solver_turns) == 4 and task.checked == [attempt] * 3  # the last refine: no writer reads it
+    want = check_steps(SEVENTEEN.question, attempt, "18").to_json()
+    feedback = [t for t in ep.turns if t.kind == "feedback"]
+    assert [t.info["tool_report"] for t in feedback] == [want] * 3
+    if field == "writer_sees":
+        assert [t.info["writer_signal"] for t in feedback] == [1] * 3

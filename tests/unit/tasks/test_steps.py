@@ -80,3 +80,11 @@ def test_hints_point_at_the_step_without_its_value():
     assert answer_leaked("11", text, question, "arith") is False
     copied = hint(check_steps(question, "The answer is 19", "19"))
     assert "19" not in copied and answer_leaked("11", copied, question, "arith") is False
+
+
+def test_an_answer_a_true_step_arrives_at_is_not_copied():
+    # 18 - 9 = 9: the answer is a number of the question and right; the step that derives it holds
+    question = "What is 18 minus 9?"
+    assert check_steps(question, "18 - 9 = 9\nThe answer is 9", "9").copied is None
+    assert check_steps(question, "The answer is 9", "9").copied == "9"  # nothing derives it: flagged
+    assert check_steps(question, "18 - 9 = 18\nThe answer is 18", "18").copied == "18"  # a slip derives nothing
