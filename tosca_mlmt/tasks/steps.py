@@ -172,4 +172,6 @@ def hint(report: StepReport) -> str:
         return f"Recheck {report.slips[0].expression}."
     if report.copied is not None:
         return "Your answer is a number the question gives; recheck which operation the question asks for."
+    if not report.equations:  # nothing was checked: "check out" would vouch for an answer nobody verified
+        return "Write out the calculation that gives your answer."
     return "Your steps check out."

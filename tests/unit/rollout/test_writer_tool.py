@@ -79,12 +79,13 @@ def test_the_tool_template_points_at_the_step_and_gives_no_value_away(tiny_cfg, 
     from tosca_mlmt.tasks.steps import evaluate
 
     attempts = ["4 * 5 = 21\n21 + 7 = 28\nThe answer is: 28", "4 * 5 = 20\n20 + 7 = 26\nThe answer is: 26",
-                "4 * 5 + 7 = 29\nThe answer is: 29", "The answer is: 5", "4 * 5 = 20\n20 + 7 = 27\nThe answer is: 27"]
+                "4 * 5 + 7 = 29\nThe answer is: 29", "The answer is: 5", "4 * 5 = 20\n20 + 7 = 27\nThe answer is: 27",
+                "The answer is: 27"]
     episodes = [_run(tiny_cfg, policies, a, task=GSM8KTask(), problem=BOXES, feedback="tool") for a in attempts]
     hints = [ep.turns[1].text for ep in episodes]
     assert hints == ["Recheck 4 * 5.", "Recheck 20 + 7.", "Recheck 4 * 5 + 7.",
                      "Your answer is a number the question gives; recheck which operation the question asks for.",
-                     "Your steps check out."]
+                     "Your steps check out.", "Write out the calculation that gives your answer."]
     assert all(ep.turns[1].finish_reason == "fixed" and ep.turns[1].info["feedback"] == "tool" for ep in episodes)
     assert leak_rate(episodes) == 0.0
     for ep in episodes[:3]:

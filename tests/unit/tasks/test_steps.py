@@ -88,3 +88,8 @@ def test_an_answer_a_true_step_arrives_at_is_not_copied():
     assert check_steps(question, "18 - 9 = 9\nThe answer is 9", "9").copied is None
     assert check_steps(question, "The answer is 9", "9").copied == "9"  # nothing derives it: flagged
     assert check_steps(question, "18 - 9 = 18\nThe answer is 18", "18").copied == "18"  # a slip derives nothing
+
+
+def test_a_hint_never_vouches_for_an_answer_nothing_checked():
+    assert hint(check_steps("What is 7 + 10?", "The answer is 17", "17")) == "Write out the calculation that gives your answer."
+    assert hint(check_steps("What is 7 + 10?", "7 + 10 = 17. The answer is 17", "17")) == "Your steps check out."
