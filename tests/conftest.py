@@ -7,6 +7,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -234,13 +235,14 @@ def lower_setup(tiny_cfg, policies):
 
 
 @pytest.fixture(scope="module")
-def bf16_setup(lower_setup):
+def bf16_setup(lower_setup, debug_cfg):
     """The path `model.dtype: auto` takes on CPUs with native bf16, forced on any CPU: bf16 base
-    weights and bf16 autocast (torch emulates bf16 where the CPU lacks it). The fp32 fixture's
-    episodes are reused: what is scored here is the bf16 forward, and sampling them again in bf16
-    would cost minutes where bf16 matmuls are emulated (~50x slower than fp32 on AVX2-only CPUs);
-    bf16 sampling is covered on the debug model (test_bf16_update_keeps_fp32_master_adapters_and_finite_losses)."""
+    weights and bf16 autocast (torch emulates bf16 where the CPU lacks it), on the debug base (the
+    same tokenizer, so the fp32 fixture's episodes are its token ids too). What is checked is the
+    bf16 forward's arithmetic, not what the model knows; the embedded model's 30 layers in emulated
+    bf16 cost ~100 s a test on AVX2-only CPUs (~50x slower than fp32). bf16 sampling is covered on
+    the debug model too (test_bf16_update_keeps_fp32_master_adapters_and_finite_losses)."""
     from factories import bf16_pair
 
-    cfg, policies = bf16_pair(lower_setup[0])
+    cfg, policies = bf16_pair(replace(lower_setup[0], model=debug_cfg.model))
     return cfg, lower_setup[1], policies

@@ -475,14 +475,18 @@ def run_overrides(args) -> tuple[dict, dict]:
     common = {"task.name": "arith", "task.level": args.level, "task.limit": args.test_problems,
               "logging.wandb": False, "logging.progress": False, "engine.name": args.engine,
               "episode.max_prompt_tokens": 768, "engine.vllm.max_model_len": 1024,
-              "engine.vllm.cpu_norm_kernel": False, **ENV_OVERRIDES[args.env]}
+              "engine.vllm.cpu_norm_kernel": False,
+              # every unit before the memory defaults moved (2026-12-06: 1 GiB KV cache, scoring 4 rows at a
+              # time) ran 2 GiB and whole-batch scoring; kept, so the stored units keep their hashes (bf16
+              # scoring rounds by shape)
+              "engine.vllm.kv_cache_gb": 2, **ENV_OVERRIDES[args.env]}
     # equal compute for every trained method (a frozen part simply spends none of it)
     train = {"task.split": "train", "task.limit": 0, "joint.rounds": args.rounds, "episode.n_samples": args.n_samples,
              "joint.collect_problems": args.collect_problems, "joint.lower_iterations": args.lower_iterations,
              "lower.problems_per_iteration": args.problems_per_iteration, "joint.upper_steps": args.upper_steps,
              # warm-up below the writer's steps, so some train its text (at the grid's 30 steps: 5, as before)
              "upper.warmup_steps": min(5, max(0, args.upper_steps - 1)), "upper.eval_every": max(1, args.upper_steps),
-             "upper.save_every": max(1, args.upper_steps),
+             "upper.save_every": max(1, args.upper_steps), "lower.score_batch": 0,
              # every unit before lower.bonus.scorer=auto (the default since) was scored by the trainer;
              # a method that wants the engine says so in its own overrides
              "lower.bonus.scorer": "trainer"}

@@ -11,6 +11,8 @@ each step's seconds and the load average. Variants undo the demo's memory settin
   demo        + kv_cache_gb 1, score_batch 4, grad_accum 2, engine.allocator lean (configs/demo.yaml
               as shipped: jemalloc where installed, else tcmalloc, else glibc at threshold 64)
   demo-fp32   the demo in fp32, as a CPU without native bf16 runs it
+  defaults    the demo's sizes with every memory knob at the library's default (allocator, mmap
+              threshold, KV cache, score_batch, minibatch and accumulation): the peak nobody tuned
   demo[-fp32][-kbN][-glibc|-jemalloc|-tcmalloc]   the demo (in fp32) with the mmap threshold at N
               KiB (glibc: where it sits between page faults and the heap's growth) and on that malloc
 
@@ -58,11 +60,24 @@ VARIANTS = {"before": BEFORE, "allocator": {**BEFORE, "engine.mmap_threshold_kb"
             "demo-fp32": FP32}
 
 
+def library_defaults() -> dict:
+    """The demo's memory knobs put back to the library's defaults (read from the config classes, so the
+    variant follows them): what a train-joint of the demo's sizes peaks at when nobody tunes memory."""
+    from tosca_mlmt.config import load_config
+
+    d = load_config()
+    return {"engine.allocator": d.engine.allocator, "engine.mmap_threshold_kb": d.engine.mmap_threshold_kb,
+            "engine.vllm.kv_cache_gb": d.engine.vllm.kv_cache_gb, "lower.score_batch": d.lower.score_batch,
+            "lower.minibatch_size": d.lower.minibatch_size, "lower.grad_accum": d.lower.grad_accum}
+
+
 def variant(name: str) -> dict:
     """A named variant's overrides, or those of ``demo[-fp32][-kbN][-ALLOCATOR]``: the demo (in fp32),
     with the mmap threshold at N KiB, on malloc ALLOCATOR (engine.allocator)."""
     if name in VARIANTS:
         return VARIANTS[name]
+    if name == "defaults":
+        return library_defaults()
     base, *rest = name.split("-")
     sets = dict(FP32) if rest[:1] == ["fp32"] else {}
     rest = rest[1:] if sets else rest
@@ -143,7 +158,7 @@ def ppo_pairs(snapshots: Path, n: int, work: Path, iterations: int = 1, baseline
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), help=f"{', '.join(VARIANTS)}, or demo[-fp32][-kbN]"
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), help=f"{', '.join(VARIANTS)}, defaults, or demo[-fp32][-kbN]"
                                                                           f"[-{'|-'.join(ALLOCATORS)}]")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ppo-pairs", type=int, default=0, help="time the threshold on N pairs of offline PPO "

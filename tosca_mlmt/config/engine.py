@@ -22,8 +22,10 @@ class VLLMConfig(Section):
     max_model_len: int = knob(2048, "Longest prompt+response vLLM must hold (more than episode.max_prompt_tokens).",
                               min=2)
     enforce_eager: bool = knob(True, "Skip CUDA graphs / torch.compile (fast start; turn off for long GPU runs).")
-    kv_cache_gb: int = knob(2, "CPU only: GiB of KV cache (vLLM's kv_cache_memory_bytes; its legacy "
-                              "VLLM_CPU_KVCACHE_SPACE env, where set, wins).", min=1)
+    kv_cache_gb: int = knob(1, "CPU only: GiB of KV cache (vLLM's kv_cache_memory_bytes; its legacy "
+                              "VLLM_CPU_KVCACHE_SPACE env, where set, wins). 1 GiB serves the embedded model's "
+                              "turns at the default batch sizes; raise it for larger batches, longer sequences or "
+                              "bases (vLLM queues what does not fit: slower, not wrong).", min=1)
     writer_share: float = knob(0.5, "Solver and writer on different bases (model.writer): vLLM runs one engine per "
                                "base (rollout/engines/vllm/pair.py), and the writer's gets this share of "
                                "gpu_memory_utilization (GPU) or kv_cache_gb (CPU), the solver's the rest. Ignored "

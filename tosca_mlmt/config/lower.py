@@ -158,8 +158,9 @@ class LowerConfig(Section):
     logprob_chunk: int = knob(256, "Positions per row in one LM-head chunk: at most rows x chunk positions' fp32 logits "
                                "exist at a time (memory ~ chunk x vocab per row, not length x vocab). The head runs only "
                                "on the positions the loss reads (the action tokens).", min=1)
-    score_batch: int = knob(0, "Rows per no-grad scoring forward (old/ref/bonus log-probs); 0 = a rank's whole "
-                                  "share at once. Bounds memory, and with a value that divides every rank's share "
+    score_batch: int = knob(4, "Rows per no-grad scoring forward (old/ref/bonus log-probs); 0 = a rank's whole "
+                                  "share at once. Bounds memory (the whole share's activations and hidden states "
+                                  "at once lift a CPU run's peak by GiBs), and with a value that divides every rank's share "
                                   "the forwards have the same shapes at any world size (bf16 results depend on "
                                   "shapes; fp32 ones only at ~1e-7).", min=0)
     autocast: str = knob("auto", "bf16 autocast for forward/backward: auto = when the hardware has bf16.",

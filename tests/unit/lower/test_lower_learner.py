@@ -178,13 +178,16 @@ def test_mask_truncated_drops_cut_turns_from_the_loss_but_not_from_the_advantage
 
 
 @pytest.mark.slow
-def test_train_refine_off_leaves_the_gradient_blind_to_refine_rewards(lower_setup, policies):
+def test_train_refine_off_leaves_the_gradient_blind_to_refine_rewards(lower_setup, debug_policies):
     """lower.train_refine=false (the masked-refine control): two batches that differ only in the refines'
     rewards give the same gradient, turn 1's (turn_gamma 0: turn 1 is credited by its own reward); on, the
-    refines train and the same change moves the gradient. The bonus and the KL loss stay on."""
+    refines train and the same change moves the gradient. The bonus and the KL loss stay on. The
+    embedded model's episodes are updated on the debug base (the same tokenizer): the masking does
+    not depend on what the model knows."""
     from tosca_mlmt.lower.learner import LowerLearner
 
     cfg, trajs = lower_setup
+    policies = debug_policies
     model = policies.model("solver")
     params = {n: p for n, p in model.named_parameters() if ".solver." in n}
     finals = {"kept": lambda i: float(i % 2), "broke": lambda i: float(i % 3 == 0)}
@@ -246,12 +249,16 @@ def test_bf16_update_keeps_fp32_master_adapters_and_finite_losses(debug_cfg):
 @pytest.mark.slow
 @pytest.mark.parametrize("advantage,logprob_temperature", [("gae", "raw"), ("grpo", "raw"), ("archer", "raw"),
                                                           ("grpo", "sampling")])
-def test_update_changes_the_solver_adapter_and_nothing_else(lower_setup, policies, advantage, logprob_temperature):
+def test_update_changes_the_solver_adapter_and_nothing_else(lower_setup, debug_policies, advantage,
+                                                            logprob_temperature):
+    """On the debug base (the same tokenizer, so the embedded model's episodes are its ids too): which
+    tensors an update moves does not depend on what the model knows."""
     from peft import set_peft_model_state_dict
 
     from tosca_mlmt.lower.learner import LowerLearner
 
     cfg, trajs = lower_setup
+    policies = debug_policies
     # rewards must vary for group estimators to produce a gradient
     trajs = [replace(t, turn_rewards=[float(i % 2), float((i + 1) % 2)]) for i, t in enumerate(trajs)]
     cfg = replace(cfg, lower=replace(cfg.lower, advantage=advantage, logprob_temperature=logprob_temperature))
