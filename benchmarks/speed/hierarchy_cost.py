@@ -91,6 +91,27 @@ def ratios(units: list[dict]) -> dict[str, dict[str, float]]:
     return dict(out)
 
 
+def overhead(units: list[dict]) -> dict[str, dict[str, dict]]:
+    """method -> seed -> where its ratio comes from: each round step's seconds (and the rest of the wall:
+    model loads, engine start) in units of the baseline's training time at that seed, so they sum to the
+    ratio; and each of the solver's named steps as a multiple of the baseline's same step (what the
+    refine turn does to the solver's own work at equal solver compute)."""
+    done = [u for u in units if u.get("finished", True)]
+    base = {u["seed"]: u for u in done if u["method"] == BASELINE}
+    out: dict[str, dict[str, dict]] = defaultdict(dict)
+    for u in done:
+        b = base.get(u["seed"])
+        if b is None or u["method"] == BASELINE:
+            continue
+        t = b["train_seconds"]
+        stages = {k: round(v / t, 2) for k, v in u["stage_seconds"].items()}
+        stages["rest"] = round((u["train_seconds"] - sum(u["stage_seconds"].values())) / t, 2)
+        mine, theirs = u["steps"].get("lower", {}), b["steps"].get("lower", {})
+        steps = {k: round(mine.get(k, 0.0) / v, 2) for k, v in theirs.items() if v >= 1.0}
+        out[u["method"]][str(u["seed"])] = {"of_baseline_time": stages, "solver_steps_x_baseline": steps}
+    return dict(out)
+
+
 def main() -> None:
     ap = efficacy_parser()
     ap.description = __doc__.split("\n")[0]
@@ -135,6 +156,7 @@ def write(path: Path, result: dict) -> None:
     if result["load_avg"] is not None:
         result["load_avg"]["after"] = loadavg()
     result["ratio_to_single_turn_grpo"] = ratios(result["units"])
+    result["overhead"] = overhead(result["units"])
     path.write_text(json.dumps(result, indent=1) + "\n")
 
 

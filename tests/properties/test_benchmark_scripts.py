@@ -331,6 +331,25 @@ def test_hierarchy_cost_sums_each_stages_clocks_and_divides_by_grpo_at_the_same_
     assert hc.ratios(units) == {"mlmt": {"0": 4.5}, "solver-only": {"2": 2.5}}
 
 
+def test_hierarchy_cost_overhead_splits_each_ratio_into_its_stages(monkeypatch):
+    """The stage shares (with the rest of the wall) sum to the ratio; solver steps are multiples of the
+    baseline's own, and a step the baseline barely ran (< 1 s) gives no multiple."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    hc = _script("benchmarks.speed.hierarchy_cost")
+    grpo = {"method": "single-turn-grpo", "seed": 0, "train_seconds": 100.0, "stage_seconds": {"lower": 90.0},
+            "steps": {"lower": {"update": 40.0, "generate": 30.0, "bonus": 0.5}}}
+    mlmt = {"method": "mlmt", "seed": 0, "train_seconds": 450.0,
+            "stage_seconds": {"collect": 100.0, "upper": 150.0, "lower": 180.0},
+            "steps": {"lower": {"update": 100.0, "generate": 60.0, "bonus": 20.0}}}
+    cut = {**mlmt, "method": "solver-only", "finished": False}
+    got = hc.overhead([grpo, mlmt, cut])
+    assert list(got) == ["mlmt"]
+    shares = got["mlmt"]["0"]["of_baseline_time"]
+    assert shares == {"collect": 1.0, "upper": 1.5, "lower": 1.8, "rest": 0.2}
+    assert sum(shares.values()) == pytest.approx(hc.ratios([grpo, mlmt])["mlmt"]["0"])
+    assert got["mlmt"]["0"]["solver_steps_x_baseline"] == {"update": 2.5, "generate": 2.0}
+
+
 def test_hierarchy_cost_assembles_a_cut_invocation_and_gives_no_ratio_to_an_unfinished_run(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(ROOT))
     hc = _script("benchmarks.speed.hierarchy_cost")
