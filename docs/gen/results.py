@@ -148,7 +148,24 @@ def hierarchy_section() -> list[str]:
                    f"{st.get('upper', 0):.0f} | {st.get('lower', 0):.0f} | {u.get('sync_seconds', 0):.0f} | "
                    f"{u.get('peak_rss_gib') or '–'} | {'1' if u['method'] == 'single-turn-grpo' else r or '–'} |")
     sizes = ", ".join(f"{k} {v}" for k, v in (d.get("sizes") or {}).items())
-    return out + ["", f"{date(d, p)}, {machine(d)}, load {load(d)};", f"sizes: {sizes};", f"{link(p)}.", ""]
+    return out + overhead_table(d.get("overhead") or {}) + [
+        "", f"{date(d, p)}, {machine(d)}, load {load(d)};", f"sizes: {sizes};", f"{link(p)}.", ""]
+
+
+def overhead_table(overhead: dict) -> list[str]:
+    """hierarchy_cost's ``overhead``: each ratio as the sum of its steps' shares of GRPO's training time."""
+    if not overhead:
+        return []
+    out = ["", "Where each ratio comes from: each round step's seconds ÷ GRPO's training time at that seed (they sum",
+           "to the ratio; rest = model loads and engine start), and the solver's own steps as multiples of GRPO's.", "",
+           "| method | seed | collect | upper | lower | rest | solver steps × GRPO's |", "|---|---|---|---|---|---|---|"]
+    for method, seeds in overhead.items():
+        for seed, o in seeds.items():
+            sh = o["of_baseline_time"]
+            steps = ", ".join(f"{k} {v:g}×" for k, v in o["solver_steps_x_baseline"].items())
+            out.append(f"| {method} | {seed} | {sh.get('collect', 0):g} | {sh.get('upper', 0):g} | "
+                       f"{sh.get('lower', 0):g} | {sh.get('rest', 0):g} | {steps} |")
+    return out
 
 
 def learning_section() -> list[str]:
