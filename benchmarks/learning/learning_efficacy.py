@@ -168,14 +168,42 @@ def ladder(lower_iterations: int) -> dict[str, tuple[Path, dict]]:
 VERDICT_CONTROL = {"verdict-template": (MLMT, {"episode.feedback": "verdict", "joint.freeze_writer": True}),
                    "verdict-template-reward-to-go": (MLMT, {**REWARD_TO_GO, "episode.feedback": "verdict",
                                                             "joint.freeze_writer": True})}
+# the controls of the tool environment (issue 66): the check's hint after every attempt by a fixed rule (no
+# writer model), and the selector that may send that hint or another sentence, chosen by its Q
+TOOL_CONTROL = {"tool-template": (MLMT, {"episode.feedback": "tool", "joint.freeze_writer": True}),
+                "mlmt-tool-selector": (ROOT / "configs" / "mlmt-tool-selector.yaml", {})}
+# tool: the writer reads the task's own check of each attempt (honest:tool); q_signal gives Q its flag
 ENV_OVERRIDES = {"none": {}, "confidence": {"episode.writer_sees": "confidence"},
-                 "verdict": {"episode.writer_sees": "verdict"}}
+                 "verdict": {"episode.writer_sees": "verdict"},
+                 "tool": {"episode.writer_sees": "tool", "upper.q_signal": True}}
+ENV_LABELS = {"verdict": "privileged (writer sees the verdict)",
+              "tool": "honest:tool (writer sees the task's own check of the attempt)"}
+# The settings every unit of the grids before the tool environment ran with, pinned there so stored units keep
+# their hashes: vLLM's PyTorch norm (before engine.vllm.cpu_norm_kernel, on by default since), a 2 GiB KV cache
+# and whole-batch scoring (before the 2026-12-06 memory defaults; bf16 scoring rounds by shape), the context
+# bonus scored by the trainer (before lower.bonus.scorer=auto; a method that wants the engine says so). The
+# tool grid started after them and runs the library's defaults.
+LEGACY_COMMON = {"engine.vllm.cpu_norm_kernel": False, "engine.vllm.kv_cache_gb": 2}
+LEGACY_TRAIN = {"lower.score_batch": 0, "lower.bonus.scorer": "trainer"}
+# The tool grid's units are gathered over sessions on whichever 2-core CPU each gets, with native bf16 or without:
+# fp32 throughout is one numerics path on every one of them, so its seeds pool wherever they ran ('auto' would file
+# an AVX2 machine's units and an AMX machine's apart, identity()).
+PORTABLE_COMMON = {"model.dtype": "float32"}
+PORTABLE_TRAIN = {"lower.autocast": "none"}
+# Inference-matched controls (issue 66), run on these methods' solvers in the tool environment: majority of
+# CONTROL_K sampled answers and tool-gated resampling (analysis/controls.py), and the tool's hint at test time
+# on a solver never trained under it. K = 3: a feedback method makes three generations a problem (attempt,
+# feedback, refine); counting the writer's too gives the control the larger budget.
+CONTROLLED = ("single-turn-grpo",)
+CONTROL_K = 3
 
 
 def run_method(name: str, preset: Path, extra: dict | None, common: dict, train: dict, evalsel: dict, seed: int,
-               work: Path, sha: str, reuse: Path | None = None, evals: dict[str, dict] | None = None) -> dict:
+               work: Path, sha: str, reuse: Path | None = None, evals: dict[str, dict] | None = None,
+               controls: bool = False) -> dict:
     """Train (unless ``extra`` is None), evaluate on arith's test split, then on each of ``evals`` (name ->
-    overrides of the eval config: out-of-distribution evals, OOD_EVALS), kept under the unit's "evals"."""
+    overrides of the eval config: out-of-distribution evals, OOD_EVALS), kept under the unit's "evals", and
+    with ``controls`` the inference-matched controls on the trained solver (``control_eval``)."""
     from tosca_mlmt.config import load_config
     from tosca_mlmt.pipelines.evaluate import adapters_from_run, eval_outcomes, evaluate
     from tosca_mlmt.pipelines.train_joint import train_joint
@@ -209,6 +237,9 @@ def run_method(name: str, preset: Path, extra: dict | None, common: dict, train:
     o = eval_outcomes(folder / "eval", texts=True)  # per problem, sorted by id: every method pairs up
     out = {"ids": o["ids"], "t1": np.array(o["t1"], dtype=float), "final": np.array(o["final"], dtype=float),
            "answers": answer_tails(o)}
+    flags = tool_flags(folder / "eval")
+    if flags is not None:
+        out["flagged"] = flags
     if evals:
         out["evals"] = {}
     for ood, overrides in (evals or {}).items():
@@ -217,9 +248,46 @@ def run_method(name: str, preset: Path, extra: dict | None, common: dict, train:
         o = eval_outcomes(folder / f"eval-{ood}")
         out["evals"][ood] = {"ids": list(o["ids"]), "t1": [float(v) for v in o["t1"]],
                              "final": [float(v) for v in o["final"]]}
+    if controls:
+        out["controls"] = control_eval(load_config(preset, {**common, **(extra or {}), **adapters, **evalsel,
+                                                            "task.split": "test", "seed": 0}), folder / "eval-controls")
     return {"method": name, "seed": seed, "git_sha": sha, "train_seconds": None if reused else round(train_s, 1),
             "eval_seconds": round(time.time() - t0 - train_s, 1), "used": used, "reused_run": reused,
             "environment": report.get("environment"), "train_curve": curve, **out}
+
+
+def tool_flags(eval_dir: Path) -> list[int] | None:
+    """Per problem in id order, whether the task's check flagged the first attempt (the tool report stored on
+    the eval's first feedback turn); None when an episode has none (no refine turn, or no tool)."""
+    from tosca_mlmt.store import load_snapshot
+
+    sid = json.loads((eval_dir / "eval.json").read_text())["snapshot_id"]
+    flags = []
+    for e in sorted(load_snapshot(eval_dir / "snapshots", sid).episodes(), key=lambda e: e.problem.id):
+        report = next((t.info.get("tool_report") for t in e.turns if t.kind == "feedback"), None)
+        if report is None:
+            return None
+        flags.append(int(bool(report["flagged"])))
+    return flags
+
+
+def control_eval(cfg, folder: Path) -> dict:
+    """The controls on ``cfg``'s solver, over the test problems in id order (as t1/final): majority of
+    CONTROL_K sampled answers, tool-gated resampling with one resample, and the eval's own episode with the
+    tool's hint as feedback (episode.feedback: tool) on a solver that may never have been trained under it."""
+    from dataclasses import replace
+
+    from tosca_mlmt.pipelines.evaluate import eval_outcomes, evaluate
+
+    cfg = replace(cfg, episode=replace(cfg.episode, rounds=1, feedback="tool"))
+    report = evaluate(cfg, folder, majority=CONTROL_K, resample="tool").report
+    rows = sorted(json.loads((folder / "controls.json").read_text())["rows"], key=lambda r: r["id"])
+    o = eval_outcomes(folder)
+    if [r["id"] for r in rows] != list(o["ids"]):
+        raise RuntimeError(f"{folder}: the controls' problems differ from the eval's")
+    return {"ids": list(o["ids"]), "k": CONTROL_K, "majority": [int(r["majority_correct"]) for r in rows],
+            "resample": [int(r["resample_correct"]) for r in rows], "tool_hint": [int(v) for v in o["final"]],
+            **{k: report[k] for k in ("resample_flagged", "resample_used", "resample_fixed", "resample_broke")}}
 
 
 # what the arith/math verifiers read of an answer (tasks/mathverify.extract_answer): the last \boxed{}, the
@@ -472,24 +540,18 @@ def _same_unit(stored: dict | None, key: dict, has_q: bool) -> bool:
 def run_overrides(args) -> tuple[dict, dict]:
     """(overrides of every run and eval, overrides of training only) from the sizes."""
     # every unit before engine.vllm.cpu_norm_kernel (on by default since) ran vLLM's PyTorch norm
+    legacy = args.env != "tool"
     common = {"task.name": "arith", "task.level": args.level, "task.limit": args.test_problems,
               "logging.wandb": False, "logging.progress": False, "engine.name": args.engine,
               "episode.max_prompt_tokens": 768, "engine.vllm.max_model_len": 1024,
-              "engine.vllm.cpu_norm_kernel": False,
-              # every unit before the memory defaults moved (2026-12-06: 1 GiB KV cache, scoring 4 rows at a
-              # time) ran 2 GiB and whole-batch scoring; kept, so the stored units keep their hashes (bf16
-              # scoring rounds by shape)
-              "engine.vllm.kv_cache_gb": 2, **ENV_OVERRIDES[args.env]}
+              **(LEGACY_COMMON if legacy else PORTABLE_COMMON), **ENV_OVERRIDES[args.env]}
     # equal compute for every trained method (a frozen part simply spends none of it)
     train = {"task.split": "train", "task.limit": 0, "joint.rounds": args.rounds, "episode.n_samples": args.n_samples,
              "joint.collect_problems": args.collect_problems, "joint.lower_iterations": args.lower_iterations,
              "lower.problems_per_iteration": args.problems_per_iteration, "joint.upper_steps": args.upper_steps,
              # warm-up below the writer's steps, so some train its text (at the grid's 30 steps: 5, as before)
              "upper.warmup_steps": min(5, max(0, args.upper_steps - 1)), "upper.eval_every": max(1, args.upper_steps),
-             "upper.save_every": max(1, args.upper_steps), "lower.score_batch": 0,
-             # every unit before lower.bonus.scorer=auto (the default since) was scored by the trainer;
-             # a method that wants the engine says so in its own overrides
-             "lower.bonus.scorer": "trainer"}
+             "upper.save_every": max(1, args.upper_steps), **(LEGACY_TRAIN if legacy else PORTABLE_TRAIN)}
     return common, train
 
 
@@ -528,6 +590,41 @@ def ood_lines(per: dict[str, list[dict]]) -> list[str]:
     return head + lines if lines else []
 
 
+CONTROL_NAMES = {"majority": f"majority of {CONTROL_K}", "resample": "tool-gated resample",
+                 "tool_hint": "tool hint at test only"}
+
+
+def control_lines(per: dict[str, list[dict]], primary: str) -> list[str]:
+    """Each controlled method's inference-matched controls (pooled over seeds, interval over problems) and
+    ``primary``'s Acc@final minus each, paired seed by seed (and resampling arith's facts)."""
+    from tosca_mlmt.analysis.stats import paired_bootstrap
+    from tosca_mlmt.tasks.arith import facts_of
+
+    lines, mine = [], {r["seed"]: r for r in per.get(primary, [])}
+    for name, runs in per.items():
+        got = [r for r in runs if r.get("controls")]
+        if not got or any(r["controls"]["ids"] != got[0]["controls"]["ids"] for r in got):
+            continue
+        facts = np.array(facts_of(got[0]["controls"]["ids"]))
+        for key, label in CONTROL_NAMES.items():
+            acc = paired_bootstrap(np.array([r["controls"][key] for r in got]))
+            common = [r for r in got if r["seed"] in mine and list(mine[r["seed"]]["ids"]) == r["controls"]["ids"]]
+            diff = "—"
+            if common:
+                a = np.stack([mine[r["seed"]]["final"] for r in common])
+                d = paired_bootstrap(a, np.array([r["controls"][key] for r in common]), groups=facts)
+                diff = f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] ({len(common)} seeds)"
+            lines.append(f"| {name} | {label} | {len(got)} x {len(got[0]['controls']['ids'])} | "
+                         f"{acc['mean']:.3f} [{acc['lo']:.3f}, {acc['hi']:.3f}] | {diff} |")
+    head = ["", f"Inference-matched controls on the solver (sampled at its temperature, no writer): majority of "
+                f"{CONTROL_K} answers; tool-gated resample (the check flags turn 1 -> one sampled answer replaces "
+                "it); the tool's hint as feedback at test only. Last column: " + primary + "'s Acc@final minus the "
+                "control, interval over facts.", "",
+            "| solver | control | seeds x problems | Acc [95 % CI] | " + primary + " minus it |",
+            "|---|---|---|---|---|"]
+    return head + lines if lines else []
+
+
 def in_child(fn, *args):
     """``fn(*args)`` in a spawned child process of its own. A child killed by a signal (the OOM killer)
     raises BrokenProcessPool here: multiprocessing.Pool replaced such a worker and waited for its lost
@@ -552,6 +649,7 @@ class Units:
 
     def __init__(self, args):
         self.every = dict(METHODS, **(VERDICT_CONTROL if args.env == "verdict" else {}),
+                          **(TOOL_CONTROL if args.env == "tool" else {}),
                           **(ladder(args.lower_iterations) if getattr(args, "ladder", False) else {}))
         common, train = run_overrides(args)
         bf16 = {"auto": None, "yes": True, "no": False}[getattr(args, "native_bf16", "auto")]
@@ -710,7 +808,7 @@ def main() -> None:
                 continue
             try:
                 r = run_unit(name, preset, extra, common, train, evalsel, seed, work, sha, args.reuse_runs,
-                             ood_overrides(args))
+                             ood_overrides(args), args.env == "tool" and name in CONTROLLED)
             except BrokenProcessPool:  # killed, not failed: the next units may fit
                 lost.append(f"{name} seed {seed}")
                 print(f"{name} seed {seed}: its process was killed (out of memory?); no unit written, a rerun "
@@ -728,10 +826,10 @@ def main() -> None:
         ap.error(f"--primary {args.primary} has the configuration of {same_as[args.primary]}; name that one")
     seeds = sorted({r["seed"] for name, runs in per.items() if name != "untrained" for r in runs}) or args.seeds
     summary, lines = table(per, args.primary)
-    lines += batch_lines(per) + ood_lines(per)
+    lines += batch_lines(per) + ood_lines(per) + control_lines(per, args.primary)
     if same_as:
         lines += ["", "Same configuration, shown once: " + "; ".join(f"{a} = {b}" for a, b in same_as.items()) + "."]
-    label = "privileged (writer sees the verdict)" if args.env == "verdict" else "honest"
+    label = ENV_LABELS.get(args.env, "honest")
     head = [f"# Learning efficacy, env `{args.env}` ({label}), arith level {args.level}",
             # the machine that wrote the table: with --table-only not where the units ran (each unit's "cpu")
             f"{dt.datetime.now():%Y-%m-%d}, written on {cpu['cpu_model'] or platform.machine()} "

@@ -32,7 +32,8 @@ from benchmarks.learning import learning_efficacy as le
 
 VARIANT = ()  # one summary of every stored grid: no variant (<date>_default)
 
-ENVS = {"verdict": "verdict (privileged)", "confidence": "confidence (honest)", "none": "none (honest)"}
+ENVS = {"verdict": "verdict (privileged)", "confidence": "confidence (honest)", "none": "none (honest)",
+        "tool": "tool (honest:tool, fp32)"}
 # section -> (env, grid tag, label): the stored grids of each env, then grids of later code kept apart by
 # --tag (their units ran on other code: pooled with the older ones they would mix two programs)
 SECTIONS = {**{env: (env, "", label) for env, label in ENVS.items()},
@@ -49,9 +50,11 @@ WRITERS = {"verdict": [("mlmt", "`mlmt`"), ("mlmt-sentences-only", "selector"),
                        ("mlmt-verdict-sentences-gold-prob", "verdict selector on p_gold"),
                        ("mlmt-verdict-sentences-sampled-refines", "verdict selector on sampled refines")],
            "confidence": [("mlmt", "`mlmt`"), ("mlmt-sentences-only", "selector")],
-           "none": [("mlmt", "`mlmt`"), ("mlmt-sentences-only", "selector")]}
+           "none": [("mlmt", "`mlmt`"), ("mlmt-sentences-only", "selector")],
+           "tool": [("mlmt", "`mlmt`"), ("mlmt-tool-selector", "tool selector")]}
 VERDICT_ONLY = [("verdict-template", "verdict template (control)"),
                 ("solver-only-verdict-sentences", "random verdict sentences, frozen writer")]
+TOOL_ONLY = [("tool-template", "tool template (control)"), ("mlmt-masked-refine", "`mlmt`, refines out of the loss")]
 # the issue's ablations of `mlmt` (shown once measured; not judged by the targets)
 ABLATIONS = [("mlmt-no-bonus", "`mlmt` without the bonus"), ("writer-only", "`mlmt` writer-only (solver frozen)"),
              ("solver-only", "`mlmt` solver-only (writer frozen)")]
@@ -63,7 +66,7 @@ def _short(section: str) -> str:
 
 
 def rows(env: str) -> list[tuple[str, str]]:
-    return CONTROLS + (VERDICT_ONLY if env == "verdict" else []) + ABLATIONS + WRITERS[env]
+    return CONTROLS + {"verdict": VERDICT_ONLY, "tool": TOOL_ONLY}.get(env, []) + ABLATIONS + WRITERS[env]
 
 
 def env_units(env: str, tag: str = "") -> tuple[dict[str, list[dict]], dict[str, bool]]:
@@ -75,7 +78,7 @@ def env_units(env: str, tag: str = "") -> tuple[dict[str, list[dict]], dict[str,
     args = le.parser().parse_args(["--env", env, "--native-bf16", "yes"] + (["--tag", tag] if tag else []))
     per, _, _ = le.Units(args).per_method()
     common, train = le.run_overrides(args)
-    every = dict(le.METHODS, **le.VERDICT_CONTROL)
+    every = dict(le.METHODS, **le.VERDICT_CONTROL, **le.TOOL_CONTROL)
     refines = {m: load_config(every[m][0], {**common, **train, **(every[m][1] or {})}).episode.rounds > 0
                for m, _ in rows(env)}
     return per, refines
@@ -181,12 +184,12 @@ def targets(data: dict) -> tuple[list[str], list[dict]]:
     lines = ["| target (issue #13) | measured | verdict |", "|---|---|---|"]
     record = []
 
-    def add(target: str, section: str, measure, ok, context=()) -> None:
+    def add(target: str, section: str, measure, ok, context=(), judged=None) -> None:
         if section not in data:
             return
         per, cells = data[section]["per"], data[section]["methods"]
         shown, results = [], {}
-        for m, name in WRITERS[SECTIONS[section][0]]:
+        for m, name in judged or WRITERS[SECTIONS[section][0]]:
             v = measure(per, cells, m)
             if v is None:
                 continue
@@ -234,7 +237,57 @@ def targets(data: dict) -> tuple[list[str], list[dict]]:
             lambda c: c["delta"] >= 0 and c["right_to_wrong"] <= c["wrong_to_right"])
     for section in honest:
         add(f"{_short(section)}: ≥ SCoRe", section, versus("score", seeds=True), lambda d: d["mean"] >= 0)
+    tool_targets(add, versus)
     return lines, record
+
+
+def tool_targets(add, versus) -> None:
+    """Issue 66's targets in the tool environment (honest:tool), each from the contrasts that define it."""
+    def fixes(per, cells, m):
+        got = [r for r in per.get(m, []) if r.get("flagged") is not None]
+        if not got:
+            return None
+        t1, fin, flag = (np.concatenate([np.asarray(r[k], dtype=float) for r in got]) for k in ("t1", "final", "flagged"))
+        wrong = flag * (1 - t1)
+        d = {"fixed": float((wrong * fin).sum() / max(wrong.sum(), 1)), "broke": float((t1 * (1 - fin)).sum() / max(t1.sum(), 1))}
+        return (f"fixes {_pct(d['fixed'])} of {int(wrong.sum())} flagged wrong, breaks {_pct(d['broke'])} of "
+                f"{int(t1.sum())} right ({len(got)} seeds)"), d
+
+    def versus_control(key: str):
+        def measure(per, cells, m):
+            ctl = [{"seed": r["seed"], "final": np.asarray(r["controls"][key], dtype=float), "ids": r["controls"]["ids"]}
+                   for r in per.get("single-turn-grpo", []) if r.get("controls")]
+            return versus("control")({**per, "control": ctl}, cells, m) if ctl and m in per else None
+        return measure
+
+    def on_unseen(base: str):
+        def measure(per, cells, m):
+            unseen = {k: [{"seed": r["seed"], "final": np.asarray(r["evals"]["test-unseen"]["final"], dtype=float),
+                           "ids": r["evals"]["test-unseen"]["ids"]} for r in per.get(k, [])
+                          if "test-unseen" in (r.get("evals") or {})] for k in (m, base)}
+            return versus(base)(unseen, cells, m) if all(unseen.values()) else None
+        return measure
+
+    def every_seed(per, cells, m):
+        common, a, b = le.paired_finals(per, m, "untrained")
+        if not common:
+            return None
+        d = a.mean(1) - b.mean(1)
+        return ", ".join(f"seed {s} {_num(x, '+')}" for s, x in zip(common, d)), d
+
+    add("tool: fixes ≥ 30 % of the flagged wrong attempts, breaks ≤ 2 % of right ones", "tool", fixes,
+        lambda d: d["fixed"] >= 0.30 and d["broke"] <= 0.02, [("tool-template", "template")])
+    add("tool: ≥ single-turn GRPO + 0.05, CI > 0", "tool", versus("single-turn-grpo", seeds=True),
+        lambda d: d["mean"] >= 0.05 and lower(d) > 0)
+    for key, name in (("resample", "tool-gated resampling"), ("majority", f"majority of {le.CONTROL_K}")):
+        add(f"tool: above GRPO's {name}, CI > 0", "tool", versus_control(key), lambda d: lower(d) > 0)
+    add("tool: ≥ tool template", "tool", versus("tool-template", seeds=True), lambda d: d["mean"] >= 0)
+    add("tool: writer-only over the untrained pair, CI > 0", "tool", versus("untrained"), lambda d: lower(d) > 0,
+        judged=[("writer-only", "writer-only")])
+    add("tool: unseen phrasings, over the untrained pair, CI > 0", "tool", on_unseen("untrained"),
+        lambda d: lower(d) > 0)
+    add("tool: SCoRe ≥ untrained in every seed", "tool", every_seed, lambda d: bool((d >= 0).all()),
+        judged=[("score", "SCoRe")])
 
 
 def summarise() -> tuple[list[str], dict]:

@@ -36,9 +36,9 @@ def sizes(env: str) -> types.SimpleNamespace:
                                  collect_problems=32, lower_iterations=2, problems_per_iteration=4, upper_steps=30)
 
 
-@pytest.mark.parametrize("env", ["none", "confidence", "verdict"])
+@pytest.mark.parametrize("env", ["none", "confidence", "verdict", "tool"])
 def test_every_method_resolves_and_names_one_configuration(bench, env):
-    every = dict(bench.METHODS, **(bench.VERDICT_CONTROL if env == "verdict" else {}))
+    every = dict(bench.METHODS, **{"verdict": bench.VERDICT_CONTROL, "tool": bench.TOOL_CONTROL}.get(env, {}))
     common, train = bench.run_overrides(sizes(env))
     ids = {name: bench.identity(preset, extra, common, train) for name, (preset, extra) in every.items()}
     by_hash: dict[str, list[str]] = {}
@@ -378,3 +378,149 @@ def test_the_masked_refine_control_is_mlmt_but_for_the_refines_loss(bench):
     method = load_config(bench.MLMT, {**common, **train})
     assert not control.lower.train_refine and method.lower.train_refine
     assert dataclasses.replace(control, lower=dataclasses.replace(control.lower, train_refine=True)) == method
+
+
+def test_the_tool_grid_runs_the_library_defaults_and_the_earlier_grids_keep_their_pins(bench):
+    """The tool environment's writer reads the task's check (honest:tool) and Q gets its flag; its grid started
+    after the pins, so it runs the library's defaults, while the earlier grids keep the settings their stored
+    units ran (their hashes are checked above, test_the_measured_units_still_count_for_their_method)."""
+    from tosca_mlmt.config import Config, load_config
+
+    pins = {**bench.LEGACY_COMMON, **bench.LEGACY_TRAIN}
+    for env in ("none", "confidence", "verdict"):
+        common, train = bench.run_overrides(sizes(env))
+        assert {k: {**common, **train}[k] for k in pins} == pins
+    common, train = bench.run_overrides(sizes("tool"))
+    assert not set(pins) & (set(common) | set(train))
+    mlmt = load_config(bench.MLMT, {**common, **train})
+    # fp32 pinned: one hash whichever CPU a session of the grid runs on
+    assert (mlmt.model.dtype, mlmt.lower.autocast) == ("float32", "none")
+    assert len({bench.identity(bench.MLMT, {}, common, train, bf16)[0] for bf16 in (True, False)}) == 1
+    default = Config()
+    assert mlmt.engine.vllm.kv_cache_gb == default.engine.vllm.kv_cache_gb
+    assert mlmt.lower.bonus.scorer == default.lower.bonus.scorer and mlmt.lower.score_batch == default.lower.score_batch
+    assert mlmt.episode.writer_sees == "tool" and mlmt.upper.q_signal
+    preset, extra = bench.TOOL_CONTROL["tool-template"]
+    template = load_config(preset, {**common, **train, **extra})
+    assert template.episode.feedback == "tool" and template.joint.freeze_writer
+    preset, extra = bench.TOOL_CONTROL["mlmt-tool-selector"]
+    selector = load_config(preset, {**common, **train, **extra})
+    assert "point_at_step" in selector.episode.prefix_only and not selector.joint.freeze_writer
+    assert set(bench.TOOL_CONTROL) <= set(bench.Units(bench.parser().parse_args(["--env", "tool"])).every)
+    assert not set(bench.TOOL_CONTROL) & set(bench.Units(bench.parser().parse_args(["--env", "none"])).every)
+
+
+def test_the_controls_run_on_the_solver_and_pair_with_the_primary_over_facts(bench, monkeypatch, tmp_path):
+    """A controlled unit evaluates its solver once more with one tool-hint round, majority of CONTROL_K and
+    tool-gated resampling, and keeps each control's per-problem outcomes in problem-id order;
+    control_lines contrasts the primary's Acc@final with each, paired seed by seed, resampling facts."""
+    import json
+
+    import numpy as np
+
+    import tosca_mlmt.tasks.arith as arith
+    from tosca_mlmt.analysis.stats import paired_bootstrap
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.pipelines import evaluate as ev
+
+    ids = [p.id for p in arith.ArithTask(2).load("test", 30).problems]
+    seen = []
+
+    def fake_evaluate(cfg, out, **kw):  # writes what the real eval writes for the controls, rows out of order
+        seen.append((cfg.episode.rounds, cfg.episode.feedback, kw))
+        out.mkdir(parents=True)
+        rows = [{"id": i, "majority_correct": k % 2 == 0, "resample_correct": k % 3 == 0} for k, i in enumerate(ids)]
+        (out / "controls.json").write_text(json.dumps({"rows": rows[::-1]}))
+        return types.SimpleNamespace(report={"resample_flagged": 7, "resample_used": 7, "resample_fixed": 2,
+                                             "resample_broke": 1})
+
+    monkeypatch.setattr(ev, "evaluate", fake_evaluate)
+    monkeypatch.setattr(ev, "eval_outcomes", lambda folder, texts=False: {"ids": ids, "final": [1] * 30})
+    common, train = bench.run_overrides(sizes("tool"))
+    preset, _ = bench.METHODS["single-turn-grpo"]
+    c = bench.control_eval(load_config(preset, {**common, "task.split": "test"}), tmp_path / "ctl")
+    assert seen == [(1, "tool", {"majority": bench.CONTROL_K, "resample": "tool"})]
+    assert c["ids"] == ids and c["majority"] == [int(k % 2 == 0) for k in range(30)]
+    assert c["resample"] == [int(k % 3 == 0) for k in range(30)] and c["tool_hint"] == [1] * 30
+    assert c["resample_fixed"] == 2
+    rng = np.random.default_rng(1)
+    finals = {s: (rng.random(30) < 0.5).astype(float) for s in (0, 1)}
+    per = {"mlmt": [{"seed": s, "ids": ids, "final": finals[s]} for s in (0, 1)],
+           "single-turn-grpo": [{"seed": s, "ids": ids, "controls": c} for s in (0, 1, 2)]}
+    lines = bench.control_lines(per, "mlmt")
+    want = paired_bootstrap(np.stack([finals[0], finals[1]]), np.array([c["majority"]] * 2),
+                            groups=np.array(arith.facts_of(ids)))
+    row = next(x for x in lines if f"majority of {bench.CONTROL_K}" in x and x.startswith("| single-turn-grpo"))
+    assert "| 3 x 30 |" in row and f"{want['mean']:+.3f} [{want['lo']:+.3f}, {want['hi']:+.3f}] (2 seeds)" in row
+    assert sum(x.startswith("| single-turn-grpo") for x in lines) == 3
+    assert bench.control_lines({"mlmt": per["mlmt"]}, "mlmt") == []
+
+
+def test_a_unit_keeps_whether_the_check_flagged_each_first_attempt(bench, tmp_path):
+    """tool_flags reads the tool report stored on each eval episode's feedback turn, in problem-id order (the
+    order of t1/final), and gives None for an eval whose episodes have no report (no refine, or no tool)."""
+    import json
+
+    from tosca_mlmt.records import Episode, Turn
+    from tosca_mlmt.store import write_snapshot
+    from tosca_mlmt.tasks.base import Problem
+
+    def episode(pid: str, flagged: bool | None) -> Episode:
+        solve = Turn(0, 0, "solver", "solve", [1], [2], [-0.1], "stop", "7 + 10 = 18")
+        turns = [solve]
+        if flagged is not None:
+            turns.append(Turn(1, 1, "writer", "feedback", [1], [2], [], "fixed", "Recheck 7 + 10.",
+                              info={"tool_report": {"flagged": flagged}}))
+        return Episode(f"e-{pid}", Problem("arith", pid, "What is 7 + 10?", "17", "test"), 0, turns)
+
+    for name, flags in (("tool", [True, False, True]), ("none", [None, None, None])):
+        eps = [episode(f"p{k}", f) for k, f in zip((2, 0, 1), flags)]  # stored out of id order
+        sid, _ = write_snapshot(tmp_path / name / "snapshots", eps, {"task": {"name": "arith", "split": "test"}})
+        (tmp_path / name / "eval.json").write_text(json.dumps({"snapshot_id": sid}))
+    assert bench.tool_flags(tmp_path / "tool") == [0, 1, 1]  # p0 (False), p1 (True), p2 (True)
+    assert bench.tool_flags(tmp_path / "none") is None
+
+
+def test_the_tool_targets_are_judged_from_their_own_contrasts(summary):
+    """Issue 66's targets on hand-made tool-grid units: the fix rate counts only flagged wrong first attempts,
+    the control contrasts pair each writer with single-turn GRPO's controls of the same seed, the unseen target
+    reads the test-unseen evals, and SCoRe is judged seed by seed (one seed below the untrained pair misses)."""
+    import numpy as np
+
+    import tosca_mlmt.tasks.arith as arith
+
+    ids = [p.id for p in arith.ArithTask(2).load("test", 300).problems]
+    n = len(ids)
+    t1 = np.zeros(n)
+    t1[:100] = 1
+    flagged = np.zeros(n)
+    flagged[100:200] = 1  # 100 flagged wrong attempts
+    good, weak = t1.copy(), t1.copy()
+    good[100:140] = 1  # fixes 40 of the flagged wrong ones
+    good[0] = 0  # breaks 1 of 100 right ones
+    weak[100:120] = 1  # fixes 20
+    weak[200:260] = 1  # and 60 unflagged wrong ones: not counted as fixes
+    zeros, low = np.zeros(n), np.zeros(n)
+    low[:50] = 1
+
+    def unit(seed, fin, **extra):
+        return {"seed": seed, "t1": t1, "final": fin, "ids": ids, "used": {"rounds": 4}, "flagged": flagged, **extra}
+
+    unseen = lambda fin: {"test-unseen": {"ids": ids, "final": list(fin)}}  # noqa: E731
+    per = {"mlmt": [unit(s, good, evals=unseen(good)) for s in (0, 1)],
+           "mlmt-tool-selector": [unit(s, weak, evals=unseen(zeros)) for s in (0, 1)],
+           "untrained": [unit(s, low, evals=unseen(low)) for s in (0, 1)],
+           "single-turn-grpo": [unit(s, low, controls={"ids": ids, "majority": list(low), "resample": list(good),
+                                                       "tool_hint": list(low)}) for s in (0, 1)],
+           "score": [unit(0, good), unit(1, zeros)]}
+    data = {"tool": {"per": per, "methods": {m: summary.pooled(r) for m, r in per.items()}}}
+    _, record = summary.targets(data)
+    by = {t["target"]: (t["met_by"], t["missed_by"]) for t in record}
+    assert by["tool: fixes ≥ 30 % of the flagged wrong attempts, breaks ≤ 2 % of right ones"] == (
+        ["`mlmt`"], ["tool selector"])
+    assert by["tool: above GRPO's majority of 3, CI > 0"] == (["`mlmt`", "tool selector"], [])
+    # mlmt's answers are the control's exactly; the selector's 60 unflagged fixes outweigh its 20 fewer flagged ones
+    assert by["tool: above GRPO's tool-gated resampling, CI > 0"] == (["tool selector"], ["`mlmt`"])
+    assert by["tool: unseen phrasings, over the untrained pair, CI > 0"] == (["`mlmt`"], ["tool selector"])
+    assert by["tool: SCoRe ≥ untrained in every seed"] == ([], ["SCoRe"])
+    assert "tool: ≥ tool template" not in by  # no template units, no judgement

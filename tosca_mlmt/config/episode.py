@@ -20,6 +20,10 @@ SELECTION_MODES = ("auto", "uniform", "softmax", "epsilon_softmax", "epsilon_gre
 WRITER_SIGNALS = {"none": ("",), "confidence": ("low", "medium", "high"), "verdict": ("incorrect", "correct"),
                   "tool": ("not_flagged", "flagged")}
 SIGNAL_BUCKETS = max(len(v) for v in WRITER_SIGNALS.values())
+# In a prefix_only strategy's prefix, replaced by the hint of the task's own check on the attempt
+# ("Recheck 7 + 10.", tasks/steps.hint): a learned writer can then choose the tool template's sentence
+# where it works and another where it does not (configs/mlmt-tool-selector.yaml).
+TOOL_HINT = "{tool_hint}"
 
 # instruction: what the writer is told to do; prefix: the fixed sentence that opens the feedback
 # the solver reads when episode.strategy_prefix is on.
@@ -51,7 +55,9 @@ class EpisodeConfig(Section):
     n_samples: int = knob(2, "Turn-1 samples per problem (the group for group-relative advantages).", min=1)
     rounds: int = knob(1, "K: feedback + refine rounds after turn 1 (0 = single-turn baseline).", min=0)
     strategies: list = knob(dataclasses.MISSING, "Strategy set: list of {name, instruction[, prefix]} (non-empty "
-                                                 "strings, unique names).",
+                                                 "strings, unique names). A prefix_only strategy's prefix may hold "
+                                                 "{tool_hint}: the hint of the task's own check on the attempt "
+                                                 "('Recheck 7 + 10.'; needs writer_sees=tool).",
                             default_factory=lambda: [dict(s) for s in DEFAULT_STRATEGIES])
     strategy_selection: str = knob("auto", "auto = uniform without Q-values, epsilon_softmax with them (epsilon of "
                                            "uniform exploration mixed into softmax(Q / T)).",
@@ -145,3 +151,12 @@ class EpisodeConfig(Section):
             need(isinstance(name, str), at, f"must be a strategy's name, not {show(name)}")
             need(name in byname, at, f"{show(name)} is not a strategy (have: {', '.join(byname)})")
             need("prefix" in byname[name], at, f"strategy {show(name)} has no 'prefix' to send alone")
+        only = set(self.prefix_only)
+        for i, s in enumerate(self.strategies):
+            if TOOL_HINT not in str(s.get("prefix", "")):
+                continue
+            # the hint is rendered where the fixed feedback is written, from the check writer_sees runs
+            need(s["name"] in only and self.feedback == "generate", f"{prefix}strategies[{i}].prefix",
+                 f"{TOOL_HINT} is filled in only for a strategy in episode.prefix_only with feedback=generate")
+            need(self.writer_sees == "tool", f"{prefix}strategies[{i}].prefix",
+                 f"{TOOL_HINT} quotes the task's own check of the attempt: it needs episode.writer_sees=tool")

@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 
 from tosca_mlmt.config import Config, SamplingConfig
-from tosca_mlmt.config.episode import WRITER_SIGNALS
+from tosca_mlmt.config.episode import TOOL_HINT, WRITER_SIGNALS
 from tosca_mlmt.errors import ConfigError
 from tosca_mlmt.prompts import (REFINE_USER_PREFIX, REFINE_USER_SUFFIX, WRITER_STATE, WRITER_STRATEGY,
                                 WRITER_SYSTEM, ChatFormat)
@@ -221,7 +221,13 @@ class Turns:
         if mode == "tool":  # the task's check's hint on the last attempt: a fixed rule, honest
             return report.hint()
         if self._prefix_only(action):
-            return self.strategies[action]["prefix"]
+            prefix = self.strategies[action]["prefix"]
+            if TOOL_HINT not in prefix:
+                return prefix
+            if report is None:  # the config check refuses this; a loaded writer's own strategy list is not checked
+                raise ConfigError(f"strategy {self.strategies[action]['name']!r} sends {TOOL_HINT}, which needs "
+                                  "episode.writer_sees=tool")
+            return prefix.replace(TOOL_HINT, report.hint())
         return None
 
     def _prefix_only(self, action: int) -> bool:
@@ -356,9 +362,6 @@ class Turns:
             self._score(ep, t)
         ep.turns.append(t)
         return prompt + list(g.token_ids)
-
-    def record_counterfactual(self, ep: Episode, turn: Turn, g: Generation) -> None:
-        self.record_counterfactuals([(ep, turn, g)])
 
     def record_counterfactuals(self, items: list[tuple[Episode, Turn, Generation]]) -> None:
         """The g-less twins ``g`` of refine turns, scored together; each score goes to its refine's info."""

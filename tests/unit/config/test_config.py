@@ -71,6 +71,25 @@ def test_unhashable_names_and_repeated_ids_name_their_field(override, field):
         load_config(overrides=override)
 
 
+HINTED = {"name": "point_at_step", "instruction": "Point at the flagged step.", "prefix": "{tool_hint}"}
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"episode.writer_sees": "none", "episode.prefix_only": ["point_at_step"]}, "needs episode.writer_sees=tool"),
+    ({"episode.writer_sees": "tool", "episode.prefix_only": []}, "only for a strategy in episode.prefix_only"),
+    ({"episode.writer_sees": "tool", "episode.prefix_only": ["point_at_step"], "episode.feedback": "static"},
+     "only for a strategy in episode.prefix_only with feedback=generate"),
+])
+def test_a_tool_hint_prefix_needs_the_check_and_a_fixed_sentence(override, message):
+    """{tool_hint} is filled in from the check writer_sees=tool runs, where a prefix_only strategy's sentence is
+    sent: anywhere else it would reach the solver as the literal placeholder."""
+    with pytest.raises(ConfigError, match=r"episode\.strategies\[0\]\.prefix.*" + re.escape(message)):
+        load_config(overrides={"episode.strategies": [HINTED], **override})
+    ok = load_config(overrides={"episode.strategies": [HINTED], "episode.writer_sees": "tool",
+                                "episode.prefix_only": ["point_at_step"]})
+    assert ok.episode.strategies[0]["prefix"] == "{tool_hint}"
+
+
 def test_include_and_overrides_layer_in_order(tmp_path):
     (tmp_path / "base.yaml").write_text("seed: 3\ntask:\n  limit: 5\n")
     (tmp_path / "top.yaml").write_text("include: base.yaml\ntask:\n  limit: 7\n")

@@ -94,6 +94,23 @@ def test_the_tool_template_points_at_the_step_and_gives_no_value_away(tiny_cfg, 
     assert summarize(episodes)["environment"] == "honest:tool"
 
 
+@pytest.mark.parametrize("attempt, sent", [("7 + 10 = 18\nThe answer is: 18", "Recheck 7 + 10."),
+                                            ("7 + 10 = 17\nThe answer is: 17", "Your steps check out.")])
+def test_a_selector_strategy_can_send_the_checks_hint(tiny_cfg, policies, attempt, sent):
+    """A prefix_only strategy whose prefix holds {tool_hint} sends the check's hint on this attempt (what the
+    tool template sends), so a learned selector can choose it; the other strategies keep their sentences."""
+    strategies = [{"name": "point_at_step", "instruction": "Point at the flagged step.",
+                   "prefix": "Look: {tool_hint}"}]
+    ep = _run(tiny_cfg, policies, attempt, writer_sees="tool", strategies=strategies, prefix_only=["point_at_step"])
+    fb = ep.turns[1]
+    assert fb.text == f"Look: {sent}" and fb.finish_reason == "fixed" and fb.strategy_name == "point_at_step"
+    refine = policies.tokenizer("solver").decode(ep.turns[2].prompt_ids)
+    assert f"Look: {sent}" in refine and "{tool_hint}" not in refine
+    other = [{"name": "confirm", "instruction": "Say it is right.", "prefix": "Keep {it}."}]
+    assert _run(tiny_cfg, policies, attempt, writer_sees="tool", strategies=other,
+                prefix_only=["confirm"]).turns[1].text == "Keep {it}."
+
+
 class NoCheck:
     """A user's task without check_attempt (arith's problems and verifier)."""
 
