@@ -309,6 +309,7 @@ def test_every_unit_is_also_evaluated_on_unseen_phrasings_and_gsm8k(bench, monke
         **({"t1_text": ["1"] * 3, "final_text": ["2"] * 3} if texts else {})}
     monkeypatch.setattr(ev, "evaluate", fake_evaluate)
     monkeypatch.setattr(ev, "eval_outcomes", fake_outcomes)
+    monkeypatch.setattr(bench, "tool_flags", lambda folder: None)  # no snapshot without a model
     r = bench.run_method("untrained", bench.MLMT, None, common, train, {}, 0, tmp_path, "sha", None,
                          bench.ood_overrides(args))
     assert seen == [("arith", "test", 300), ("arith", "test-unseen", 300), ("gsm8k", "test", 300)]
