@@ -75,8 +75,14 @@ def label(name: str | None, *prefixes: str) -> str | None:
 
 
 def out_path(out: str | None, benchmark: str, order: Sequence[str], **variant) -> Path:
-    """``--out`` where given, else today's :func:`result_path`; its folder exists."""
+    """``--out`` where given, else today's :func:`result_path`; its folder exists. A default name an earlier
+    run of the same day and variant holds is left alone: this run takes the first free ``-2``, ``-3``, ...
+    (2026-12-06: an evening profile overwrote the afternoon's JSON of the same variant). Taken once, at the
+    start, so a script that rewrites its result after every unit keeps writing its own file."""
     path = Path(out) if out else result_path(benchmark, order, **variant)
+    base, k = path, 2
+    while not out and (path.exists() or path.with_suffix(".md").exists()):
+        path, k = base.with_name(f"{base.stem}-{k}{base.suffix}"), k + 1
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
 

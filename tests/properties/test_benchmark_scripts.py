@@ -73,6 +73,22 @@ def test_machine_info_names_the_bf16_flags_the_dtype_decision_reads(scripts):
         assert native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
 
 
+def test_a_measurement_never_overwrites_an_earlier_result_of_its_day_and_variant(scripts, monkeypatch, tmp_path):
+    """out_path gives a run the first free name: today's result (JSON or its .md) stays, a second run of the
+    same variant takes -2, a third -3; an explicit --out is the caller's to overwrite."""
+    _, ct = scripts
+    monkeypatch.setattr(ct, "RESULTS", tmp_path)
+    first = ct.out_path(None, "bench", ("env",), env="none")
+    assert first == tmp_path / "bench" / f"{ct.today()}_none.json" and first.parent.is_dir()
+    assert ct.out_path(None, "bench", ("env",), env="none") == first  # nothing written yet: still free
+    first.write_text("{}")
+    second = ct.out_path(None, "bench", ("env",), env="none")
+    assert second.name == f"{ct.today()}_none-2.json"
+    second.with_suffix(".md").write_text("table")  # a script that wrote its table first
+    assert ct.out_path(None, "bench", ("env",), env="none").name == f"{ct.today()}_none-3.json"
+    assert ct.out_path(str(first), "bench", ("env",), env="none") == first and first.read_text() == "{}"
+
+
 def test_allocator_ab_preloads_each_arms_malloc_alternates_and_takes_medians(monkeypatch, tmp_path):
     """--allocators: every run's child gets its arm's library and MALLOC_CONF, no malloc or
     MALLOC_CONF inherited (a glibc arm must not run on the caller's malloc) but other preloads kept, as
