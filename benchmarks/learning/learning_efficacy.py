@@ -164,7 +164,9 @@ def ladder(lower_iterations: int) -> dict[str, tuple[Path, dict]]:
     joint.lower_iterations alone."""
     return {f"single-turn-grpo-x{k}": (SINGLE_TURN_GRPO, {"joint.lower_iterations": k * lower_iterations})
             for k in LADDER}
-# the control of the privileged environment: the verdict itself as feedback, solver trained like mlmt's
+# the control of the privileged environment: the verdict itself as feedback, solver trained like mlmt's. Its
+# stored units ran code that opened the verdict with a uniformly drawn strategy sentence (strategy_prefix applied
+# to fixed feedback until 2026-12-07); a new unit sends the verdict alone
 VERDICT_CONTROL = {"verdict-template": (MLMT, {"episode.feedback": "verdict", "joint.freeze_writer": True}),
                    "verdict-template-reward-to-go": (MLMT, {**REWARD_TO_GO, "episode.feedback": "verdict",
                                                             "joint.freeze_writer": True})}

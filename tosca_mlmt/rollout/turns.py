@@ -343,10 +343,11 @@ class Turns:
         fb_ids = wfmt.strip_eos(fb.response_ids) if self.policies.shared_base else sfmt.encode(fb.text)
         suffix = REFINE_USER_SUFFIX.format(question=ep.problem.question,
                                            answer_format=getattr(self.task, "answer_format", ""))
-        # episode.strategy_prefix: the strategy's fixed sentence opens g, so the decision reaches the
-        # solver even when the writer's own text is poor
-        prefix = (self.strategies[fb.strategy].get("prefix", "")
-                  if self.cfg.episode.strategy_prefix and not self._prefix_only(fb.strategy) else "")
+        # episode.strategy_prefix: the strategy's fixed sentence opens written g, so the decision reaches the
+        # solver even when the writer's own text is poor. Fixed feedback (static, verdict, tool) is sent alone:
+        # before 2026-12-07 a uniformly drawn sentence opened it too ("Your answer looks right..." before a hint)
+        prefix = (self.strategies[fb.strategy].get("prefix", "") if self.cfg.episode.strategy_prefix
+                  and self.cfg.episode.feedback == "generate" and not self._prefix_only(fb.strategy) else "")
         cont, cut = sfmt.continue_with_user(ctx, [REFINE_USER_PREFIX, prefix + " " if prefix else "", fb_ids, suffix])
         return ctx + cont, FeedbackSpan(len(ctx) + cut[0], len(ctx) + cut[2])
 

@@ -94,6 +94,21 @@ def test_the_tool_template_points_at_the_step_and_gives_no_value_away(tiny_cfg, 
     assert summarize(episodes)["environment"] == "honest:tool"
 
 
+@pytest.mark.parametrize("feedback, sent", [("tool", "Recheck 7 + 10."), ("verdict", "Your answer is wrong.")])
+def test_fixed_feedback_reaches_the_solver_alone_under_strategy_prefix(tiny_cfg, policies, feedback, sent):
+    """episode.strategy_prefix opens *written* feedback with the strategy's sentence; the tool template's hint and
+    the verdict are sent alone (a uniformly drawn 'Your answer looks right: give it again.' before 'Recheck
+    7 + 10.' would contradict it), while generated feedback still gets its strategy's sentence."""
+    from tosca_mlmt.config.episode import DEFAULT_STRATEGIES
+
+    ep = _run(tiny_cfg, policies, "7 + 10 = 18\nThe answer is: 18", feedback=feedback, strategy_prefix=True)
+    refine = policies.tokenizer("solver").decode(ep.turns[2].prompt_ids)
+    assert sent in refine and not any(s["prefix"] in refine for s in DEFAULT_STRATEGIES)
+    ep = _run(tiny_cfg, policies, "7 + 10 = 18\nThe answer is: 18", strategy_prefix=True)
+    refine = policies.tokenizer("solver").decode(ep.turns[2].prompt_ids)
+    assert f"{DEFAULT_STRATEGIES[ep.turns[1].strategy]['prefix']} Look again." in refine
+
+
 @pytest.mark.parametrize("attempt, sent", [("7 + 10 = 18\nThe answer is: 18", "Recheck 7 + 10."),
                                             ("7 + 10 = 17\nThe answer is: 17", "Your steps check out.")])
 def test_a_selector_strategy_can_send_the_checks_hint(tiny_cfg, policies, attempt, sent):
