@@ -541,8 +541,7 @@ def _same_unit(stored: dict | None, key: dict, has_q: bool) -> bool:
 
 def run_overrides(args) -> tuple[dict, dict]:
     """(overrides of every run and eval, overrides of training only) from the sizes."""
-    # every unit before engine.vllm.cpu_norm_kernel (on by default since) ran vLLM's PyTorch norm
-    legacy = args.env != "tool"
+    legacy = args.env != "tool"  # LEGACY_COMMON / LEGACY_TRAIN: the settings the earlier grids' units ran
     common = {"task.name": "arith", "task.level": args.level, "task.limit": args.test_problems,
               "logging.wandb": False, "logging.progress": False, "engine.name": args.engine,
               "episode.max_prompt_tokens": 768, "engine.vllm.max_model_len": 1024,
