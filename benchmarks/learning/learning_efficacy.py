@@ -253,7 +253,10 @@ def run_method(name: str, preset: Path, extra: dict | None, common: dict, train:
     if controls:
         out["controls"] = control_eval(load_config(preset, {**common, **(extra or {}), **adapters, **evalsel,
                                                             "task.split": "test", "seed": 0}), folder / "eval-controls")
+    from tosca_mlmt.runtime import allocator_in_use
+
     return {"method": name, "seed": seed, "git_sha": sha, "train_seconds": None if reused else round(train_s, 1),
+            "allocator": allocator_in_use(),
             "eval_seconds": round(time.time() - t0 - train_s, 1), "used": used, "reused_run": reused,
             "environment": report.get("environment"), "train_curve": curve, **out}
 
@@ -747,6 +750,12 @@ def parser() -> argparse.ArgumentParser:
 def main() -> None:
     ap = parser()
     args = ap.parse_args()
+    # the malloc mlmt itself runs on (engine.allocator auto: tcmalloc where installed), for this process and the
+    # units it spawns (they inherit LD_PRELOAD): on glibc's a two-turn unit peaked at 10-14 GiB and one was
+    # killed beside the test suite (2026-12-07). It defines time and memory, not the unit (identity()).
+    from tosca_mlmt.runtime import use_allocator
+
+    use_allocator("auto")
     if args.smoke:
         args.seeds, args.test_problems, args.rounds, args.ood_problems = args.seeds[:1], 8, 1, 8
         args.collect_problems, args.lower_iterations, args.problems_per_iteration, args.upper_steps = 2, 1, 2, 2
