@@ -251,7 +251,7 @@ def tool_targets(add, versus) -> None:
         wrong = flag * (1 - t1)
         d = {"fixed": float((wrong * fin).sum() / max(wrong.sum(), 1)), "broke": float((t1 * (1 - fin)).sum() / max(t1.sum(), 1))}
         return (f"fixes {_pct(d['fixed'])} of {int(wrong.sum())} flagged wrong, breaks {_pct(d['broke'])} of "
-                f"{int(t1.sum())} right ({len(got)} seeds)"), d
+                f"{int(t1.sum())} right ({len(got)} seed{'s' if len(got) > 1 else ''})"), d
 
     def versus_control(key: str):
         def measure(per, cells, m):
