@@ -15,6 +15,8 @@ each step's seconds and the load average. Variants undo the demo's memory settin
               threshold, KV cache, score_batch, minibatch and accumulation): the peak nobody tuned
   demo[-fp32][-kbN][-glibc|-jemalloc|-tcmalloc]   the demo (in fp32) with the mmap threshold at N
               KiB (glibc: where it sits between page faults and the heap's growth) and on that malloc
+  lower-defaults[-vllm]   not the demo: `mlmt train-lower` with no config file (every knob at the
+              library's default; -vllm: on the vLLM engine), two PPO iterations
 
 The fixed mmap threshold is paid for in page faults. --ppo-pairs N times that: N pairs of offline
 train-lower runs (one PPO iteration: scoring, bonus and update of 16 demo episodes from the first
@@ -25,6 +27,7 @@ what a code change does to the trainer's time and memory.
 
     python -m benchmarks.speed.memory                      # ~5 min per variant on 2 idle cores
     python -m benchmarks.speed.memory --variants before demo --ppo-pairs 3
+    python -m benchmarks.speed.memory --variants defaults lower-defaults lower-defaults-vllm --results defaults
     python -m benchmarks.speed.memory --variants demo demo-kb2048 demo-kb8192 demo-fp32 demo-fp32-kb2048
     python -m benchmarks.speed.memory --variants demo-glibc demo-jemalloc demo-tcmalloc demo-fp32-glibc \
         demo-fp32-tcmalloc --results allocator
@@ -60,6 +63,11 @@ VARIANTS = {"before": BEFORE, "allocator": {**BEFORE, "engine.mmap_threshold_kb"
             "demo-fp32": FP32}
 
 
+# `mlmt train-lower` variants: no config file, two iterations; the per-iteration peak is lower/peak_rss_gib
+LOWER = {"lower-defaults": {}, "lower-defaults-vllm": {"engine.name": "vllm"}}
+LOWER_ITERATIONS = 2
+
+
 def library_defaults() -> dict:
     """The demo's memory knobs put back to the library's defaults (read from the config classes, so the
     variant follows them): what a train-joint of the demo's sizes peaks at when nobody tunes memory."""
@@ -76,6 +84,8 @@ def variant(name: str) -> dict:
     with the mmap threshold at N KiB, on malloc ALLOCATOR (engine.allocator)."""
     if name in VARIANTS:
         return VARIANTS[name]
+    if name in LOWER:
+        return LOWER[name]
     if name == "defaults":
         return library_defaults()
     base, *rest = name.split("-")
@@ -97,20 +107,27 @@ def variant(name: str) -> dict:
 def run_variant(name: str, sets: dict, work: Path, seed: int) -> dict:
     out = work / name
     shutil.rmtree(out, ignore_errors=True)
-    cmd = MLMT + ["train-joint", "--config", "configs/demo.yaml", "--seed", str(seed), "--out", str(out),
-                  "--no-wandb", "--no-progress"] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    lower = name in LOWER
+    head = ["train-lower", "--set", f"lower.iterations={LOWER_ITERATIONS}"] if lower else [
+        "train-joint", "--config", "configs/demo.yaml"]
+    cmd = MLMT + head + ["--seed", str(seed), "--out", str(out), "--no-wandb", "--no-progress"] + [
+        a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     load0, t0 = os.getloadavg(), time.time()
     peak = _run(cmd)
     steps = []
-    for line in (out / "metrics.jsonl").read_text().splitlines():
+    for i, line in enumerate((out / "metrics.jsonl").read_text().splitlines()):
         rec = json.loads(line)
+        if lower and "lower/peak_rss_gib" in rec:
+            steps.append({"iteration": i, "peak_rss_gib": rec["lower/peak_rss_gib"],
+                          "seconds": round(rec["lower/iteration_seconds"], 1)})
         for key, v in rec.items():
             if key.startswith("joint/peak_rss_gib/"):
                 step = key.rsplit("/", 1)[1]
                 steps.append({"round": rec["joint/round"], "step": step, "peak_rss_gib": v,
                               "seconds": round(rec[f"joint/time/{step}"], 1)})
-    malloc = json.loads((out / "manifest.json").read_text())["packages"].get("malloc")
-    return {"variant": name, "overrides": sets, "malloc": malloc, "peak_rss_mib": peak,
+    malloc = json.loads((out / ("run.json" if lower else "manifest.json")).read_text())["packages"].get("malloc")
+    return {"variant": name, "command": " ".join(["mlmt", *head, "--seed", str(seed), "--set <variant>"]),
+            "overrides": sets, "malloc": malloc, "peak_rss_mib": peak,
             "wall_seconds": round(time.time() - t0, 1), "load_before": load0, "load_after": os.getloadavg(),
             "steps": steps}
 
@@ -158,8 +175,8 @@ def ppo_pairs(snapshots: Path, n: int, work: Path, iterations: int = 1, baseline
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), help=f"{', '.join(VARIANTS)}, defaults, or demo[-fp32][-kbN]"
-                                                                          f"[-{'|-'.join(ALLOCATORS)}]")
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), help=f"{', '.join(VARIANTS)}, defaults, "
+                    f"{', '.join(LOWER)}, or demo[-fp32][-kbN][-{'|-'.join(ALLOCATORS)}]")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ppo-pairs", type=int, default=0, help="time the threshold on N pairs of offline PPO "
                                                                    "iterations (0 = skip)")
@@ -200,7 +217,8 @@ def main() -> None:
     out.write_text(json.dumps({
         "benchmark": "memory", "date": dt.datetime.now().isoformat(timespec="seconds"), "commit": sha,
         "machine": machine | {"load_after": loadavg()}, "seed": args.seed,
-        "command": "mlmt train-joint --config configs/demo.yaml --seed S --set <variant>", "variants": rows,
+        "command": "mlmt train-joint --config configs/demo.yaml --seed S --set <variant> (each row's own command)",
+        "variants": rows,
         "ppo_iteration_threshold_timing": ppo},
         indent=1))
 

@@ -5,7 +5,9 @@ group size and completion length, on CPU. Ours generates with ``--engine`` (hf o
 ``--engines hf vllm`` for both, side by side); TRL generates with HF ``generate``: its vLLM mode
 does not run on CPU, so that is its fastest CPU setting. Each run is its own process, one after
 the other (never two at once), so each has a fresh heap and its own peak RSS (ru_maxrss, MiB);
-the load average is recorded before and after each run. Throughput = generated tokens / wall
+the load average is recorded before and after each run. Both sides run on the malloc a ``mlmt`` command
+picks by default (``engine.allocator: auto``: tcmalloc where installed); until 2026-12-07 this mode ran on
+whatever the caller's shell preloaded (glibc unless set by hand). Throughput = generated tokens / wall
 seconds of an iteration (rollout + scoring + update); the first iteration of each is a warm-up
 and not counted. Our vLLM engine starts before the first iteration (``make_engine`` runs ahead of
 the loop), so its start-up is in no iteration's seconds. Our iteration runs the full three-turn
@@ -350,8 +352,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return child(args)
-    if args.allocators:
+    if args.allocators:  # each arm's child gets its own malloc
         return allocator_ab(args)
+    # the other modes on the malloc a `mlmt` command picks by default (engine.allocator auto): the
+    # children, ours and TRL's, inherit it
+    from tosca_mlmt.runtime import use_allocator
+
+    use_allocator("auto")
     if args.old_pass_ab:
         return old_pass_ab(args)
     if args.engine and args.engines:

@@ -158,6 +158,9 @@ def test_old_pass_ab_runs_each_arms_old_logprobs_after_the_callers_overrides(mon
                 "peak_rss_mb": {"self": 1024}, "malloc": "glibc"}
 
     monkeypatch.setattr(tlt, "spawn", spawn)
+    import tosca_mlmt.runtime as runtime
+
+    monkeypatch.setattr(runtime, "use_allocator", lambda choice: None)  # no re-exec of pytest on tcmalloc
     out = tmp_path / "old.json"
     monkeypatch.setattr(sys, "argv", ["x", "--old-pass-ab", "--rounds", "2", "--set", "lower.minibatch_size=8",
                                       "--out", str(out)])
@@ -382,3 +385,74 @@ def test_hierarchy_cost_assembles_a_cut_invocation_and_gives_no_ratio_to_an_unfi
         ("single-turn-grpo", 100.0, True), ("solver-only", 250.0, True), ("mlmt", 300.0, False)]
     assert units[2]["stage_seconds"] == {"collect": 2.0, "upper": 1.0, "lower": 1.0}
     assert hc.ratios(units) == {"solver-only": {"0": 2.5}}
+
+
+def test_the_trl_comparison_runs_on_the_malloc_mlmt_picks_and_an_allocator_ab_on_its_arms(monkeypatch):
+    """The default mode re-executes itself on engine.allocator auto's malloc before any run (both sides
+    inherit it: until 2026-12-07 it measured glibc's peaks); --allocators leaves each arm its own."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    tlt = _script("benchmarks.speed.train_lower_throughput")
+    import tosca_mlmt.runtime as runtime
+
+    calls = []
+
+    class Done(Exception):
+        pass
+
+    def fake_use(choice):
+        calls.append(("use_allocator", choice))
+
+    def fake_mode(name):
+        def run(args, *rest):
+            calls.append((name,))
+            raise Done
+        return run
+
+    monkeypatch.setattr(runtime, "use_allocator", fake_use)
+    for mode in ("ours_vs_trl", "allocator_ab", "old_pass_ab", "child"):
+        monkeypatch.setattr(tlt, mode, fake_mode(mode))
+    for argv, expected in ((["--engines", "vllm"], [("use_allocator", "auto"), ("ours_vs_trl",)]),
+                           (["--old-pass-ab"], [("use_allocator", "auto"), ("old_pass_ab",)]),
+                           (["--allocators", "glibc", "tcmalloc"], [("allocator_ab",)]),
+                           (["--child", "trl", "--child-out", "x.json"], [("child",)])):
+        calls.clear()
+        monkeypatch.setattr(sys, "argv", ["train_lower_throughput", *argv])
+        with pytest.raises(Done):
+            tlt.main()
+        assert calls == expected, argv
+
+
+def test_memory_lower_variants_run_train_lower_at_the_library_defaults(monkeypatch, tmp_path):
+    """lower-defaults[-vllm]: `mlmt train-lower` with no config file and two iterations (each
+    iteration's peak read from metrics.jsonl, the malloc from run.json); the demo variants keep
+    train-joint on configs/demo.yaml."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    mem = _script("benchmarks.speed.memory")
+    cmds = []
+
+    def fake_run(cmd):
+        cmds.append(cmd)
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True)
+        if "train-lower" in cmd:
+            rows = [{"lower/peak_rss_gib": 3.2, "lower/iteration_seconds": 90.0},
+                    {"lower/peak_rss_gib": 3.9, "lower/iteration_seconds": 80.04}]
+            (out / "run.json").write_text(json.dumps({"packages": {"malloc": "tcmalloc"}}))
+        else:
+            rows = [{"joint/round": 0, "joint/peak_rss_gib/collect": 2.5, "joint/time/collect": 10.0}]
+            (out / "manifest.json").write_text(json.dumps({"packages": {"malloc": "jemalloc"}}))
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return 4000.0
+
+    monkeypatch.setattr(mem, "_run", fake_run)
+    row = mem.run_variant("lower-defaults-vllm", mem.variant("lower-defaults-vllm"), tmp_path, 3)
+    cmd = cmds[-1]
+    assert cmd[len(mem.MLMT):len(mem.MLMT) + 3] == ["train-lower", "--set", "lower.iterations=2"]
+    assert "--config" not in cmd and cmd[-2:] == ["--set", "engine.name=vllm"] and cmd[cmd.index("--seed") + 1] == "3"
+    assert row["malloc"] == "tcmalloc" and row["peak_rss_mib"] == 4000.0
+    assert row["steps"] == [{"iteration": 0, "peak_rss_gib": 3.2, "seconds": 90.0},
+                            {"iteration": 1, "peak_rss_gib": 3.9, "seconds": 80.0}]
+    assert mem.variant("lower-defaults") == {}
+    row = mem.run_variant("demo", mem.variant("demo"), tmp_path, 0)
+    assert cmds[-1][len(mem.MLMT):len(mem.MLMT) + 3] == ["train-joint", "--config", "configs/demo.yaml"]
+    assert row["malloc"] == "jemalloc" and row["steps"][0]["step"] == "collect"
