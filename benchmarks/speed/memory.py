@@ -115,10 +115,10 @@ def run_variant(name: str, sets: dict, work: Path, seed: int) -> dict:
     load0, t0 = os.getloadavg(), time.time()
     peak = _run(cmd)
     steps = []
-    for i, line in enumerate((out / "metrics.jsonl").read_text().splitlines()):
+    for line in (out / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
         if lower and "lower/peak_rss_gib" in rec:
-            steps.append({"iteration": i, "peak_rss_gib": rec["lower/peak_rss_gib"],
+            steps.append({"iteration": rec["lower/iteration"], "peak_rss_gib": rec["lower/peak_rss_gib"],
                           "seconds": round(rec["lower/iteration_seconds"], 1)})
         for key, v in rec.items():
             if key.startswith("joint/peak_rss_gib/"):

@@ -435,8 +435,8 @@ def test_memory_lower_variants_run_train_lower_at_the_library_defaults(monkeypat
         out = Path(cmd[cmd.index("--out") + 1])
         out.mkdir(parents=True)
         if "train-lower" in cmd:
-            rows = [{"lower/peak_rss_gib": 3.2, "lower/iteration_seconds": 90.0},
-                    {"lower/peak_rss_gib": 3.9, "lower/iteration_seconds": 80.04}]
+            rows = [{"lower/iteration": 1, "lower/peak_rss_gib": 3.2, "lower/iteration_seconds": 90.0},
+                    {"lower/iteration": 2, "lower/peak_rss_gib": 3.9, "lower/iteration_seconds": 80.04}]
             (out / "run.json").write_text(json.dumps({"packages": {"malloc": "tcmalloc"}}))
         else:
             rows = [{"joint/round": 0, "joint/peak_rss_gib/collect": 2.5, "joint/time/collect": 10.0}]
@@ -450,8 +450,8 @@ def test_memory_lower_variants_run_train_lower_at_the_library_defaults(monkeypat
     assert cmd[len(mem.MLMT):len(mem.MLMT) + 3] == ["train-lower", "--set", "lower.iterations=2"]
     assert "--config" not in cmd and cmd[-2:] == ["--set", "engine.name=vllm"] and cmd[cmd.index("--seed") + 1] == "3"
     assert row["malloc"] == "tcmalloc" and row["peak_rss_mib"] == 4000.0
-    assert row["steps"] == [{"iteration": 0, "peak_rss_gib": 3.2, "seconds": 90.0},
-                            {"iteration": 1, "peak_rss_gib": 3.9, "seconds": 80.0}]
+    assert row["steps"] == [{"iteration": 1, "peak_rss_gib": 3.2, "seconds": 90.0},
+                            {"iteration": 2, "peak_rss_gib": 3.9, "seconds": 80.0}]
     assert mem.variant("lower-defaults") == {}
     row = mem.run_variant("demo", mem.variant("demo"), tmp_path, 0)
     assert cmds[-1][len(mem.MLMT):len(mem.MLMT) + 3] == ["train-joint", "--config", "configs/demo.yaml"]
