@@ -24,16 +24,26 @@ from tosca_mlmt.lower.trajectory import to_tensors
 TOLERANCE = {"fp32": dict(atol=2e-4, rtol=1e-4), "bf16": dict(atol=0.25, rtol=0.0)}
 
 
+@pytest.fixture(scope="module")
+def debug_setup(lower_setup, debug_cfg):
+    """The embedded model's sampled episodes (some right, some wrong: advantages and bonus gates with
+    signal) scored and trained on the debug base, which shares their tokenizer. For the tests whose
+    checks are identities between two computations of the same learner, not what the model knows:
+    the same forwards at a tenth of the cost."""
+    cfg, trajs = lower_setup
+    return replace(cfg, model=debug_cfg.model), trajs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_bonus_equals_an_independent_two_forward_computation(lower_setup, bf16_setup, policies, precision):
+def test_bonus_equals_an_independent_two_forward_computation(debug_setup, bf16_setup, debug_policies, precision):
     """Both bonus levels against plain unbatched forwards of HF's own model; the reference does
     not depend on the level, so it is computed once for both."""
     from peft import set_peft_model_state_dict
 
     from tosca_mlmt.lower.learner import LowerLearner
 
-    cfg, trajs, policies = (*lower_setup, policies) if precision == "fp32" else bf16_setup
+    cfg, trajs, policies = (*debug_setup, debug_policies) if precision == "fp32" else bf16_setup
     model = policies.model("solver")
     state = copy.deepcopy(policies.adapter_state("solver"))
 
@@ -84,12 +94,13 @@ def test_bonus_equals_an_independent_two_forward_computation(lower_setup, bf16_s
 
 
 @pytest.mark.slow
-def test_bonus_shifts_only_refine_advantages_after_normalization(lower_setup, policies, monkeypatch):
+def test_bonus_shifts_only_refine_advantages_after_normalization(debug_setup, debug_policies, monkeypatch):
     """Turn 1's advantages are the same with and without the bonus, and the refine's advantage
     moves by exactly the bonus (added after the group normalization, not inside it)."""
     from tosca_mlmt.lower.learner import LowerLearner
 
-    cfg, trajs = lower_setup
+    cfg, trajs = debug_setup
+    policies = debug_policies
     # every refine broke a right answer (r1 = 1, r_final = 0): the improvement gate is -1 on all
     trajs = [replace(t, turn_rewards=[1.0, 0.0]) for t in trajs]
     seen = {}
@@ -114,12 +125,13 @@ def test_bonus_shifts_only_refine_advantages_after_normalization(lower_setup, po
 
 
 @pytest.mark.slow
-def test_turn_gamma_zero_keeps_refine_outcomes_out_of_turn_one(lower_setup, policies, monkeypatch):
+def test_turn_gamma_zero_keeps_refine_outcomes_out_of_turn_one(debug_setup, debug_policies, monkeypatch):
     """The learner hands lower.turn_gamma to the estimator: at 0, turn 1's advantages are the same
     whether the refines kept or broke the right answers; at 1 (reward-to-go) they move."""
     from tosca_mlmt.lower.learner import LowerLearner
 
-    cfg, trajs = lower_setup
+    cfg, trajs = debug_setup
+    policies = debug_policies
     seen = {}
     monkeypatch.setattr(LowerLearner, "_epochs", lambda self, batch, step: seen.update(
         adv=batch.advantages.clone(), tt=batch.tt) or {"grad_norm": 0.0})
@@ -139,10 +151,12 @@ def test_turn_gamma_zero_keeps_refine_outcomes_out_of_turn_one(lower_setup, poli
 
 
 @pytest.mark.slow
-def test_mask_truncated_drops_cut_turns_from_the_loss_but_not_from_the_advantages(lower_setup, policies, monkeypatch):
+def test_mask_truncated_drops_cut_turns_from_the_loss_but_not_from_the_advantages(debug_setup, debug_policies,
+                                                                                   monkeypatch):
     from tosca_mlmt.lower.learner import LowerLearner
 
-    cfg, trajs = lower_setup
+    cfg, trajs = debug_setup
+    policies = debug_policies
     # rewards that vary within groups (nonzero advantages); row 0's first attempt was cut. No bonus and no
     # KL: nothing then reads pi_old or the reference before the update, so no scoring forward runs
     trajs = [replace(t, turn_rewards=[float(i % 2), float((i + 1) % 2)], cut=[i == 0, False])
@@ -212,12 +226,14 @@ def test_train_refine_off_leaves_the_gradient_blind_to_refine_rewards(lower_setu
 @pytest.mark.slow
 @pytest.mark.parametrize("kl_mode, norm_std, warns", [("reward", True, True), ("loss", True, False),
                                                        ("reward", False, False)])
-def test_learner_warns_about_kl_rewards_under_std_normalised_grpo(lower_setup, policies, kl_mode, norm_std, warns):
+def test_learner_warns_about_kl_rewards_under_std_normalised_grpo(debug_setup, debug_policies, kl_mode, norm_std,
+                                                                  warns):
     import warnings
 
     from tosca_mlmt.lower.learner import LowerLearner
 
-    cfg, _ = lower_setup
+    cfg, _ = debug_setup
+    policies = debug_policies
     c = replace(cfg, lower=replace(cfg.lower, advantage="grpo", kl_coef=0.01, kl_mode=kl_mode, grpo_norm_std=norm_std))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -176,7 +176,8 @@ def test_adapter_key_follows_every_lora_tensor_and_nothing_else(debug_policies):
 
 
 @pytest.mark.slow
-def test_saved_writer_with_q_head_drives_strategy_choice(tiny_cfg, policies, tmp_path):
+def test_saved_writer_with_q_head_drives_strategy_choice(debug_cfg, debug_policies, tmp_path):
+    """The head's Q-values pick the strategy, whatever the model writes: the debug base is enough."""
     from dataclasses import replace
 
     from tosca_mlmt.models.policies import PolicyPair
@@ -185,6 +186,7 @@ def test_saved_writer_with_q_head_drives_strategy_choice(tiny_cfg, policies, tmp
     from tosca_mlmt.rollout.runner import EpisodeRunner
     from tosca_mlmt.tasks.arith import ArithTask
 
+    tiny_cfg, policies = debug_cfg, debug_policies
     hidden = policies.model("writer").get_base_model().config.hidden_size
     head = QHead(hidden, 6)
     with torch.no_grad():
