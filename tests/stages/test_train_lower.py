@@ -55,14 +55,17 @@ def test_an_iteration_with_nothing_to_train_on_names_the_prompt_limit(debug_cfg,
 
 
 @pytest.mark.slow
-def test_training_from_an_off_policy_snapshot_warns_and_uses_behaviour_logprobs(lower_setup, policies, tmp_path):
+def test_training_from_an_off_policy_snapshot_warns_and_uses_behaviour_logprobs(debug_cfg, debug_policies, tmp_path):
+    """A snapshot whose solver fingerprint is another adapter's: the run warns, and PPO's pi_old is the
+    logged sampling log-probs (here drawn by these very weights, so the first ratio is ~1). What the
+    model knows plays no part: the debug base."""
     from tosca_mlmt.rollout.engines.hf import HFEngine
     from tosca_mlmt.rollout.runner import EpisodeRunner
     from tosca_mlmt.pipelines.train_lower import train_lower
     from tosca_mlmt.store import write_snapshot
     from tosca_mlmt.tasks.arith import ArithTask
 
-    cfg, _ = lower_setup
+    cfg, policies = replace(debug_cfg, lower=replace(debug_cfg.lower, minibatch_size=4)), debug_policies
     task = ArithTask(1)
     eps = EpisodeRunner(cfg, task, HFEngine(policies, 8), policies).run(task.load("train", 1).problems)
     fp = dict(policies.fingerprint("solver"), adapter_sha="someone-else")
