@@ -5,12 +5,14 @@ go straight to the model runner or into packed kernels. A GPU engine instead tal
 process: its syncs travel through ``collective_rpc`` to the worker extension, by default as the
 layout of a staging buffer both processes map (sync.SharedStage: shared memory here, CUDA IPC on
 a GPU), else as safetensors bytes (sync.push_rpc), and its requests' ``cache_salt`` crosses a
-process boundary. This module starts such an engine on CPU (the embedded model, fp32) and checks,
+process boundary. This module starts such an engine on CPU (fp32, on the random-weight debug base:
+what is checked is transport, that vLLM ends up with the trainer's weights, not what the model knows;
+the embedded model's syncs of ~0.5 GB each made this module ~2.5 minutes) and checks,
 across solver -> writer -> solver -> writer swaps between different weights and on either transport,
 that every sync took that route, that each policy hits its own cached prompt and never the other's,
 and that warm-cache decoding equals cold-cache decoding and the trainer's log-probs; and that the
-worker copies out of the shared buffer rather than serving from it. About two minutes on a 2-core
-CPU (the engine start-up is most of it).
+worker copies out of the shared buffer rather than serving from it. The engine start-up (an
+EngineCore and a worker process, each importing vLLM) is most of its time on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import os
 
 import pytest
 
-from conftest import FP32, VLLM_MARKS, check_salted_swaps, perturbed_lora_b, vllm_session
+from conftest import DEBUG_MODEL, FP32, VLLM_MARKS, check_salted_swaps, perturbed_lora_b, vllm_session
 from tosca_mlmt.models import merge
 
 pytestmark = VLLM_MARKS
@@ -44,7 +46,7 @@ def mp_env():
     # engine core reads this when it starts, this process has imported torch already
     mp.setenv("TORCHDYNAMO_DISABLE", "1")
     try:
-        with vllm_session({**FP32, "engine.name": "vllm", "engine.vllm.kv_cache_gb": 1,
+        with vllm_session({**FP32, **DEBUG_MODEL, "engine.name": "vllm", "engine.vllm.kv_cache_gb": 1,
                            "engine.vllm.max_model_len": 1024, "episode.max_prompt_tokens": 768,
                            "logging.wandb": False}) as (_, policies, engine):
             fmt = ChatFormat(policies.tokenizer("solver"), policies.eos_ids("solver"))
