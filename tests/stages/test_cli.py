@@ -13,12 +13,17 @@ from tosca_mlmt.tasks.arith import ArithTask
 
 pytestmark = pytest.mark.slow
 
+# The random-weight debug base (conftest.DEBUG_MODEL): what these tests check is the CLI's plumbing
+# (provenance, content-hashed ids, exit codes, row handling, signals), never what the model answers,
+# and the embedded model's generation is most of a collect's time.
+DEBUG = ["--set", "model.solver=tiny-random", *TINY]
+
 
 @pytest.fixture(scope="module")
 def greedy_snapshot(tmp_path_factory):
     out = tmp_path_factory.mktemp("snaps")
     p = run_mlmt("collect", "--task", "arith", "--limit", "2", "--engine", "hf", "--out", out, "--greedy",
-                 "--n-samples", "1", *TINY, check=True)
+                 "--n-samples", "1", *DEBUG, check=True)
     return out, p
 
 
@@ -50,7 +55,7 @@ def test_collect_prints_id_last_and_writes_full_provenance(greedy_snapshot):
 def test_same_config_and_seed_greedy_gives_the_same_snapshot_id(greedy_snapshot, tmp_path):
     out, p = greedy_snapshot
     p2 = run_mlmt("collect", "--task", "arith", "--limit", "2", "--engine", "hf", "--out", tmp_path, "--greedy",
-                  "--n-samples", "1", "--no-wandb", *TINY, check=True)
+                  "--n-samples", "1", "--no-wandb", *DEBUG, check=True)
     assert p2.stdout.strip().splitlines()[-1] == p.stdout.strip().splitlines()[-1]
 
 
@@ -95,7 +100,7 @@ def test_malformed_row_names_file_line_field_and_skip_bad_rows_counts_it(tmp_pat
     (d / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     (d / "test.jsonl").write_text("")
     base = ["collect", "--task", "gsm8k", "--data", tmp_path / "data", "--limit", "0", "--n-samples", "1",
-            "--greedy", "--no-wandb", *TINY]
+            "--greedy", "--no-wandb", *DEBUG]
     p = run_mlmt(*base, "--out", tmp_path / "o")
     assert p.returncode == 2
     assert "train.jsonl:2" in p.stderr and "answer" in p.stderr
@@ -111,7 +116,9 @@ def test_interrupted_collect_leaves_no_snapshot(tmp_path, sig):
     out = tmp_path / "o"
     with open(tmp_path / "err.txt", "w") as errf:
         proc = subprocess.Popen([*MLMT, "collect", "--task", "arith", "--limit", "16", "--out", str(out),
-                                 "--no-wandb", "--set", "solver_sampling.max_new_tokens=200"],
+                                 "--no-wandb", "--set", "solver_sampling.max_new_tokens=200",
+                                 # 16 x 2 episodes of 200-token turns: minutes of generation even on the debug base
+                                 "--set", "model.solver=tiny-random"],
                                 stdout=subprocess.PIPE, stderr=errf, text=True,
                                 # a shell that starts jobs in the background (nohup ... &) hands them
                                 # SIGINT ignored, and Python then installs no KeyboardInterrupt handler

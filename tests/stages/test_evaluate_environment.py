@@ -21,17 +21,27 @@ def _labels(out):
 
 
 def test_a_writer_that_read_the_step_checker_is_labelled_honest_tool(tmp_path):
+    # The solver stays the embedded model: its level-5 attempts write equations with slips, so the
+    # checker flags them and the signal check below sees a 1 (the debug base writes no equations:
+    # never flagged, every signal 0). The writer's text is not checked: it runs on the debug base.
     run_mlmt("eval", "--out", tmp_path, "--task", "arith", "--limit", "3", "--no-wandb", "--set", "task.level=5",
-             "--set", "episode.writer_sees=tool", *TINY, check=True)
+             "--set", "episode.writer_sees=tool", "--set", "model.writer=tiny-random", *TINY, check=True)
     rep, snap, logged = _labels(tmp_path)
     assert rep["environment"] == snap.manifest["summary"]["environment"] == "honest:tool" and logged == {"honest:tool"}
+    flagged = []
     for ep in snap.episodes():
         fb = ep.turns[1]
         assert fb.info["writer_sees"] == "tool" and fb.info["writer_signal"] == int(fb.info["tool_report"]["flagged"])
+        flagged.append(fb.info["tool_report"]["flagged"])
+    assert any(flagged), "no attempt flagged: the signal check saw only 0s"
 
 
 def test_an_mbpp_writer_that_read_grading_test_errors_is_labelled_privileged(tmp_path):
-    run_mlmt("eval", "--out", tmp_path, "--task", "mbpp", "--limit", "2", "--no-wandb", *TINY, check=True)
+    # The solver stays the embedded model: its code fails in the sandbox, so the context is a grading-test
+    # error (the debug base writes no code: only the verifier's "no code block" line). The writer's text
+    # is not checked: it runs on the debug base.
+    run_mlmt("eval", "--out", tmp_path, "--task", "mbpp", "--limit", "2", "--no-wandb",
+             "--set", "model.writer=tiny-random", *TINY, check=True)
     rep, snap, logged = _labels(tmp_path)
     assert any(ep.turns[0].info.get("feedback_context") for ep in snap.episodes())  # what the writer read
     assert rep["environment"] == snap.manifest["summary"]["environment"] == "privileged:grading_tests"

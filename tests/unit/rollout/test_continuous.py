@@ -120,18 +120,25 @@ def _assert_same(a, b) -> None:
 
 def test_continuous_plays_the_batched_episodes(env, monkeypatch):
     cfg, policies, engine = env
-    problems = make_task(cfg.task).load("train", 4).problems
+    from dataclasses import replace
+
+    # 2 problems x 2 samples at 32/16 tokens: the 4 episodes' solves and refines still end apart (at
+    # eos, after the answer line, at the limit), so their turns overlap as in a real collect, while
+    # the longest chain of turns, which sets both runs' decode steps, is 2/3 of 48/24's
+    cfg = replace(cfg, solver_sampling=replace(cfg.solver_sampling, max_new_tokens=32),
+                  episode=replace(cfg.episode, max_feedback_tokens=16))
+    problems = make_task(cfg.task).load("train", 2).problems
     batched, spy_b, run_b = _play(cfg, policies, engine, problems, monkeypatch, on=False)
     ids0 = engine._stream_ids
     cont, spy_c, run_c = _play(cfg, policies, engine, problems, monkeypatch, on=True)
     _assert_same(batched, cont)
-    # it ran as requests of its own: 8 solves, 16 feedbacks, 16 refines and 16 counterfactuals
-    assert engine._stream_ids - ids0 == 8 + 3 * 16 and not engine.streaming and not spy_b.overlaps
+    # it ran as requests of its own: 4 solves, 8 feedbacks, 8 refines and 8 counterfactuals
+    assert engine._stream_ids - ids0 == 4 + 3 * 8 and not engine.streaming and not spy_b.overlaps
     # episodes moved on independently: a writer request joined while turn-1 requests still decoded
     assert any(kind == "feedback" and "solve" in flying for kind, flying in spy_c.overlaps), spy_c.overlaps
     assert any(kind == "refine" and "feedback" in flying for kind, flying in spy_c.overlaps)
     # every episode's turns reached the progress callback, the same counts either way
-    assert spy_c.turns == spy_b.turns == {"solve": 8, "feedback": 16, "refine": 16, "counterfactual": 16}
+    assert spy_c.turns == spy_b.turns == {"solve": 4, "feedback": 8, "refine": 8, "counterfactual": 8}
     assert run_c.gen_tokens == run_b.gen_tokens > 0 and run_c.gen_seconds > 0
     assert any(t.info.get("counterfactual_reward") is not None for e in cont for t in e.turns)
     # Q steered the choice: pi_b is not uniform, so equal strategies test the shared draws
@@ -144,12 +151,12 @@ def test_greedy_turn_one_decodes_once_for_all_samples(env, monkeypatch):
 
     greedy = replace(cfg, solver_sampling=replace(cfg.solver_sampling, temperature=0.0),
                      episode=replace(cfg.episode, rounds=1, counterfactual=False))
-    problems = make_task(cfg.task).load("train", 3).problems
+    problems = make_task(cfg.task).load("train", 2).problems
     batched = _play(greedy, policies, engine, problems, monkeypatch, on=False)[0]
     cont, spy, _ = _play(greedy, policies, engine, problems, monkeypatch, on=True)
     _assert_same(batched, cont)
-    assert [k for k, _ in spy.overlaps].count("solve") == 3  # one request per problem, n = 2 samples each
-    assert spy.turns == {"solve": 6, "feedback": 6, "refine": 6}
+    assert [k for k, _ in spy.overlaps].count("solve") == 2  # one request per problem, n = 2 samples each
+    assert spy.turns == {"solve": 4, "feedback": 4, "refine": 4}
 
 
 def test_different_policies_stay_batched_unless_no_writer_writes(env, monkeypatch):
@@ -165,8 +172,9 @@ def test_different_policies_stay_batched_unless_no_writer_writes(env, monkeypatc
             assert not continuous.applies(runner)
             with pytest.raises(RuntimeError, match="cannot share a vLLM batch"):
                 engine.open_stream(("solver", "writer"))
-        # SCoRe's static instruction: the writer model never runs, so its weights do not matter
-        static = replace(cfg, episode=replace(cfg.episode, feedback="static", counterfactual=False))
+        # SCoRe's static instruction: the writer model never runs, so its weights do not matter. One
+        # round: a second one replays the same solver-only path (the batched test covers rounds)
+        static = replace(cfg, episode=replace(cfg.episode, feedback="static", counterfactual=False, rounds=1))
         batched = _play(static, policies, engine, problems, monkeypatch, on=False)[0]
         cont = _play(static, policies, engine, problems, monkeypatch, on=True)[0]
         _assert_same(batched, cont)

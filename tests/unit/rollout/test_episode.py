@@ -33,7 +33,7 @@ def run(tiny_cfg, policies):
 
     cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=2, n_samples=2))
     task = RecordingTask()
-    problems = task.load("train", 3).problems
+    problems = task.load("train", 2).problems  # two: a verify call can go to the wrong one
     runner = EpisodeRunner(cfg, task, HFEngine(policies, batch_size=8), policies)
     return cfg, task, problems, runner.run(problems), runner
 
@@ -106,7 +106,9 @@ def _contains(seq, sub):
 def test_writer_sees_its_signal_and_the_strategy_prefix_opens_g(tiny_cfg, policies, sees):
     """writer_sees puts one line per attempt into the writer's state (the verdict is the
     verifier's, the confidence the bucketed mean logprob); strategy_prefix puts the strategy's
-    sentence at the start of the span the context bonus removes; summaries label the verdict."""
+    sentence at the start of the span the context bonus removes; summaries label the verdict.
+    The attempts are scripted (AnsweringEngine) so that both verdicts and all three confidence
+    levels occur, which a few sampled attempts of the embedded model do not promise."""
     from dataclasses import replace
 
     from tosca_mlmt.metrics import summarize
@@ -114,8 +116,12 @@ def test_writer_sees_its_signal_and_the_strategy_prefix_opens_g(tiny_cfg, polici
     cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=1, n_samples=2, writer_sees=sees,
                                             strategy_prefix=True))
     task = ArithTask(1)
-    runner = EpisodeRunner(cfg, task, HFEngine(policies, batch_size=8), policies)
-    episodes = runner.run(task.load("train", 2).problems)
+    problems = task.load("train", 3).problems
+    engine = AnsweringEngine(policies, mixed_answers(problems), "Check the sum once more, digit by digit.")
+    runner = EpisodeRunner(cfg, task, engine, policies)
+    episodes = runner.run(problems)
+    assert {ep.turns[0].correct for ep in episodes} == {True, False}
+    assert {round(ep.turns[0].logprobs[0], 1) for ep in episodes} == {-0.1, -0.4, -1.0}  # high, medium, low
     wtok, stok = policies.tokenizer("writer"), policies.tokenizer("solver")
     for ep in episodes:
         z, fb, ref = ep.turns
@@ -141,7 +147,11 @@ def test_verdict_feedback_is_labelled_and_counterfactual_refines_are_scored(tiny
     cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=1, n_samples=2, feedback="verdict",
                                             counterfactual=True))
     task = ArithTask(1)
-    episodes = EpisodeRunner(cfg, task, HFEngine(policies, batch_size=8), policies).run(task.load("train", 2).problems)
+    problems = task.load("train", 2).problems
+    # scripted attempts, one problem right and one wrong: both labels and both counterfactual scores occur
+    engine = AnsweringEngine(policies, mixed_answers(problems), "unused: verdict feedback is fixed")
+    episodes = EpisodeRunner(cfg, task, engine, policies).run(problems)
+    assert {ep.turns[2].info["counterfactual_reward"] for ep in episodes} == {0.0, 1.0}
     for ep in episodes:
         z, fb, ref = ep.turns
         assert fb.text == ("Your answer is right." if z.correct else "Your answer is wrong.")
@@ -191,6 +201,35 @@ class ScriptedEngine:
         self.given += [list(p) for p in prompts]
         g = Generation(tuple(self.replies[policy]), (-0.5,) * len(self.replies[policy]), "stop")
         return [[g] * params.n for _ in prompts]
+
+
+class AnsweringEngine(ScriptedEngine):
+    """ScriptedEngine whose solver answers each problem (found by its question in the prompt) as
+    ``answers`` says, question -> (answer, per-token log-prob)."""
+
+    def __init__(self, policies, answers: dict[str, tuple[str, float]], feedback: str):
+        super().__init__(scripted_replies(policies, feedback))
+        self.tok, self.eos, self.answers = policies.tokenizer("solver"), policies.eos_ids("solver")[0], answers
+
+    def generate(self, prompts, params, policy):
+        if policy != "solver":
+            return super().generate(prompts, params, policy)
+        self.given += [list(p) for p in prompts]
+        out = []
+        for p in prompts:
+            text = self.tok.decode(p)
+            ((answer, lp),) = [v for q, v in self.answers.items() if q in text]
+            ids = self.tok.encode(f"The answer is {answer}.") + [self.eos]
+            out.append([Generation(tuple(ids), (lp,) * len(ids), "stop")] * params.n)
+        return out
+
+
+def mixed_answers(problems) -> dict[str, tuple[str, float]]:
+    """AnsweringEngine's answers: the first problem right and confident (high under the default
+    confidence_edges), the others wrong, at medium and low confidence."""
+    levels = [-0.1, -0.4, -1.0]
+    return {p.question: (p.answer if i == 0 else str(int(p.answer) + 1), levels[i % 3])
+            for i, p in enumerate(problems)}
 
 
 def test_a_cut_prompt_is_recorded_as_the_engine_saw_it(tiny_cfg, policies):
