@@ -67,24 +67,27 @@ class ChatSession:
     """Loads the pair and the engine once; :meth:`play` runs one problem."""
 
     def __init__(self, cfg: Config, strategy: str | None = None, console=None):
-        from tosca_mlmt.models.policies import PolicyPair
+        from tosca_mlmt.models.policies import PolicyPair, saved_strategies
         from tosca_mlmt.rollout.engines import make_engine
         from tosca_mlmt.tasks import make_task
 
         runtime.setup(cfg)
         self.cfg = cfg
         self.task = make_task(cfg.task)
-        if console is not None:
-            console.print(f"chat: loading solver {cfg.model.solver_adapter or '(base)'} and writer "
-                          f"{cfg.model.writer_adapter or '(base)'} on {cfg.model.solver}", highlight=False)
-        self.policies = PolicyPair(cfg.model, seed=cfg.seed)
-        names = [s["name"] for s in (self.policies.strategies or cfg.episode.strategies)]
+        # the writer's own list when it saved one (as PolicyPair will load it), checked before any
+        # weights load: a mistyped --strategy costs an import, not a model load
+        saved = saved_strategies(cfg.model.writer_adapter) if cfg.model.writer_adapter else None
+        names = [s["name"] for s in (saved or cfg.episode.strategies)]
         pinned = None
         if strategy is not None:
             if strategy not in names:
                 raise ConfigError(f"--strategy {strategy!r} is not in the writer's strategy set; allowed: "
                                   f"{', '.join(names)}")
             pinned = names.index(strategy)
+        if console is not None:
+            console.print(f"chat: loading solver {cfg.model.solver_adapter or '(base)'} and writer "
+                          f"{cfg.model.writer_adapter or '(base)'} on {cfg.model.solver}", highlight=False)
+        self.policies = PolicyPair(cfg.model, seed=cfg.seed)
         self.engine = make_engine(cfg, self.policies)
         args = (cfg, self.task, self.engine, self.policies)
         self.runner = EpisodeRunner(*args) if pinned is None else _PinnedRunner(*args, pinned=pinned)

@@ -102,6 +102,7 @@ def test_strategy_option_pins_the_choice_and_an_unknown_one_is_one_error_line(tm
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1].startswith("error: --strategy 'shout' is not in")
     assert "start_over" in p.stderr
+    assert "chat: loading" not in p.stdout + p.stderr  # refused before any weights load
 
 
 def test_a_run_folder_without_trained_policies_is_a_user_error(tmp_path):

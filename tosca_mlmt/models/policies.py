@@ -37,6 +37,13 @@ STRATEGIES_FILE = "strategies.json"
 LORA_B = {"lora_B", "lora_embedding_B"}  # the factors that start at zero
 
 
+def saved_strategies(folder: str | Path) -> list[dict] | None:
+    """The strategy list a saved writer adapter carries (None: none saved, or saved without one), read
+    without loading any weights: callers can check a strategy name before a model loads."""
+    path = Path(folder) / STRATEGIES_FILE
+    return (json.loads(path.read_text()) or None) if path.exists() else None
+
+
 class PolicyPair:
     def __init__(self, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype | None = None):
         from peft import LoraConfig, PeftModel, get_peft_model
@@ -269,7 +276,7 @@ class PolicyPair:
         from safetensors.torch import load_file
 
         if (folder / STRATEGIES_FILE).exists():
-            self.strategies = json.loads((folder / STRATEGIES_FILE).read_text()) or None
+            self.strategies = saved_strategies(folder)
         if (folder / Q_HEAD_FILE).exists():
             self.q_head = QHead.from_state_dict(load_file(folder / Q_HEAD_FILE))
             with safe_open(folder / Q_HEAD_FILE, "pt") as f:
