@@ -44,9 +44,10 @@ SMALL = ["--no-wandb", "--no-progress", *TINY,
                           "lower.problems_per_iteration": 1, "lower.minibatch_size": 2, "lower.grad_accum": 1,
                           "lower.score_batch": 0}.items() for a in ("--set", f"{k}={v}")]]
 # Per example, on top: custom_task checks its mechanics on the random debug model (its rewards are 0, and
-# GRPO's zero advantages still run every step). own_data keeps the embedded model: its partial credit needs
-# answers with numbers in them, which the random debug model does not write.
-EXTRA = {"custom_task": ["--set", f"model.solver={DEBUG_MODEL['model.solver']}"]}
+# GRPO's zero advantages still run every step), and so does multiturn_reward, whose run is only checked to
+# finish from a copy of its folder (its reward's values: tests/unit/tasks/). own_data keeps the embedded
+# model: its partial credit needs answers with numbers in them, which the random debug model does not write.
+EXTRA = {name: ["--set", f"model.solver={DEBUG_MODEL['model.solver']}"] for name in ("custom_task", "multiturn_reward")}
 
 
 def _copy(tmp: Path, name: str) -> Path:
