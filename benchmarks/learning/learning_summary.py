@@ -39,7 +39,11 @@ ENVS = {"verdict": "verdict (privileged)", "confidence": "confidence (honest)", 
 # --tag (their units ran on other code: pooled with the older ones they would mix two programs)
 SECTIONS = {**{env: (env, "", label) for env, label in ENVS.items()},
             "confidence-fixes": ("confidence", "fixes", "confidence (honest), grid confidence-L2-fixes: the fixes of 2026-11-29"),
-            "none-v4": ("none", "v4", "none (honest), grid none-L2-v4: verifier v4 on")}
+            "none-v4": ("none", "v4", "none (honest), grid none-L2-v4: verifier v4 on"),
+            "tool-steps4x": ("tool", "steps4x", "tool (honest:tool, fp32), grid tool-L2-steps4x: 4x the PPO iterations "
+                                                "(8 a round, 64 solver steps)")}
+# a grid measured at other sizes than the benchmark's defaults: the options it ran with (they key its units)
+GRID_ARGS = {"steps4x": ["--lower-iterations", "8"]}
 # (method, label) per environment, in the table's order; the writers are the rows the targets judge
 # (score-kl-reward and single-turn-grpo-no-kl: the baselines' units from before one KL setting for every method;
 # the targets judge against score, the baseline as its paper specifies it)
@@ -76,7 +80,8 @@ def env_units(env: str, tag: str = "") -> tuple[dict[str, list[dict]], dict[str,
     from tosca_mlmt.config import load_config
 
     # every grid here ran where bf16 is native: its units are found as resolved there, on any machine
-    args = le.parser().parse_args(["--env", env, "--native-bf16", "yes"] + (["--tag", tag] if tag else []))
+    args = le.parser().parse_args(["--env", env, "--native-bf16", "yes"] + (["--tag", tag] if tag else [])
+                                  + GRID_ARGS.get(tag, []))
     per, _, _ = le.Units(args).per_method()
     common, train = le.run_overrides(args)
     every = dict(le.METHODS, **le.VERDICT_CONTROL, **le.TOOL_CONTROL)
