@@ -251,9 +251,11 @@ def writer_turn(fmt, problem, cfg: Config, merged) -> list[dict]:
 
 def writer_strategies(folder: Path, cfg: Config) -> list[dict]:
     """The strategy list the writer was trained with: its folder's, else the config's."""
+    from tosca_mlmt.models.policies import saved_strategies
+
     try:
-        saved = json.loads((Path(folder) / "strategies.json").read_text())
-    except (OSError, ValueError):
+        saved = saved_strategies(folder)
+    except (OSError, ValueError):  # a card is written whatever the folder holds
         saved = None
     return saved or cfg.episode.strategies
 
