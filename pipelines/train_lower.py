@@ -191,7 +191,8 @@ class LowerStage:
         if self.engine is None:
             self.engine = make_engine(cfg, self.policies)
             self.started.append(self.engine)
-        self.runner = EpisodeRunner(rollout_config(cfg), self.task, self.engine, self.policies)
+        self.runner = EpisodeRunner(rollout_config(cfg), self.task, self.engine, self.policies,
+                                     refines=cfg.lower.refine_samples)
 
     def iteration(self, i: int) -> LowerIteration:
         timer, t0 = StageTimer(), time.perf_counter()
@@ -225,7 +226,7 @@ class LowerStage:
         firsts = first_samples([pool[j] for j in idx], cfg.episode.n_samples)
         with self.policies.full_weights():  # ZeRO-3: ranks generate different amounts
             local = runner.run(mine, batch_index=i, firsts=[firsts[j] for j in share]) if mine else []
-        episodes = dist.gather_sharded(local, len(idx) * cfg.episode.n_samples)
+        episodes = dist.gather_sharded(local, len(idx) * cfg.episode.n_samples * cfg.lower.refine_samples)
         played = time.perf_counter() - t0
         hits = hit_rate(cache0, prefix_counts(engine))
         # the episodes' time is the engine's generation and the rest, mostly the verifier's scoring

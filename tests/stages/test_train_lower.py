@@ -178,3 +178,29 @@ def test_train_lower_closes_the_engine_it_started_also_when_the_update_fails(
     with pytest.raises(FloatingPointError):
         tl.train_lower(cfg, tmp_path / "given", policies=debug_policies, engine=mine)
     assert not mine.closed and len(started) == 1
+
+
+@pytest.mark.slow
+def test_refine_groups_train_every_sampled_refine_and_each_attempt_once(debug_cfg, debug_policies, tmp_path):
+    """lower.refine_samples 2: each attempt's feedback is refined twice, both refines are in the batch
+    snapshot and in the loss, the shared first attempt once (what lower/loss_tokens counts)."""
+    import json
+
+    from tosca_mlmt.pipelines.train_lower import train_lower
+    from tosca_mlmt.store import open_snapshot
+
+    cfg = replace(debug_cfg, solver_sampling=replace(debug_cfg.solver_sampling, max_new_tokens=8),
+                  episode=replace(debug_cfg.episode, n_samples=2),
+                  lower=replace(debug_cfg.lower, iterations=1, problems_per_iteration=2, minibatch_size=4,
+                                advantage="grpo", refine_samples=2, lr=1e-2))
+    solver = {n: p for n, p in debug_policies.model("solver").named_parameters() if ".solver." in n}
+    with restored(solver):  # the debug base's rewards all tie (0), so grpo moves nothing: the mask is the check
+        res = train_lower(cfg, tmp_path / "run", policies=debug_policies)
+    snaps = [p for p in (res.run_dir / "snapshots").iterdir() if p.name.startswith("snap-")]
+    eps = open_snapshot(res.run_dir / "snapshots", snaps[0].name).episodes()
+    assert len(eps) == 2 * 2 * 2
+    refines = [e.solver_turns[-1] for e in eps]
+    assert [t.info["branch"] for t in refines] == [0, 1] * 4
+    row = json.loads((res.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    firsts = sum(len(e.solver_turns[0].response_ids) for e in eps if e.solver_turns[-1].info["branch"] == 0)
+    assert row["lower/loss_tokens"] == firsts + sum(len(t.response_ids) for t in refines)

@@ -11,7 +11,8 @@ B = trajectories, T = tokens, K = solver turns per trajectory.
   R_k = r_k + turn_gamma * R_{k+1} (r_k: the sum of turn k's token rewards; turn_gamma = 1
   sums every later turn, 0 credits each turn with its own reward only, as MT-GRPO's turn
   advantage does) and broadcast A_k to the tokens of turn k. Groups are (problem, turn index): the n turn-1 samples of a
-  problem, and their refines, are compared only with each other.
+  problem, and their refines, are compared only with each other. Under refine groups
+  (lower.refine_samples) a refine's group is its attempt: the k refines of one (x, z, g).
 * ``archer`` reads an utterance-level critic: A_k = min_j Q_j(s_k, a_k) - min_j V_j(s_k).
 
 Every registered estimator has one signature, ``(AdvantageInputs, **knobs) -> (A [B, T],
@@ -45,6 +46,14 @@ class AdvantageInputs:
     values: torch.Tensor | None = None  # [B, T] V of the state before each token (VALUES)
     q: torch.Tensor | None = None  # [B, K, 2] the critic's two Q heads (CRITIC)
     v: torch.Tensor | None = None  # [B, K, 2] the critic's two V heads (CRITIC)
+    refine_groups: torch.Tensor | None = None  # [B] the group of turns k >= 2 (refine groups); None = groups
+
+    def turn_groups(self) -> torch.Tensor:
+        """[B, K]: the group each trajectory's turn k is compared in."""
+        g = self.groups[:, None].expand(-1, self.n_turns).clone()
+        if self.refine_groups is not None and self.n_turns > 1:
+            g[:, 1:] = self.refine_groups[:, None]
+        return g
 
     def valid(self) -> torch.Tensor:
         """[B, K] bool: trajectory b has a turn k (trajectories may have fewer turns than K)."""
@@ -100,13 +109,14 @@ def turn_returns(rewards: torch.Tensor, turn_ids: torch.Tensor, n_turns: int, tu
 
 
 def _group_stats(R: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor, leave_one_out: bool):
-    """Mean (optionally leave-one-out) and std of R [B, K] within rows sharing ``groups`` [B]."""
+    """Mean (optionally leave-one-out) and std of R [B, K] within rows sharing ``groups`` ([B], or
+    [B, K]: a group per turn)."""
     mean = torch.zeros_like(R)
     std = torch.ones_like(R)
-    for g in groups.unique():
-        rows = groups == g
-        for k in range(R.shape[1]):
-            sel = rows & valid[:, k]
+    per_turn = groups if groups.dim() == 2 else groups[:, None].expand(-1, R.shape[1])
+    for k in range(R.shape[1]):
+        for g in per_turn[:, k].unique():
+            sel = (per_turn[:, k] == g) & valid[:, k]
             n = int(sel.sum())
             if n == 0:
                 continue
@@ -121,7 +131,7 @@ def _group_stats(R: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor, lea
 
 def grpo(R: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor, norm_std: bool = True,
          eps: float = 1e-6) -> torch.Tensor:
-    """R [B, K], groups [B], valid [B, K] -> A [B, K] = (R - mean_group) / (std_group + eps)."""
+    """R [B, K], groups [B] or [B, K], valid [B, K] -> A [B, K] = (R - mean_group) / (std_group + eps)."""
     mean, std = _group_stats(R, groups, valid, leave_one_out=False)
     a = R - mean
     if norm_std:
@@ -167,12 +177,13 @@ def _per_turn(x: AdvantageInputs, A: torch.Tensor) -> tuple[torch.Tensor, torch.
 @register("grpo")
 def grpo_estimator(x: AdvantageInputs, norm_std: bool = True, turn_gamma: float = 1.0, **_):
     R = turn_returns(x.rewards, x.turn_ids, x.n_turns, turn_gamma)
-    return _per_turn(x, grpo(R, x.groups, x.valid(), norm_std=norm_std))
+    return _per_turn(x, grpo(R, x.turn_groups(), x.valid(), norm_std=norm_std))
 
 
 @register("rloo")
 def rloo_estimator(x: AdvantageInputs, turn_gamma: float = 1.0, **_):
-    return _per_turn(x, rloo(turn_returns(x.rewards, x.turn_ids, x.n_turns, turn_gamma), x.groups, x.valid()))
+    return _per_turn(x, rloo(turn_returns(x.rewards, x.turn_ids, x.n_turns, turn_gamma), x.turn_groups(),
+                             x.valid()))
 
 
 @register("reinforce")

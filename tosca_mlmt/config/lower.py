@@ -134,6 +134,14 @@ class LowerConfig(Section):
                                     "and in the advantage estimate. It asks whether training the refine interferes "
                                     "with turn 1 (configs/mlmt-masked-refine.yaml). The context bonus, which moves "
                                     "only refine tokens, is then not computed; lower/loss_tokens logs what is left.")
+    refine_samples: int = knob(1, "Refines sampled per (x, z, g) in train-lower's online batches: 1 = one refine "
+                                      "per attempt (the method as published). k > 1 = refine groups: every attempt "
+                                      "and its feedback are refined k times, and a group-relative estimator (grpo, "
+                                      "rloo) compares a refine only with the other refines of the same attempt and "
+                                      "feedback, so what a refine is credited for is what it did with that feedback, "
+                                      "not which attempt it started from. Turn 1 still groups by problem and is "
+                                      "trained once per attempt. Costs k refines per attempt in generation and in the "
+                                      "update; needs episode.rounds 1 and solver_sampling.temperature > 0.", min=1)
     old_logprobs: str = knob("auto", "PPO's pi_old: recompute = a no-grad forward with the weights that sampled "
                                      "(on-policy); auto = the same, but the forward is skipped for the rows where "
                                      "pi_old is exactly pi_theta at the loss, with epochs 1 the first minibatch's "

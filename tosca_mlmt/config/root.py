@@ -42,6 +42,13 @@ class Config(Section):
         need(self.lower.logprob_temperature == "raw" or self.solver_sampling.temperature > 0,
              f"{prefix}lower.logprob_temperature", "sampling needs solver_sampling.temperature > 0: greedy PPO batches "
              "have no sampling distribution to score")
+        refines = self.lower.refine_samples
+        need(refines == 1 or self.episode.rounds == 1, f"{prefix}lower.refine_samples",
+             f"{refines} refines of one attempt need episode.rounds=1 (the refine groups branch the last turn)")
+        need(refines == 1 or self.solver_sampling.temperature > 0, f"{prefix}lower.refine_samples",
+             f"{refines} refines of one attempt need solver_sampling.temperature > 0: greedy refines are all alike")
+        need(refines == 1 or self.lower.train_refine, f"{prefix}lower.refine_samples",
+             "refine groups train the refines; lower.train_refine=false leaves them out of the loss")
         need(self.upper.reward != "counterfactual" or self.episode.counterfactual, f"{prefix}upper.reward",
              "counterfactual needs episode.counterfactual=true (refines scored without their feedback)")
         need(self.upper.reward != "gold_prob" or self.episode.gold_prob, f"{prefix}upper.reward",

@@ -183,7 +183,8 @@ class LowerLearner:
 
     def _advantages(self, trajs, tt: TrajectoryTensors, rewards: objective.TokenRewards, scores: Scores):
         """(advantages [B, T], returns [B, T], the critic's targets when it trains)."""
-        x = AdvantageInputs(rewards.rewards, tt.mask, tt.turn_ids, tt.groups, tt.n_turns, values=scores.old_values)
+        x = AdvantageInputs(rewards.rewards, tt.mask, tt.turn_ids, tt.groups, tt.n_turns, values=scores.old_values,
+                            refine_groups=tt.refine_groups)
         targets = None
         if CRITIC in self.estimator.needs:
             x.q, x.v, targets = archer.evaluate(self.critic, self.critic_target, scores.turn_features,

@@ -27,6 +27,14 @@ class SolverTrajectory:
     behaviour_logprobs: list[list[float]]  # the engine's sampling logprobs per turn
     feedback_spans: list[tuple[int, int] | None]  # g_k inside ids, for refine turns (None for turn 1)
     cut: list[bool] = field(default_factory=list)  # turn k ran into max_new_tokens (finish_reason "length")
+    # lower.refine_samples > 1: the attempt's key (problem, turn-1 sample) and which of its sampled refines
+    # this is; None: the one refine of its attempt
+    branch: int | None = None
+    sample: int = 0
+
+    @property
+    def attempt(self) -> tuple[str, int]:
+        return self.problem_id, self.sample
 
     @property
     def r1(self) -> float:
@@ -54,7 +62,8 @@ def episode_to_trajectory(ep: Episode) -> SolverTrajectory | None:
         fb = t.feedback_span
         fbs.append(None if fb is None else (fb.start, fb.end))
     return SolverTrajectory(ep.episode_id, ep.problem.id, ids, spans, [float(t.reward) for t in turns],
-                            [list(t.logprobs) for t in turns], fbs, [t.finish_reason == "length" for t in turns])
+                            [list(t.logprobs) for t in turns], fbs, [t.finish_reason == "length" for t in turns],
+                            branch=last.info.get("branch"), sample=ep.sample)
 
 
 @dataclass
@@ -66,6 +75,7 @@ class TrajectoryTensors:
     behaviour_logprobs: torch.Tensor  # [B, T] engine logprobs on action tokens, 0 elsewhere
     groups: torch.Tensor  # [B] problem index, for group-relative estimators
     n_turns: int
+    refine_groups: torch.Tensor | None = None  # [B] the group of the refines: attempt index under refine groups
 
     def turn_valid(self) -> torch.Tensor:
         """[B, K] bool: trajectory b has a turn k (trajectories may have fewer turns than K)."""
@@ -76,10 +86,13 @@ class TrajectoryTensors:
         cols = slice(None, width)
         return TrajectoryTensors(self.input_ids[rows, cols], self.attention_mask[rows, cols], self.mask[rows, cols],
                                  self.turn_ids[rows, cols], self.behaviour_logprobs[rows, cols], self.groups[rows],
-                                 self.n_turns)
+                                 self.n_turns, None if self.refine_groups is None else self.refine_groups[rows])
 
 
 def to_tensors(trajs: list[SolverTrajectory], pad_id: int) -> TrajectoryTensors:
+    """Under refine groups (trajectories with a ``branch``) the k trajectories of one attempt share its
+    turn 1, which is an action of the first of them only (mask and turn id), so turn 1 is trained,
+    and compared within its problem, once per attempt; their refines form the attempt's group."""
     ids, attn = pad_batch([t.ids for t in trajs], pad_id)
     n_turns = max(len(t.turn_spans) for t in trajs)
     B, width = ids.shape
@@ -87,13 +100,19 @@ def to_tensors(trajs: list[SolverTrajectory], pad_id: int) -> TrajectoryTensors:
     turn_ids = torch.full((B, width), -1, dtype=torch.long)
     blp = torch.zeros(B, width)
     group_of = {pid: i for i, pid in enumerate(dict.fromkeys(t.problem_id for t in trajs))}
+    attempt_of = {a: i for i, a in enumerate(dict.fromkeys(t.attempt for t in trajs))}
+    owners = {a: b for b, a in reversed(list(enumerate(t.attempt for t in trajs)))}  # an attempt's first row
+    branched = any(t.branch is not None for t in trajs)
     for b, t in enumerate(trajs):
         for k, (s, e) in enumerate(t.turn_spans):
+            if branched and k == 0 and owners[t.attempt] != b:
+                continue
             mask[b, s:e] = 1.0
             turn_ids[b, s:e] = k
             blp[b, s:e] = torch.tensor(t.behaviour_logprobs[k][: e - s])
     groups = torch.tensor([group_of[t.problem_id] for t in trajs])
-    return TrajectoryTensors(ids, attn, mask, turn_ids, blp, groups, n_turns)
+    refine_groups = torch.tensor([attempt_of[t.attempt] for t in trajs]) if branched else None
+    return TrajectoryTensors(ids, attn, mask, turn_ids, blp, groups, n_turns, refine_groups)
 
 
 def without_cut_turns(trajs: list[SolverTrajectory], tt: TrajectoryTensors) -> tuple[TrajectoryTensors, int]:
@@ -103,7 +122,7 @@ def without_cut_turns(trajs: list[SolverTrajectory], tt: TrajectoryTensors) -> t
     mask, cut = tt.mask.clone(), 0
     for b, t in enumerate(trajs):
         for (s, e), c in zip(t.turn_spans, t.cut):
-            if c:
+            if c and mask[b, s:e].any():  # a branch's shared turn 1 is not its action (to_tensors)
                 mask[b, s:e] = 0.0
                 cut += 1
     return replace(tt, mask=mask), cut

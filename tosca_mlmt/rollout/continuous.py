@@ -57,6 +57,8 @@ def applies(runner: Turns) -> bool:
     config asks for it (engine.vllm.continuous_episodes), and both roles fit one batch or no
     writer model writes."""
     eng = runner.engine
+    if getattr(runner, "refines", 1) > 1:  # refine groups branch the batch after the feedback
+        return False
     if not getattr(eng, "continuous", False) or not hasattr(eng, "submit"):
         return False
     return not _writer_writes(runner.cfg) or eng.mixes_roles()

@@ -9,6 +9,7 @@ continuous episodes (continuous.py), which the runner plays instead where they a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 
@@ -24,7 +25,13 @@ from tosca_mlmt.tasks.base import Problem
 
 class EpisodeRunner(Turns):
     """Plays episodes on an engine: one engine call per turn for the whole batch, or continuous
-    episodes (continuous.py) where the engine and ``engine.vllm.continuous_episodes`` allow."""
+    episodes (continuous.py) where the engine and ``engine.vllm.continuous_episodes`` allow.
+    ``refines`` > 1 (train-lower's refine groups, lower.refine_samples): the last refine is sampled
+    that many times per (x, z, g), each in an episode of its own (``branch_episodes``)."""
+
+    def __init__(self, *args, refines: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.refines = refines
 
     def _gen(self, prompts: list[list[int]], params: SamplingParams, role: str,
              kind: str) -> tuple[list[list[Generation]], list[list[int]]]:
@@ -80,10 +87,20 @@ class EpisodeRunner(Turns):
         # ---- turn 3: the solver refines with the feedback appended to its own context
         refine = [self.refine_prompt(ep, ctx) for ep, ctx in zip(episodes, contexts)]
         prompts = [p for p, _ in refine]
-        ref_gens, ref_seen = self._gen(prompts, self.refine_params(rnd, batch_index), "solver", "refine")
+        k = self.refines if rnd == self.cfg.episode.rounds else 1
+        params = dataclasses.replace(self.refine_params(rnd, batch_index), n=k)
+        ref_gens, ref_seen = self._gen(prompts, params, "solver", "refine")
+        if k > 1:  # every list from here on has one entry per branch, an attempt's k branches adjacent
+            episodes[:] = branch_episodes(episodes, k)
+            contexts[:], prompts, refine, ref_seen = ([x for x in xs for _ in range(k)]
+                                                      for xs in (list(contexts), prompts, refine, ref_seen))
+            ref_gens = [[g] for gs in ref_gens for g in gs]
         for i, (ep, gs) in enumerate(zip(episodes, ref_gens)):
             contexts[i] = self.record_refine(ep, rnd, prompts[i], ref_seen[i], gs[0], refine[i][1], score=False)
         self.score_turns([(ep, ep.turns[-1]) for ep in episodes])
+        if k > 1:  # after scoring, which sets a turn's info
+            for i, ep in enumerate(episodes):
+                ep.turns[-1].info["branch"] = i % k
         if self.cfg.episode.counterfactual:
             self._counterfactual_refines(episodes, prompts, [sp for _, sp in refine], rnd, batch_index)
 
@@ -96,3 +113,10 @@ class EpisodeRunner(Turns):
         params = self.refine_params(rnd, batch_index, "counterfactual")
         gens = self._gen(cut, params, "solver", "counterfactual")[0]
         self.record_counterfactuals([(ep, ep.turns[-1], gs[0]) for ep, gs in zip(episodes, gens)])
+
+
+def branch_episodes(episodes: list[Episode], k: int) -> list[Episode]:
+    """Each episode followed by k - 1 copies of its turns so far (``<id>/b<j>``, the same sample
+    number): the k episodes of one attempt and feedback that its k sampled refines complete."""
+    return [ep if j == 0 else Episode(f"{ep.episode_id}/b{j}", ep.problem, ep.sample, copy.deepcopy(ep.turns))
+            for ep in episodes for j in range(k)]

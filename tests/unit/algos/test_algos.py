@@ -1,6 +1,7 @@
 """Estimators and losses against hand-computed or independently computed references."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -182,3 +183,24 @@ def test_archer_targets_and_advantages_hand_case():
     # mean over the two Q heads plus mean over the two V heads, on the one valid turn
     assert critic_loss(q, v, y_q, y_v, torch.tensor([[1.0, 0.0]])).item() == pytest.approx(
         ((1.0 - 0) ** 2 + (0.5 - 0) ** 2) / 2 + ((0.1 - 0.2) ** 2 + (0.3 - 0.2) ** 2) / 2)
+
+
+def test_refine_groups_compare_a_refine_only_with_the_refines_of_its_own_attempt():
+    # two attempts of one problem (rows 0-2: attempt A, rows 3-5: attempt B), three refines each; turn 1
+    # is an action of each attempt's first row only (the copies' turn-1 tokens carry turn id -1)
+    r1, r2 = [0.0, 0.0, 0.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    turn_ids = torch.tensor([[0, 1], [-1, 1], [-1, 1], [0, 1], [-1, 1], [-1, 1]])
+    rewards = torch.zeros(6, 2)
+    rewards[:, 0] = torch.tensor(r1) * (turn_ids[:, 0] == 0)
+    rewards[:, 1] = torch.tensor(r2)
+    x = AdvantageInputs(rewards, (turn_ids >= 0).float(), turn_ids, torch.zeros(6, dtype=torch.long), 2,
+                        refine_groups=torch.tensor([0, 0, 0, 1, 1, 1]))
+    adv, _ = ADVANTAGES["grpo"](x, norm_std=False, turn_gamma=0.0)
+    # turn 1: the two owners only, mean 0.5; the refines: within each attempt (means 1/3 and 2/3)
+    np.testing.assert_allclose(adv[:, 0].numpy(), [-0.5, 0, 0, 0.5, 0, 0], atol=1e-6)
+    np.testing.assert_allclose(adv[:, 1].numpy(), [2 / 3, -1 / 3, -1 / 3, 1 / 3, 1 / 3, -2 / 3], atol=1e-6)
+    # by problem (no refine groups) the same refines are compared across attempts: mean 1/2
+    by_problem, _ = ADVANTAGES["grpo"](replace(x, refine_groups=None), norm_std=False, turn_gamma=0.0)
+    np.testing.assert_allclose(by_problem[:, 1].numpy(), [0.5, -0.5, -0.5, 0.5, 0.5, -0.5], atol=1e-6)
+    loo, _ = ADVANTAGES["rloo"](x, turn_gamma=0.0)
+    np.testing.assert_allclose(loo[:, 1].numpy(), [1.0, -0.5, -0.5, 0.5, 0.5, -1.0], atol=1e-6)

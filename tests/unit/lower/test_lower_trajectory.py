@@ -70,3 +70,41 @@ def test_score_shaping_stages():
     assert stage == 2 and r[0] == [0.0, 1.0 + 10 * (1.0 - 0.0)] and w[0] == [lo.score.beta1] * 2
     r, _, stage = shaped_turn_rewards(trajs, replace(lo, score=replace(lo.score, enabled=False)), step=0)
     assert stage == 0 and r[0] == [0.0, 1.0]
+
+
+def _branched(eps, k):
+    """Each episode's k refines, as the runner's refine groups record them (rollout/runner.branch_episodes)."""
+    from tosca_mlmt.rollout.runner import branch_episodes
+
+    out = branch_episodes(eps, k)
+    for i, ep in enumerate(out):
+        ep.turns[-1].response_ids = [5, 2 + i]
+        ep.turns[-1].info["branch"] = i % k
+    return out
+
+
+def test_refine_groups_train_turn_1_once_per_attempt_and_group_refines_by_attempt():
+    eps = _branched(make_episodes(2), 3)
+    trajs = [episode_to_trajectory(e) for e in eps]
+    assert [t.branch for t in trajs] == [0, 1, 2, 0, 1, 2]
+    tt = to_tensors(trajs, pad_id=0)
+    (s1, e1), (s2, e2) = trajs[0].turn_spans
+    # turn 1 is an action of each attempt's first trajectory only; every refine is one
+    assert tt.mask[:, s1:e1].sum(1).tolist() == [e1 - s1, 0, 0, e1 - s1, 0, 0]
+    assert (tt.turn_ids[[1, 2, 4, 5], s1:e1] == -1).all() and (tt.turn_ids[:, s2:e2] == 1).all()
+    assert tt.mask[:, s2:e2].sum().item() == 6 * (e2 - s2)
+    assert tt.groups.tolist() == [0, 0, 0, 1, 1, 1] and tt.refine_groups.tolist() == [0, 0, 0, 1, 1, 1]
+    # a minibatch keeps each row's refine group
+    assert tt.select(torch.tensor([4, 0])).refine_groups.tolist() == [1, 0]
+    # without branches nothing changes: no refine groups, turn 1 trained in every trajectory
+    plain = to_tensors([episode_to_trajectory(e) for e in make_episodes(2)], pad_id=0)
+    assert plain.refine_groups is None and plain.mask[:, s1:e1].sum().item() == 2 * (e1 - s1)
+
+
+def test_a_cut_turn_1_shared_by_branches_is_counted_once():
+    eps = make_episodes(1)
+    eps[0].turns[0].finish_reason = "length"
+    trajs = [episode_to_trajectory(e) for e in _branched(eps, 2)]
+    kept, n = without_cut_turns(trajs, to_tensors(trajs, pad_id=0))
+    s, e = trajs[0].turn_spans[0]
+    assert n == 1 and kept.mask[:, s:e].sum() == 0

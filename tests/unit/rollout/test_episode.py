@@ -502,3 +502,27 @@ def test_the_writer_reads_the_thinking_unless_told_not_to(tiny_cfg, policies):
     # never closed: the attempt is empty for the writer, whole otherwise
     open_only = "<think>Still thinking about 2 + 2"
     assert len(writer_prompt(open_only, True)) - len(writer_prompt(open_only, False)) == len(tok.encode(open_only))
+
+
+def test_refine_groups_branch_each_attempt_into_k_sampled_refines(debug_cfg, debug_policies):
+    cfg = replace(debug_cfg, episode=replace(debug_cfg.episode, n_samples=2, rounds=1))
+    task = RecordingTask()
+    problems = task.load("train", 2).problems
+    eps = EpisodeRunner(cfg, task, HFEngine(debug_policies, batch_size=8), debug_policies, refines=3).run(problems)
+    assert len(eps) == 2 * 2 * 3 and len({e.episode_id for e in eps}) == len(eps)
+    refines = set()
+    for a in range(0, len(eps), 3):
+        branches = eps[a: a + 3]
+        first = branches[0]
+        assert [e.episode_id for e in branches[1:]] == [f"{first.episode_id}/b1", f"{first.episode_id}/b2"]
+        assert {(e.problem.id, e.sample) for e in branches} == {(first.problem.id, first.sample)}
+        for e in branches:  # one attempt, one feedback: the turns before the refine are the same records
+            for t, u in zip(e.turns[:2], first.turns[:2]):
+                assert (t.prompt_ids, t.response_ids, t.text, t.strategy) == (u.prompt_ids, u.response_ids, u.text,
+                                                                              u.strategy)
+            assert e.turns[2].prompt_ids == first.turns[2].prompt_ids
+            assert e.turns[2].reward == ArithTask(level=1).verify(e.problem, e.turns[2].text).reward
+            assert episode_to_trajectory(e) is not None
+        assert [e.turns[2].info["branch"] for e in branches] == [0, 1, 2]
+        refines |= {tuple(e.turns[2].response_ids) for e in branches}
+    assert len(refines) > 4  # sampled: an attempt's refines are not copies of one another
