@@ -212,7 +212,8 @@ class LowerStage:
             step=i + 1, summary=summary, update=upd, turn_rewards=tuple(tuple(t.turn_rewards) for t in trajs),
             problem_ids=tuple(t.problem_id for t in trajs), seconds=timer.seconds,
             wall_seconds=time.perf_counter() - t0, gen_tokens=batch.gen_tokens, snapshot=sid, batch=kept,
-            prefix_hit_rate=batch.prefix_hit_rate, **self._readings(batch.episodes))
+            prefix_hit_rate=batch.prefix_hit_rate, **self._readings(batch.episodes),
+            attempts=tuple(t.attempt for t in trajs) if any(t.branch is not None for t in trajs) else ())
 
     def _play(self, i: int, timer: StageTimer) -> _Batch:
         """Iteration ``i``'s problems, played: each rank plays its share, every rank gets all episodes."""

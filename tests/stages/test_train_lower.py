@@ -204,3 +204,4 @@ def test_refine_groups_train_every_sampled_refine_and_each_attempt_once(debug_cf
     row = json.loads((res.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     firsts = sum(len(e.solver_turns[0].response_ids) for e in eps if e.solver_turns[-1].info["branch"] == 0)
     assert row["lower/loss_tokens"] == firsts + sum(len(t.response_ids) for t in refines)
+    assert row["lower/refine_group_frac_reward_zero_std"] == 1.0  # the debug base's refines all score 0

@@ -87,6 +87,10 @@ LOWER = {
     "lower/reward_mean": "Mean episode return of the batch (sum of its turns' verifier rewards).",
     "lower/reward_std": "Mean within-group spread of returns (TRL's reward_std).",
     "lower/frac_reward_zero_std": "Share of groups whose returns are all equal: they carry no GRPO gradient.",
+    "lower/refine_group_reward_std": "Refine groups (`lower.refine_samples` > 1): mean spread of the refines' "
+                                     "rewards within an attempt's group.",
+    "lower/refine_group_frac_reward_zero_std": "Refine groups: share of attempts whose sampled refines all got the "
+                                               "same reward (no refine gradient from them).",
     "lower/reward_turn<k>": "Mean verifier reward of solver turn k (0: the first answer, 1: the first refine).",
     "lower/reward_errors": "Reward calls in this iteration that failed (each scored 0).",
     "lower/kl": "Mean per-token KL(π_old ‖ π_ref) estimate over scored action tokens.",

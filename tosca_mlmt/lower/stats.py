@@ -59,12 +59,16 @@ class LowerIteration:
     reward_errors: int | None = None  # task.reward: failed calls, scored 0
     peak_rss_gib: float = 0.0  # the process's peak so far: where it rises, this iteration set it
     peak_gpu_gib: dict = field(default_factory=dict)
+    attempts: tuple = ()  # refine groups (lower.refine_samples > 1): per trained trajectory, its attempt's key
 
 
 def iteration_metrics(rec: LowerIteration) -> dict:
     """The ``lower/`` metrics row of one iteration (docs/reference/metrics.md names them)."""
     row = {**rec.summary, **rec.update.metrics}
     row.update(group_reward_stats([sum(r) for r in rec.turn_rewards], rec.problem_ids))
+    if rec.attempts:  # the refines' own groups: an attempt whose k refines all tie teaches the refine nothing
+        refines = group_reward_stats([r[-1] for r in rec.turn_rewards], rec.attempts)
+        row.update({f"refine_group_{k}": v for k, v in refines.items() if k != "reward_mean"})
     for k in range(max(map(len, rec.turn_rewards))):
         row[f"reward_turn{k}"] = float(np.mean([r[k] for r in rec.turn_rewards if k < len(r)]))
     optional = {"prefix_hit_rate": rec.prefix_hit_rate, "sync_route": rec.sync_route or None,
