@@ -26,8 +26,15 @@ MLMT = [sys.executable, "-m", "tosca_mlmt.cli.main"]
 # CPUs with avx512_bf16/amx_bf16 and fp32 elsewhere): fp32 weights and no autocast, so numbers
 # compare exactly across engines and machines. bf16 is covered by tests that force it.
 FP32 = {"model.dtype": "float32", "lower.autocast": "none"}
+
+
+def set_args(overrides: dict) -> list[str]:
+    """``--set KEY=VALUE`` for each item: ``overrides`` as a command line's arguments."""
+    return [a for k, v in overrides.items() for a in ("--set", f"{k}={v}")]
+
+
 TINY = ["--set", "solver_sampling.max_new_tokens=24", "--set", "writer_sampling.max_new_tokens=16",
-        "--set", "episode.max_feedback_tokens=16", *[a for k, v in FP32.items() for a in ("--set", f"{k}={v}")]]
+        "--set", "episode.max_feedback_tokens=16", *set_args(FP32)]
 
 
 # The random-weight debug base (tosca_mlmt.models.loading.DEBUG): same tokenizer and chat

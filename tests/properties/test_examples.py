@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from conftest import DEBUG_MODEL, MLMT, TINY, run_mlmt
+from conftest import DEBUG_MODEL, MLMT, TINY, run_mlmt, set_args
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -40,9 +40,9 @@ RUNNABLE = [name for name in FOLDERS if command_block(name) and not command_bloc
 # take seconds. hf, not vLLM: an engine start per command would cost more than the episodes (the engines
 # agree token for token: tests/unit/rollout/engines/vllm/).
 SMALL = ["--no-wandb", "--no-progress", *TINY,
-         *[a for k, v in {"engine.name": "hf", "task.limit": 2, "episode.n_samples": 2, "lower.iterations": 1,
-                          "lower.problems_per_iteration": 1, "lower.minibatch_size": 2, "lower.grad_accum": 1,
-                          "lower.score_batch": 0}.items() for a in ("--set", f"{k}={v}")]]
+         *set_args({"engine.name": "hf", "task.limit": 2, "episode.n_samples": 2, "lower.iterations": 1,
+                    "lower.problems_per_iteration": 1, "lower.minibatch_size": 2, "lower.grad_accum": 1,
+                    "lower.score_batch": 0})]
 # Per example, on top: custom_task checks its mechanics on the random debug model (its rewards are 0, and
 # GRPO's zero advantages still run every step), and so does multiturn_reward, whose run is only checked to
 # finish from a copy of its folder (its reward's values: tests/unit/tasks/). own_data keeps the embedded

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FP32, MLMT
+from conftest import FP32, MLMT, set_args
 from tosca_mlmt.store import verify_snapshot
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ COMMON = {**FP32, "model.solver": "tiny-random", "lower.advantage": "gae", "dete
 
 
 def sets(over: dict) -> list[str]:
-    return [a for k, v in {**COMMON, **over}.items() for a in ("--set", f"{k}={v}")]
+    return set_args({**COMMON, **over})
 
 
 def delay(stage: str, span: float) -> float:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import DEBUG_MODEL, FP32, run_mlmt
+from conftest import DEBUG_MODEL, FP32, run_mlmt, set_args
 from factories import wandb_history
 
 pytestmark = pytest.mark.slow
@@ -21,7 +21,7 @@ TINY_JOINT = {
 
 def test_tiny_train_joint_through_the_cli_then_eval_and_analyze(tmp_path):
     over = {**TINY_JOINT, "logging.wandb": True, "joint.eval_problems": 2}
-    sets = [a for k, v in over.items() for a in ("--set", f"{k}={v}")]
+    sets = set_args(over)
     env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb")}
     run = tmp_path / "run"
     p = run_mlmt("train-joint", "--out", run, *sets, check=True, env=env)

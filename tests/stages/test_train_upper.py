@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import DEBUG_MODEL, FP32, run_mlmt
+from conftest import DEBUG_MODEL, FP32, run_mlmt, set_args
 from tosca_mlmt.config import load_config
 from tosca_mlmt.models.loading import weights_fingerprint
 from tosca_mlmt.models.policies import PolicyPair
@@ -183,7 +183,7 @@ def test_logits_q_source_trains_the_adapter_and_exports_an_equivalent_head(pair,
 def test_cli_train_upper(snapshot, tmp_path):
     root, sid = snapshot
     out = tmp_path / "cli-run"
-    sets = [a for k, v in {**TINY, "upper.steps": 1, "upper.batch_size": 2}.items() for a in ("--set", f"{k}={v}")]
+    sets = set_args({**TINY, "upper.steps": 1, "upper.batch_size": 2})
     p = run_mlmt("train-upper", "--snapshot", sid, "--root", root, "--out", out, "--no-wandb", *sets, check=True)
     assert p.stdout.strip().splitlines()[-1] == str(out / "writer")
     assert (out / "writer" / "q_head.safetensors").exists() and (out / "report.md").exists()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEBUG_MODEL, FP32, run_mlmt
+from conftest import DEBUG_MODEL, FP32, run_mlmt, set_args
 from factories import bpe_writer
 
 pytestmark = pytest.mark.slow
@@ -49,7 +49,7 @@ def test_a_writer_with_its_own_base_and_tokenizer_trains_in_the_loop(tmp_path, w
             "writer_sampling.max_new_tokens": 8, "episode.max_feedback_tokens": 8, "task.level": 1,
             "logging.wandb": False, "logging.progress": False}
     run = tmp_path / "run"
-    run_mlmt("train-joint", "--out", run, *[a for k, v in over.items() for a in ("--set", f"{k}={v}")], check=True)
+    run_mlmt("train-joint", "--out", run, *set_args(over), check=True)
     wtok, stok = AutoTokenizer.from_pretrained(writer), AutoTokenizer.from_pretrained(resolve_model("tiny-random"))
     assert len(wtok) < 400 < len(stok)
     man = json.loads((run / "manifest.json").read_text())

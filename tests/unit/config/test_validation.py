@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import DEBUG_MODEL, TINY, run_mlmt
+from conftest import DEBUG_MODEL, TINY, run_mlmt, set_args
 from tosca_mlmt.config import Config, SamplingConfig, describe_fields, load_config, markdown_reference, parse_override
 from tosca_mlmt.config.knobs import INT_MAX
 from tosca_mlmt.errors import ConfigError, DataError, TrainingDiverged
@@ -532,7 +532,7 @@ def test_cli_divergence_stops_with_one_line_and_keeps_the_last_good_checkpoint(t
     args = ["train-lower", "--out", str(run), "--no-wandb", *map(str, TINY), "--set", "lower.iterations=3",
             "--set", "lower.save_every=1", "--set", "lower.problems_per_iteration=1", "--set", "episode.n_samples=2",
             "--set", "lower.minibatch_size=2", "--set", "lower.keep_snapshots=false", "--set", "episode.rounds=1",
-            *[a for k, v in DEBUG_MODEL.items() for a in ("--set", f"{k}={v}")]]
+            *set_args(DEBUG_MODEL)]
     p = subprocess.run([sys.executable, "-c", _DIVERGE, *args], capture_output=True, text=True, timeout=900)
     line = _one_error_line(p)
     assert "lower training diverged at iteration 2, optimizer step 2: the loss is nan" in line

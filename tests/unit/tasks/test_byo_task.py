@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEBUG_MODEL, TINY, run_mlmt
+from conftest import DEBUG_MODEL, TINY, run_mlmt, set_args
 from tosca_mlmt.config import load_config, task_names
 from tosca_mlmt.errors import ConfigError, DataError
 from tosca_mlmt.tasks import make_task
@@ -251,7 +251,7 @@ def test_collect_with_a_path_task_and_a_flaky_reward(tmp_path):
     p = run_mlmt("collect", "--task", "byo_plugin:CountTask", "--limit", "2", "--out", tmp_path, "--greedy",
                  "--n-samples", "1", "--no-wandb", "--no-progress", "--set", f"task.reward={PLUGIN}:flaky_reward",
                  # which calls fail depends on the problem, not the text: the debug base serves
-                 *[a for k, v in DEBUG_MODEL.items() for a in ("--set", f"{k}={v}")], *TINY, env=env, check=True)
+                 *set_args(DEBUG_MODEL), *TINY, env=env, check=True)
     snap = load_snapshot(tmp_path, p.stdout.strip().splitlines()[-1])
     m = snap.manifest
     assert m["task"]["name"] == "count" and m["task"]["problem_ids"] == ["count-train-0", "count-train-1"]
@@ -276,7 +276,7 @@ def test_train_lower_counts_failed_reward_calls_per_iteration(tmp_path):
     run_mlmt("train-lower", "--out", run, "--no-wandb", "--set", "task.name=byo_plugin:CountTask",
              "--set", f"task.reward={PLUGIN}:flaky_reward", "--set", "lower.iterations=2",
              "--set", "lower.problems_per_iteration=2", "--set", "lower.minibatch_size=4",
-             *[a for k, v in DEBUG_MODEL.items() for a in ("--set", f"{k}={v}")], *TINY, env=env, check=True)
+             *set_args(DEBUG_MODEL), *TINY, env=env, check=True)
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     for m in lines:
         eps = load_snapshot(run / "snapshots", m["lower/snapshot"]).episodes()

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from tosca_mlmt.config import load_config
 from tosca_mlmt.pipelines.collect import collect
 from tosca_mlmt.parallel import free_port
-from conftest import FP32
+from conftest import FP32, set_args
 
 pytestmark = pytest.mark.slow
 
@@ -245,7 +245,7 @@ def test_train_joint_with_two_processes_through_the_cli(tmp_path):
             "episode.n_samples": 2, "solver_sampling.max_new_tokens": 10, "writer_sampling.max_new_tokens": 8,
             "episode.max_feedback_tokens": 8, **FP32, "model.solver": "tiny-random", "logging.progress": False}
     run = tmp_path / "run"
-    args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    args = set_args(sets)
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                         str(free_port()), "-m", "tosca_mlmt.cli.main", "train-joint", "--out", str(run), "--no-wandb",
