@@ -184,6 +184,9 @@ TOOL_CONTROL = {"tool-template": (MLMT, TOOL_TEMPLATE),
                 # steps (64). At 16 steps refine groups fixed no more flagged attempts than one refine did (seed 0,
                 # 3 of 124), while the template at 64 steps on 4x the data fixed 16.9 %: steps or data?
                 "tool-template-refine-groups-mb8": (MLMT, {**TOOL_TEMPLATE, "lower.refine_samples": 4}),
+                # its control for the steps: one refine an attempt, minibatches of 2, so the same 64 optimizer steps
+                # over the same 128 turn-1 samples (mb8 lifted turn 1 from 0.423 to 0.503: steps or refine groups?)
+                "tool-template-mb2": (MLMT, {**TOOL_TEMPLATE, "lower.minibatch_size": 2}),
                 "mlmt-tool-selector": (ROOT / "configs" / "mlmt-tool-selector.yaml", {})}
 # tool: the writer reads the task's own check of each attempt (honest:tool); q_signal gives Q its flag
 ENV_OVERRIDES = {"none": {}, "confidence": {"episode.writer_sees": "confidence"},
