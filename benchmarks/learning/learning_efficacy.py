@@ -187,7 +187,14 @@ TOOL_CONTROL = {"tool-template": (MLMT, TOOL_TEMPLATE),
                 # its control for the steps: one refine an attempt, minibatches of 2, so the same 64 optimizer steps
                 # over the same 128 turn-1 samples (mb8 lifted turn 1 from 0.423 to 0.503: steps or refine groups?)
                 "tool-template-mb2": (MLMT, {**TOOL_TEMPLATE, "lower.minibatch_size": 2}),
-                "mlmt-tool-selector": (ROOT / "configs" / "mlmt-tool-selector.yaml", {})}
+                "mlmt-tool-selector": (ROOT / "configs" / "mlmt-tool-selector.yaml", {}),
+                # the tool selector with the solver trained as tool-template-refine-groups-mb8 (4 refines an
+                # attempt, 64 steps: the best honest solver of seed 0) and its writer's data collected with
+                # sampled refines (collect.refine_temperature -1): in the selector's seed 0 no greedy collect
+                # refine fixed a wrong attempt, so every strategy's return was the attempt's and Q had nothing
+                # to rank; a sampled refine is what the solver learns from, and it fixes some
+                "mlmt-tool-selector-refine-groups": (ROOT / "configs" / "mlmt-tool-selector.yaml",
+                                                     {"lower.refine_samples": 4, "collect.refine_temperature": -1.0})}
 # tool: the writer reads the task's own check of each attempt (honest:tool); q_signal gives Q its flag
 ENV_OVERRIDES = {"none": {}, "confidence": {"episode.writer_sees": "confidence"},
                  "verdict": {"episode.writer_sees": "verdict"},

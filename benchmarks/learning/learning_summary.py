@@ -56,7 +56,8 @@ WRITERS = {"verdict": [("mlmt", "`mlmt`"), ("mlmt-sentences-only", "selector"),
                        ("mlmt-verdict-sentences-sampled-refines", "verdict selector on sampled refines")],
            "confidence": [("mlmt", "`mlmt`"), ("mlmt-sentences-only", "selector")],
            "none": [("mlmt", "`mlmt`"), ("mlmt-sentences-only", "selector")],
-           "tool": [("mlmt", "`mlmt`"), ("mlmt-tool-selector", "tool selector")]}
+           "tool": [("mlmt", "`mlmt`"), ("mlmt-tool-selector", "tool selector"),
+                    ("mlmt-tool-selector-refine-groups", "tool selector, refine groups, sampled collect refines")]}
 VERDICT_ONLY = [("verdict-template", "verdict template (control)"),
                 ("solver-only-verdict-sentences", "random verdict sentences, frozen writer")]
 TOOL_ONLY = [("tool-template", "tool template (control)"),
@@ -298,7 +299,8 @@ def tool_targets(add, versus) -> None:
         lambda d: d["fixed"] >= 0.30 and d["broke"] <= 0.02,
         [("tool-template", "template"), ("tool-template-refine-groups", "template, refine groups"),
          ("tool-template-refine-groups-mb8", "template, refine groups, 4× steps"),
-         ("tool-template-mb2", "template, 4× steps")])
+         ("tool-template-mb2", "template, 4× steps"),
+         ("mlmt-tool-selector-refine-groups", "tool selector, refine groups")])
     add("tool: ≥ single-turn GRPO + 0.05, CI > 0", "tool", versus("single-turn-grpo", seeds=True),
         lambda d: d["mean"] >= 0.05 and lower(d) > 0)
     for key, name in (("resample", "tool-gated resampling"), ("majority", f"majority of {le.CONTROL_K}")):
