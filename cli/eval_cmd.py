@@ -45,6 +45,10 @@ def eval_cmd(
                                            "checker flags an answer the solver answers again, sampled with no "
                                            "feedback, up to episode.rounds times; the first unflagged answer (else "
                                            "the last) is final. Acc@resample, flagged, fixed and broke in eval.json."),
+    refine: str = typer.Option("greedy", "--refine", metavar="greedy|sampled", help="How the refine turns "
+                               "decode: greedy (the eval protocol), or sampled at solver_sampling.temperature "
+                               "(seeded; turn 1 and the writer stay greedy), the decoding of --resample's answers, "
+                               "so the two differ by the feedback alone."),
     config: Optional[Path] = CONFIG,
     set_: list[str] = SET,
     seed: Optional[int] = SEED,
@@ -66,7 +70,7 @@ def eval_cmd(
     ov.update(common_overrides(seed, data, no_wandb, no_progress))
     ov.update(parse_sets(set_))
     res = evaluate(command_config(config, ov, run=run), out, console=err, compare_to=compare_to,
-                   majority=majority, resample=resample)
+                   majority=majority, resample=resample, refine=refine)
     rep = res.report
     if "compared_to" in rep:
         _print_comparison(rep["compared_to"])

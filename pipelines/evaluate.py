@@ -109,10 +109,11 @@ def _on_top(trained: dict, path: str | Path | None, overrides: dict | None) -> d
 
 
 def evaluate(cfg: Config, out: str | Path, *, console=None, compare_to: str | Path | None = None,
-             majority: int | None = None, resample: str | None = None) -> EvalResult:
+             majority: int | None = None, resample: str | None = None, refine: str = "greedy") -> EvalResult:
     """``compare_to``: an earlier eval folder on the same problems; the before/after comparison
     (``compare_outcomes``) is added to the report as ``compared_to``. ``majority`` (k; 0 = 1 +
-    episode.rounds) and ``resample`` ("tool"): the controls (``plan_controls``), added to the report."""
+    episode.rounds) and ``resample`` ("tool"): the controls (``plan_controls``), added to the report.
+    ``refine``: how the refine turns decode (``eval_config``)."""
     from tosca_mlmt.analysis.controls import plan_controls
 
     if cfg.task.split not in ("test", "test-unseen"):
@@ -122,14 +123,15 @@ def evaluate(cfg: Config, out: str | Path, *, console=None, compare_to: str | Pa
     before = eval_outcomes(compare_to) if compare_to is not None else None  # a bad folder fails before the eval
     plan = plan_controls(majority, resample, cfg.episode.rounds, cfg.solver_sampling.temperature)
     task = _control_task(cfg, plan)  # a task without a checker fails before the eval
-    sampled, cfg = cfg, eval_config(cfg)
+    sampled, cfg = cfg, eval_config(cfg, refine)
     with _shared_models(cfg, plan) as shared:
         res = collect(cfg, rd.path / "snapshots", console=console, prefix="eval", **shared)
         ctl = (collect(control_config(sampled, plan), rd.path / "snapshots", console=console, prefix="eval", **shared)
                if plan is not None else None)
     report = {"snapshot_id": res.snapshot_id, "task": cfg.task.name, "split": cfg.task.split,
               "solver_adapter": cfg.model.solver_adapter or None, "writer_adapter": cfg.model.writer_adapter or None,
-              "strategy_selection": cfg.episode.strategy_selection, "epsilon": cfg.episode.epsilon, **res.summary}
+              "strategy_selection": cfg.episode.strategy_selection, "epsilon": cfg.episode.epsilon,
+              "refine": refine, "refine_temperature": cfg.collect.refine_temperature, **res.summary}
     if before is not None and dist.is_main():  # under torchrun every rank collected its share; one reports
         after = _outcomes(rd.path / "snapshots", res.snapshot_id, report.get("environment", "honest"))
         report["compared_to"] = {"eval": str(compare_to), **compare_outcomes(before, after, compare_to)}
@@ -208,13 +210,30 @@ def _attempts(snapshots: Path, sid: str) -> dict:
     return out
 
 
-def eval_config(cfg: Config) -> Config:
+REFINE_DECODING = ("greedy", "sampled")
+
+
+def eval_config(cfg: Config, refine: str = "greedy") -> Config:
     """The eval protocol (mlmt eval, train-joint's per-round eval): greedy solver and writer, one
     sample per problem, and the configured strategy selection (episode.strategy_selection, seeded):
-    switching to argmax only once a writer is trained would compare two protocols."""
+    switching to argmax only once a writer is trained would compare two protocols.
+
+    ``refine="sampled"``: the refine turns sample at ``cfg``'s own solver_sampling.temperature (seeded),
+    turn 1 and the writer stay greedy. ``--resample tool`` samples its answers at that temperature, so a
+    refine decoded the same way is what it must be compared with: a greedy refine of a small solver
+    mostly repeats its attempt, a sampled resample does not, and a greedy-refine-vs-sampled-resample
+    gap mixes the feedback's effect with the decoding's."""
+    if refine not in REFINE_DECODING:
+        raise ConfigError(f"invalid value {refine!r} for --refine; allowed: {', '.join(REFINE_DECODING)}")
+    refine_t = -1.0
+    if refine == "sampled":
+        refine_t = cfg.solver_sampling.temperature
+        if refine_t <= 0:
+            raise ConfigError("--refine sampled: solver_sampling.temperature is 0, so the refine would be greedy; "
+                              "set it (--set solver_sampling.temperature=0.7) to the temperature to sample at")
     return replace(cfg, solver_sampling=replace(cfg.solver_sampling, temperature=0.0),
                    writer_sampling=replace(cfg.writer_sampling, temperature=0.0),
-                   collect=replace(cfg.collect, solve_temperature=-1.0, refine_temperature=-1.0,
+                   collect=replace(cfg.collect, solve_temperature=-1.0, refine_temperature=refine_t,
                                    writer_temperature=-1.0),
                    episode=replace(cfg.episode, n_samples=1))
 

@@ -263,6 +263,13 @@ def run_method(name: str, preset: Path, extra: dict | None, common: dict, train:
     flags = tool_flags(folder / "eval")
     if flags is not None:
         out["flagged"] = flags
+        # the refine sampled as the resample control samples (mlmt eval --refine sampled): tool-gated, the two
+        # differ by the feedback alone, where the greedy refine also differs from the resample by its decoding
+        evaluate(ecfg, folder / "eval-refine-sampled", refine="sampled")
+        o = eval_outcomes(folder / "eval-refine-sampled")
+        out["refine_sampled"] = {"ids": list(o["ids"]), "t1": [float(v) for v in o["t1"]],
+                                 "final": [float(v) for v in o["final"]],
+                                 "flagged": tool_flags(folder / "eval-refine-sampled")}
     if evals:
         out["evals"] = {}
     for ood, overrides in (evals or {}).items():

@@ -280,6 +280,20 @@ def tool_targets(add, versus) -> None:
             return versus("control")({**per, "control": ctl}, cells, m) if ctl and m in per else None
         return measure
 
+    def sampled_gated(measure):
+        """``measure`` on the units' sampled-refine eval, tool-gated: a flagged attempt's refine is final, an
+        unflagged attempt stands (as the resample control keeps it); None for units from before that eval."""
+        def on(per, cells, m):
+            got = []
+            for r in per.get(m, []):
+                if (s := r.get("refine_sampled")) is None:
+                    continue
+                t1, flag = np.asarray(s["t1"], dtype=float), np.asarray(s["flagged"], dtype=float)
+                got.append({**r, "ids": s["ids"], "t1": t1, "flagged": flag,
+                            "final": np.where(flag == 1, np.asarray(s["final"], dtype=float), t1)})
+            return measure({**per, m: got}, cells, m) if got else None
+        return on
+
     def on_unseen(base: str):
         def measure(per, cells, m):
             unseen = {k: [{"seed": r["seed"], "final": np.asarray(r["evals"]["test-unseen"]["final"], dtype=float),
@@ -295,12 +309,17 @@ def tool_targets(add, versus) -> None:
         d = a.mean(1) - b.mean(1)
         return ", ".join(f"seed {s} {_num(x, '+')}" for s, x in zip(common, d)), d
 
+    templates = [("tool-template", "template"), ("tool-template-refine-groups", "template, refine groups"),
+                 ("tool-template-refine-groups-mb8", "template, refine groups, 4× steps"),
+                 ("tool-template-mb2", "template, 4× steps")]
     add("tool: fixes ≥ 30 % of the flagged wrong attempts, breaks ≤ 2 % of right ones", "tool", fixes,
-        lambda d: d["fixed"] >= 0.30 and d["broke"] <= 0.02,
-        [("tool-template", "template"), ("tool-template-refine-groups", "template, refine groups"),
-         ("tool-template-refine-groups-mb8", "template, refine groups, 4× steps"),
-         ("tool-template-mb2", "template, 4× steps"),
-         ("mlmt-tool-selector-refine-groups", "tool selector, refine groups")])
+        lambda d: d["fixed"] >= 0.30 and d["broke"] <= 0.02, templates)
+    # the same two targets with the refine sampled as the resample control samples (mlmt eval --refine sampled)
+    # and gated as it is gated: the method and the control then differ by the feedback alone
+    add("tool, refine sampled, tool-gated: fixes ≥ 30 % of the flagged wrong attempts, breaks ≤ 2 % of right ones",
+        "tool", sampled_gated(fixes), lambda d: d["fixed"] >= 0.30 and d["broke"] <= 0.02, templates)
+    add("tool, refine sampled, tool-gated: above GRPO's tool-gated resampling, CI > 0", "tool",
+        sampled_gated(versus_control("resample")), lambda d: lower(d) > 0, templates)
     add("tool: ≥ single-turn GRPO + 0.05, CI > 0", "tool", versus("single-turn-grpo", seeds=True),
         lambda d: d["mean"] >= 0.05 and lower(d) > 0)
     for key, name in (("resample", "tool-gated resampling"), ("majority", f"majority of {le.CONTROL_K}")):

@@ -536,3 +536,71 @@ def test_the_tool_targets_are_judged_from_their_own_contrasts(summary):
     fix = next(t for t in record if t["target"].startswith("tool: fixes"))
     assert (fix["met_by"], fix["seeds"], fix["final"]) == (["`mlmt`"], 5, True)
     assert next(x for x in lines if x.startswith("| tool: fixes")).endswith("| met |")
+
+
+def test_the_sampled_refine_targets_are_gated_by_the_check(summary):
+    """The sampled-refine eval is judged tool-gated: a flagged attempt's refine is final and an unflagged one
+    stands, as GRPO's resample control keeps it, so breaks and fixes of unflagged attempts do not count; a unit
+    from before that eval (no refine_sampled) is not judged on it."""
+    import numpy as np
+
+    import tosca_mlmt.tasks.arith as arith
+
+    ids = [p.id for p in arith.ArithTask(2).load("test", 300).problems]
+    n = len(ids)
+    t1, flagged = np.zeros(n), np.zeros(n)
+    t1[:100] = 1
+    flagged[100:200] = 1
+    mine, weak = np.zeros(n), np.zeros(n)
+    mine[100:140] = 1  # fixes 40 of the 100 flagged wrong attempts
+    mine[200:260] = 1  # and refines 60 unflagged wrong ones right, while it breaks every right one: gated away
+    weak[100:110] = 1
+    resample = t1.copy()
+    resample[100:110] = 1  # the control fixes the same 10 flagged attempts the selector's refine fixes
+
+    def unit(seed, sampled=None):
+        u = {"seed": seed, "t1": t1, "final": t1, "ids": ids, "used": {"rounds": 4}, "flagged": flagged}
+        if sampled is not None:
+            u["refine_sampled"] = {"ids": ids, "t1": list(t1), "final": list(sampled), "flagged": list(flagged)}
+        return u
+
+    per = {"mlmt": [unit(s, mine) for s in (0, 1)], "mlmt-tool-selector": [unit(s, weak) for s in (0, 1)],
+           "mlmt-tool-selector-refine-groups": [unit(s) for s in (0, 1)],
+           "single-turn-grpo": [unit(s) | {"controls": {"ids": ids, "majority": list(t1), "resample": list(resample),
+                                                        "tool_hint": list(t1)}} for s in (0, 1)]}
+    data = {"tool": {"per": per, "methods": {m: summary.pooled(r) for m, r in per.items()}}}
+    _, record = summary.targets(data)
+    by = {t["target"]: (t["met_by"], t["missed_by"]) for t in record}
+    assert by["tool, refine sampled, tool-gated: fixes ≥ 30 % of the flagged wrong attempts, breaks ≤ 2 % of "
+              "right ones"] == (["`mlmt`"], ["tool selector"])
+    assert by["tool, refine sampled, tool-gated: above GRPO's tool-gated resampling, CI > 0"] == (
+        ["`mlmt`"], ["tool selector"])
+
+
+def test_a_unit_whose_eval_has_the_check_also_evaluates_a_sampled_refine(bench, monkeypatch, tmp_path):
+    """Where the check flagged first attempts (the tool grid), a unit evaluates its pair once more with the
+    refine sampled (mlmt eval --refine sampled) on the same problems and keeps that eval's outcomes and flags
+    beside its own; without flags (no check) it does not (the OOD test above: three evals, no kwargs)."""
+    from tosca_mlmt.pipelines import evaluate as ev
+
+    args = bench.parser().parse_args(["--env", "tool", "--ood-evals"])
+    common, train = bench.run_overrides(args)
+    seen = []
+
+    def fake_evaluate(cfg, out, **kw):
+        seen.append((out.name, cfg.task.split, kw))
+        return types.SimpleNamespace(report={"environment": "honest:tool"})
+
+    def fake_outcomes(folder, texts=False):
+        final = [1, 1, 0] if folder.name == "eval-refine-sampled" else [0, 1, 0]
+        return {"ids": ["a", "b", "c"], "t1": [0, 1, 0], "final": final,
+                **({"t1_text": ["1"] * 3, "final_text": ["2"] * 3} if texts else {})}
+
+    monkeypatch.setattr(ev, "evaluate", fake_evaluate)
+    monkeypatch.setattr(ev, "eval_outcomes", fake_outcomes)
+    monkeypatch.setattr(bench, "tool_flags", lambda folder: [1, 0, 1])
+    r = bench.run_method("untrained", bench.MLMT, None, common, train, {}, 0, tmp_path, "sha", None, {})
+    assert seen == [("eval", "test", {}), ("eval-refine-sampled", "test", {"refine": "sampled"})]
+    assert r["refine_sampled"] == {"ids": ["a", "b", "c"], "t1": [0.0, 1.0, 0.0], "final": [1.0, 1.0, 0.0],
+                                   "flagged": [1, 0, 1]}
+    assert r["flagged"] == [1, 0, 1] and list(r["final"]) == [0.0, 1.0, 0.0]

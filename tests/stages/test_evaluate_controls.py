@@ -108,3 +108,10 @@ def test_resample_on_a_task_without_a_checker_fails_before_the_eval(tmp_path):
                  "--no-wandb", "--resample", "tool", "--set", "model.solver=tiny-random")
     assert p.returncode == 2 and "'jsonl' has no checker" in p.stderr
     assert not (tmp_path / "o" / "snapshots").exists()
+
+
+def test_refine_sampled_with_a_greedy_solver_config_fails_before_the_eval(tmp_path):
+    p = run_mlmt("eval", "--out", tmp_path / "o", "--task", "arith", "--limit", "2", "--no-wandb", "--refine", "sampled",
+                 "--set", "solver_sampling.temperature=0", "--set", "model.solver=tiny-random")
+    assert p.returncode == 2 and "--refine sampled: solver_sampling.temperature is 0" in p.stderr
+    assert not (tmp_path / "o" / "snapshots").exists()

@@ -76,6 +76,27 @@ def test_collect_logs_refines_at_collect_refine_temperature_and_eval_decodes_all
     assert (e.collect.solve_temperature, e.collect.refine_temperature, e.collect.writer_temperature) == (-1, -1, -1)
 
 
+def test_eval_refine_sampled_samples_only_the_refines_at_the_solvers_own_temperature(tiny_cfg, policies, tmp_path):
+    """`mlmt eval --refine sampled`: turn 1 and the writer greedy as in the eval protocol, the refine
+    at solver_sampling.temperature (what --resample's answers sample at), whatever collect.* said."""
+    from tosca_mlmt.pipelines.collect import collect
+    from tosca_mlmt.pipelines.evaluate import eval_config
+
+    cfg = replace(tiny_cfg, solver_sampling=replace(tiny_cfg.solver_sampling, temperature=0.6),
+                  writer_sampling=replace(tiny_cfg.writer_sampling, temperature=0.9),
+                  collect=replace(tiny_cfg.collect, solve_temperature=0.3, refine_temperature=0.0),
+                  episode=replace(tiny_cfg.episode, rounds=1, n_samples=3),
+                  task=replace(tiny_cfg.task, name="arith", level=1, limit=2))
+    engine = TemperatureEngine(_replies(policies))
+    collect(eval_config(cfg, "sampled"), tmp_path / "snaps", policies=policies, engine=engine)
+    assert engine.calls == [("solver", 0.0, 1), ("writer", 0.0, 1), ("solver", 0.6, 1)]
+    assert eval_config(cfg).collect.refine_temperature == -1  # greedy stays the default
+    with pytest.raises(ConfigError, match="solver_sampling.temperature is 0"):
+        eval_config(replace(cfg, solver_sampling=replace(cfg.solver_sampling, temperature=0.0)), "sampled")
+    with pytest.raises(ConfigError, match="--refine; allowed: greedy, sampled"):
+        eval_config(cfg, "beam")
+
+
 @pytest.mark.parametrize("field", ["solve_temperature", "refine_temperature", "writer_temperature"])
 @pytest.mark.parametrize("bad", [-0.5, 0.0005, "x"])
 def test_collect_temperatures_are_validated_at_load(field, bad):
