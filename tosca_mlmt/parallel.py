@@ -11,6 +11,7 @@ every helper behaves as the single process it is.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -37,6 +38,19 @@ def init(backend: str = "auto", timeout_minutes: int = 30, force: bool = False) 
         # warned that a guess can hang where ranks do not map to GPUs rank % count, e.g. uneven nodes).
         kwargs["device_id"] = torch.device("cuda", local)
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
+    # A process that exits with the group alive can abort after its work is done: Gloo's worker threads still
+    # hold Python objects when the interpreter finalizes ("terminate called without an active exception",
+    # SIGABRT; pytorch/pytorch#190489), and torchrun then reports the run failed. Seen once in 2026-12 on the
+    # ZeRO-3 offload test's second rank, under load. Left at exit, while the interpreter is whole.
+    atexit.register(shutdown)
+
+
+def shutdown() -> None:
+    """Leave the process group; nothing without one. Registered at exit by ``init``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def compute_device() -> torch.device:

@@ -124,3 +124,24 @@ def test_nccl_group_is_bound_to_the_local_rank_gpu(monkeypatch):
     calls.clear()
     parallel.init("gloo")
     assert calls[0][0] == "gloo" and "device_id" not in calls[0][1]
+
+
+def test_a_joined_process_group_is_left_at_exit_while_the_interpreter_is_whole(tmp_path):
+    """parallel.init registers the group's destruction at exit: a handler registered before init runs after
+    it (atexit is last-in, first-out) and finds no group. Without it Gloo's threads outlive the interpreter
+    and the process can abort after its work is done."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "group.py"
+    script.write_text(
+        "import atexit, os\n"
+        "import torch.distributed as dist\n"
+        "from tosca_mlmt import parallel\n"
+        "atexit.register(lambda: print('group at exit:', dist.is_initialized()))\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(parallel.free_port()), RANK='0', WORLD_SIZE='1')\n"
+        "parallel.init('gloo', force=True)\n"
+        "print('group joined:', dist.is_initialized())\n")
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.splitlines() == ["group joined: True", "group at exit: False"]
