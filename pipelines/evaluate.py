@@ -131,7 +131,7 @@ def evaluate(cfg: Config, out: str | Path, *, console=None, compare_to: str | Pa
     report = {"snapshot_id": res.snapshot_id, "task": cfg.task.name, "split": cfg.task.split,
               "solver_adapter": cfg.model.solver_adapter or None, "writer_adapter": cfg.model.writer_adapter or None,
               "strategy_selection": cfg.episode.strategy_selection, "epsilon": cfg.episode.epsilon,
-              "refine": refine, "refine_temperature": cfg.collect.refine_temperature, **res.summary}
+              "refine": refine, **res.summary}
     if before is not None and dist.is_main():  # under torchrun every rank collected its share; one reports
         after = _outcomes(rd.path / "snapshots", res.snapshot_id, report.get("environment", "honest"))
         report["compared_to"] = {"eval": str(compare_to), **compare_outcomes(before, after, compare_to)}

@@ -96,6 +96,7 @@ def test_controls_are_recomputed_from_the_stored_samples(tmp_path, monkeypatch):
     # the eval itself is the one an eval without controls plays (the shared model and engine change nothing)
     plain = evaluate(cfg, tmp_path / "plain").report
     assert plain["snapshot_id"] == rep["snapshot_id"] and "acc_majority" not in plain
+    assert plain["refine"] == rep["refine"] == "greedy"  # the eval protocol unless --refine sampled
     # mlmt analyze reads the eval folder's eval, not its controls' samples as a second held-out eval
     src = resolve([str(tmp_path / "e")], tmp_path)
     assert set(src.snapshots) == {rep["snapshot_id"]} and src.evals == [tmp_path / "e"]
