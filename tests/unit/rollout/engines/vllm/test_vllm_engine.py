@@ -20,8 +20,13 @@ checks that
   salted by its weights, so it hits its own cached prompts and none of the other policy's;
 * a tiny three-turn episode runs on vLLM with token-exact prompt chaining.
 
-Skipped when vllm cannot be imported or the embedded model is unavailable. Takes about
-1-3 minutes on a 2-core CPU.
+Two engines, each built once for the module. The mechanics (syncs, seeds, prefix caching, the
+episode) run on the random-weight debug base, 2 layers of the embedded model's family with its
+tokenizer: what they check does not depend on what the model knows, and its decoding costs ~1/15 of
+the embedded model's. What needs a model that writes answers and ends its turns (the stop rules, eos)
+or its 30 layers (greedy agreement and log-probs against HF, the norm kernel's rounding) runs on the
+embedded model (``real``). Skipped when vllm cannot be imported or the embedded model is unavailable.
+About a minute on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -68,15 +73,26 @@ def _overrides(**extra) -> dict:
             "logging.progress": False, **extra}
 
 
-@pytest.fixture(scope="module")
-def env():
-    """(cfg, PolicyPair, VLLMEngine, HFEngine, ChatFormat), built once for the module."""
+def _session(**extra):
+    """(cfg, PolicyPair, VLLMEngine, HFEngine, ChatFormat) over one PolicyPair."""
     from tosca_mlmt.rollout.engines.hf import HFEngine
 
-    with vllm_session(_overrides()) as (cfg, policies, engine):
+    with vllm_session(_overrides(**extra)) as (cfg, policies, engine):
         hf = HFEngine(policies, batch_size=8)
         fmt = ChatFormat(policies.tokenizer("solver"), policies.eos_ids("solver"))
         yield cfg, policies, engine, hf, fmt
+
+
+@pytest.fixture(scope="module")
+def env():
+    """On the debug base: the engine's mechanics."""
+    yield from _session(**{"model.solver": "tiny-random"})
+
+
+@pytest.fixture(scope="module")
+def real():
+    """On the embedded model: turns that end on their own, and 30 layers of rounding."""
+    yield from _session()
 
 
 def _prompts(fmt: ChatFormat, texts=PROMPTS) -> list[list[int]]:
@@ -92,11 +108,11 @@ def _shared_prefix(a, b) -> int:
     return k
 
 
-def test_stop_rule_cuts_vllm_turns_like_hf(env):
+def test_stop_rule_cuts_vllm_turns_like_hf(real):
     """rollout/engines/stop.py on vLLM: the same cut, finish reason and logprobs as the HF engine."""
     from tosca_mlmt.rollout.engines.stop import stop_index
 
-    _, policies, engine, hf, fmt = env
+    _, policies, engine, hf, fmt = real
     prompts = _prompts(fmt, [f"Count from {a} to {a + 9}, separated by commas." for a in (1, 2, 11, 21)])
     pattern = r"\d+, \d+, \d+,"
     full = [g[0] for g in engine.generate(prompts, SamplingParams(max_new_tokens=24, temperature=0.0), "solver")]
@@ -116,13 +132,13 @@ def test_stop_rule_cuts_vllm_turns_like_hf(env):
     assert cuts >= 1
 
 
-def test_answer_stop_inside_vllm_returns_the_same_turns_and_decodes_less(env):
+def test_answer_stop_inside_vllm_returns_the_same_turns_and_decodes_less(real):
     """engine.vllm.stop_in_engine (rollout/engines/vllm/stop.py): ending a sampled turn at its answer line
     inside vLLM gives exactly the generations of decoding on and cutting afterwards (fp32: ids,
     log-probs, finish reasons), while vLLM decodes at most one token (the forced eos) past each line."""
     from tosca_mlmt.tasks.arith import ArithTask
 
-    _, _, engine, _, fmt = env
+    _, _, engine, _, fmt = real
     task = ArithTask(level=1)
     prompts = _prompts(fmt, [task.instruction(p) for p in task.load("test", 6).problems])
     # 32 tokens: 4 of the 24 samples complete their answer line by then (seed 7); 96 added 2 at 3x the decoding
@@ -145,8 +161,8 @@ def test_answer_stop_inside_vllm_returns_the_same_turns_and_decodes_less(env):
 
 
 # ----------------------------------------------------------------------------- (a)
-def test_greedy_matches_hf_and_logprobs_are_raw(env):
-    _, policies, engine, hf, fmt = env
+def test_greedy_matches_hf_and_logprobs_are_raw(real):
+    _, policies, engine, hf, fmt = real
     prompts = _prompts(fmt)
     params = SamplingParams(max_new_tokens=GREEDY_TOKENS, temperature=0.0)
     v = engine.generate(prompts, params, "solver")
@@ -427,8 +443,8 @@ def test_delta_sync_leaves_the_same_weights_as_a_full_push(env):
 
 
 # ----------------------------------------------------------------------------- (c)
-def test_n_samples_logprobs_and_eos(env):
-    _, policies, engine, hf, fmt = env
+def test_n_samples_logprobs_and_eos(real):
+    _, policies, engine, hf, fmt = real
     eos = set(policies.eos_ids("solver"))
     prompts = _prompts(fmt, ["Say hi.", "Reply with one word: yes or no."])
     # 24 tokens: both finish reasons on both engines (seed 1), at the HF engine's decoding cost of 24 steps
@@ -541,7 +557,7 @@ def _norm_calls(engine, prompt, response) -> tuple[list[float], int]:
     return lp, sum(e.count for e in prof.key_averages() if e.key in ("_C::rms_norm", "_C::fused_add_rms_norm"))
 
 
-def test_cpu_norm_kernel_serves_every_rmsnorm_with_the_same_logprobs(env):
+def test_cpu_norm_kernel_serves_every_rmsnorm_with_the_same_logprobs(real):
     """engine.vllm.cpu_norm_kernel (on by default): every RMSNorm of the model runs vLLM's C++
     kernel (seen in the profile: one call per norm per forward), the log-probs are those of vLLM's
     own PyTorch norm to fp32 rounding and the trainer's, switching it off on the live engine brings
@@ -550,7 +566,7 @@ def test_cpu_norm_kernel_serves_every_rmsnorm_with_the_same_logprobs(env):
 
     from tosca_mlmt.rollout.engines.vllm import norm, sync
 
-    _, policies, engine, _, fmt = env
+    _, policies, engine, _, fmt = real
     model = sync.inprocess_runner(engine.llm).get_model()
     norms = sum(type(m) is RMSNorm for m in model.modules())
     assert norms == 2 * policies.model("solver").config.num_hidden_layers + 1  # two per layer and the final one
