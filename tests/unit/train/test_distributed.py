@@ -10,7 +10,8 @@ offload included: it runs on CPU too). Also checked:
 only rank 0 writes (one metrics line per iteration), DDP checkpoints resume into another
 world size, and ZeRO checkpoints resume (same world size: DeepSpeed cannot re-partition them).
 
-Slow: every launch imports torch and loads the model in each process (~30-60 s each).
+Slow: every launch imports torch and loads the model in each process (~30-60 s each), so runs of one
+world size that need no fresh process of their own (the references, plain DDP) share a launch.
 """
 
 from __future__ import annotations
@@ -67,17 +68,29 @@ def snapshot(policies, tmp_path_factory):
 
 
 
-def launch(out: Path, snapshot, nproc: int, stages=("lower", "upper"), **spec) -> None:
+def job(out: Path, snapshot, stages=("lower", "upper"), **spec) -> dict:
+    """One run of the worker: its out folder, stages and overrides (on top of OVERRIDES)."""
     root, sid = snapshot
     out.mkdir(parents=True, exist_ok=True)
     overrides = {**OVERRIDES, **spec.pop("overrides", {})}
-    (out / "spec.json").write_text(json.dumps({"out": str(out), "snapshot_root": root, "snapshot": sid,
-                                               "stages": list(stages), "overrides": overrides, **spec}))
+    return {"out": str(out), "snapshot_root": root, "snapshot": sid, "stages": list(stages), "overrides": overrides,
+            **spec}
+
+
+def launch(out: Path, snapshot, nproc: int, stages=("lower", "upper"), **spec) -> None:
+    launch_jobs(out, nproc, [job(out, snapshot, stages, **spec)])
+
+
+def launch_jobs(folder: Path, nproc: int, jobs: list[dict]) -> None:
+    """The jobs one after another in one launch of ``nproc`` processes (dist_worker's "jobs"): runs that
+    only share a world size pay its start-up once."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "spec.json").write_text(json.dumps({"jobs": jobs}))
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                 "--master_port", str(free_port())]
     # the 2 cores shared out: one process takes both, two take one each
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, 2 // nproc)), OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(REPO))
-    p = subprocess.run([*launcher, str(WORKER), str(out / "spec.json")], capture_output=True, text=True,
+    p = subprocess.run([*launcher, str(WORKER), str(folder / "spec.json")], capture_output=True, text=True,
                        timeout=900, env=env, cwd=REPO)
     if p.returncode != 0:
         # the ranks' own errors come before the launcher's traceback (which only names the signal)
@@ -91,12 +104,35 @@ def _tensors(out: Path) -> dict[str, torch.Tensor]:
     return load_file(out / "tensors.safetensors")
 
 
+# GRPO, no value head, the bonus on the reference (which reads the reference pass, not pi_old): see
+# test_two_processes_skip_the_first_minibatchs_pi_old_rows_as_one_does
+SKIP = {"lower.advantage": "grpo", "lower.kl_mode": "loss", "lower.bonus.model": "reference", "lower.minibatch_size": 2}
+
+
 @pytest.fixture(scope="module")
-def single(snapshot, tmp_path_factory):
+def ones(snapshot, tmp_path_factory):
+    """The one-process references, in one launch (the fp32 runs before the bf16 one): both micro-batches
+    of every step in one process. w1: the default overrides, both stages; skip: SKIP; bf16: BF16."""
+    root = tmp_path_factory.mktemp("dist-one")
+    outs = {name: root / name for name in ("w1", "skip", "bf16")}
+    launch_jobs(root, 1, [job(outs["w1"], snapshot), job(outs["skip"], snapshot, ("lower",), overrides=SKIP),
+                          job(outs["bf16"], snapshot, ("lower",), overrides=BF16)])
+    return outs
+
+
+@pytest.fixture(scope="module")
+def single(ones):
     """The reference: one process, both micro-batches of every step in it."""
-    out = tmp_path_factory.mktemp("dist") / "w1"
-    launch(out, snapshot, 1)
-    return out
+    return ones["w1"]
+
+
+@pytest.fixture(scope="module")
+def twos(snapshot, tmp_path_factory):
+    """Two plain DDP processes, in one launch: ddp with the default overrides (both stages), skip with SKIP."""
+    root = tmp_path_factory.mktemp("dist-two")
+    outs = {name: root / name for name in ("ddp", "skip")}
+    launch_jobs(root, 2, [job(outs["ddp"], snapshot), job(outs["skip"], snapshot, ("lower",), overrides=SKIP)])
+    return outs
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +171,8 @@ def assert_same_metrics(single: Path, out: Path) -> None:
                 assert g[k] == pytest.approx(r[k], rel=1e-4, abs=1e-6 if "bonus" in k else 1e-7), (stage, k)
 
 
-def test_two_process_ddp_gives_the_one_process_update(single, snapshot, initial, tmp_path):
-    out = tmp_path / "ddp"
-    launch(out, snapshot, 2)
+def test_two_process_ddp_gives_the_one_process_update(single, twos, initial):
+    out = twos["ddp"]
     a, b = _tensors(single), _tensors(out)
     assert_same_update(a, b, initial, "solver")
     assert_same_update(a, b, initial, "writer")
@@ -154,16 +189,12 @@ def test_ddp_checkpoint_resumes_into_another_world_size(single, snapshot, initia
     assert_same_update(_tensors(single), _tensors(out), initial, "solver")
 
 
-def test_two_processes_skip_the_first_minibatchs_pi_old_rows_as_one_does(snapshot, initial, tmp_path):
+def test_two_processes_skip_the_first_minibatchs_pi_old_rows_as_one_does(ones, twos, initial):
     """GRPO, no value head, the bonus on the reference (which reads the reference pass, not pi_old):
     lower.old_logprobs=auto scores pi_old only on the rows after the first minibatch (old_pass
     0.5), and two ranks share those rows out (one each) and spread them back into the batch as one
     process does: the same update and pre-update diagnostics."""
-    sets = {"lower.advantage": "grpo", "lower.kl_mode": "loss", "lower.bonus.model": "reference",
-            "lower.minibatch_size": 2}
-    one, two = tmp_path / "skip-1", tmp_path / "skip-2"
-    launch(one, snapshot, 1, stages=("lower",), overrides=sets)
-    launch(two, snapshot, 2, stages=("lower",), overrides=sets)
+    one, two = ones["skip"], twos["skip"]
     assert_same_update(_tensors(one), _tensors(two), initial, "solver")
     ref = [m for m in _metric_lines(one / "lower") if "lower/iteration" in m]
     got = [m for m in _metric_lines(two / "lower") if "lower/iteration" in m]
@@ -200,9 +231,8 @@ BF16_UPDATE_REL = 0.5
 
 
 @needs_deepspeed
-def test_deepspeed_zero1_in_bf16_matches_one_process_within_bf16_precision(snapshot, initial, tmp_path):
-    one, two = tmp_path / "bf16-1", tmp_path / "bf16-zero1"
-    launch(one, snapshot, 1, stages=("lower",), overrides=BF16)
+def test_deepspeed_zero1_in_bf16_matches_one_process_within_bf16_precision(ones, snapshot, initial, tmp_path):
+    one, two = ones["bf16"], tmp_path / "bf16-zero1"
     launch(two, snapshot, 2, stages=("lower",),
            overrides={**BF16, "distributed.deepspeed": str(REPO / "configs/deepspeed/zero1.json")})
     a, b = _tensors(one), _tensors(two)
