@@ -233,9 +233,14 @@ def test_the_small_checks_mlmt_steps_run_past_config_validation(tmp_path):
 
     repo = tmp_path / "repo"
     shutil.copytree(ROOT, repo, ignore=NOT_COPIED)
-    wrap = tmp_path / "py"  # the check's PY, with every mlmt command moved onto the debug base
+    # the check's PY, with every mlmt command moved onto the debug base and its turns cut to tests' lengths
+    # (the random base decodes every turn to its limit: 128 tokens cost the four steps ~25 s). No config
+    # check reads max_new_tokens beside another knob, so shorter turns cannot hide a refusal.
+    wrap = tmp_path / "py"
+    short = " ".join(f"--set {k}={n}" for k, n in (("solver_sampling.max_new_tokens", 24),
+                                                    ("writer_sampling.max_new_tokens", 16)))
     wrap.write_text(f'#!/usr/bin/env bash\ncase " $* " in *" -m tosca_mlmt.cli.main "*)\n'
-                    f'  exec {sys.executable} "$@" --set model.solver=tiny-random --set model.writer=tiny-random;;\n'
+                    f'  exec {sys.executable} "$@" --set model.solver=tiny-random --set model.writer=tiny-random {short};;\n'
                     f'esac\nexec {sys.executable} "$@"\n')
     wrap.chmod(0o755)
     res = _check(repo, "run", tmp_path, PY=str(wrap), GPU_CHECK_SMALL="1", GPU_CHECK_BUDGET_S="900", timeout=1200,
