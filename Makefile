@@ -63,9 +63,13 @@ demo: $(STAMP)
 
 # two workers, a test file each (pytest-xdist, --dist loadfile: a file's module-scoped vLLM engine and
 # session-scoped model stay in one process): half the wall time on 2 cores, since the vLLM tests run
-# on one thread and the CLI tests mostly wait on subprocesses
+# on one thread and the CLI tests mostly wait on subprocesses. On tcmalloc where installed, the malloc
+# mlmt itself runs on (engine.allocator auto): the in-process training tests run on it as mlmt would,
+# and the ~70 mlmt commands the tests start skip their restart onto it (runtime.use_allocator).
+# Looked up when the recipe runs: the install step before it may have just installed it.
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15
+	LD_PRELOAD="$$(/sbin/ldconfig -p 2>/dev/null | grep -o 'libtcmalloc_minimal\.so\.4' | head -1)" \
+		$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15
 
 clean-demo:
 	rm -rf $(DEMO_OUT)

@@ -86,6 +86,18 @@ def debug_policies(debug_cfg):
     return PolicyPair(debug_cfg.model, seed=0)
 
 
+def pytest_collection_modifyitems(items):
+    """Files with a slow test first, each file's tests kept together and in order. pytest-xdist's loadfile
+    hands files out in this order, so the two workers end on small files and finish together, not one
+    idle while the other runs a file of minutes (the vLLM files sort last by name)."""
+    first = {}
+    for i, item in enumerate(items):
+        rank = first.setdefault(item.nodeid.split("::")[0], [1, i])
+        if item.get_closest_marker("slow") is not None:
+            rank[0] = 0
+    items.sort(key=lambda item: first[item.nodeid.split("::")[0]])
+
+
 # Marks of every module that starts a vLLM engine.
 VLLM_MARKS = [
     pytest.mark.vllm,
