@@ -1,4 +1,4 @@
-"""The three-turn episode on the embedded model (hf engine)."""
+"""The three-turn episode on the hf engine: its structure on the debug base, what reads the text on the embedded model."""
 
 from dataclasses import replace
 
@@ -28,13 +28,15 @@ class RecordingTask(ArithTask):
 
 
 @pytest.fixture(scope="module")
-def run(tiny_cfg, policies):
+def run(debug_cfg, debug_policies):
+    """Two rounds on the debug base: the structure, contexts and log-probs checked on it do not depend on
+    what the model knows (its turns run to their limits, every context at its longest)."""
     from dataclasses import replace
 
-    cfg = replace(tiny_cfg, episode=replace(tiny_cfg.episode, rounds=2, n_samples=2))
+    cfg = replace(debug_cfg, episode=replace(debug_cfg.episode, rounds=2, n_samples=2))
     task = RecordingTask()
     problems = task.load("train", 2).problems  # two: a verify call can go to the wrong one
-    runner = EpisodeRunner(cfg, task, HFEngine(policies, batch_size=8), policies)
+    runner = EpisodeRunner(cfg, task, HFEngine(debug_policies, batch_size=8), debug_policies)
     return cfg, task, problems, runner.run(problems), runner
 
 
@@ -84,10 +86,11 @@ def test_writer_logs_behaviour_policy(run):
                 assert 0 <= t.strategy < 6 and t.strategy_name
 
 
-def test_engine_logprobs_equal_a_teacher_forced_forward(run, policies):
+def test_engine_logprobs_equal_a_teacher_forced_forward(run, debug_policies):
     """The engine's sampling logprobs are log pi(token|context) of the model: recompute them
     independently with one forward pass over prompt + response."""
     _, _, _, episodes, _ = run
+    policies = debug_policies
     model = policies.model("solver")
     for t in [episodes[0].turns[0], episodes[1].turns[2], episodes[0].turns[1]]:
         ids = torch.tensor([t.prompt_ids + t.response_ids])
