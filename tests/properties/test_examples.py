@@ -46,8 +46,10 @@ SMALL = ["--no-wandb", "--no-progress", *TINY,
 # Per example, on top: custom_task checks its mechanics on the random debug model (its rewards are 0, and
 # GRPO's zero advantages still run every step), and so does multiturn_reward, whose run is only checked to
 # finish from a copy of its folder (its reward's values: tests/unit/tasks/). own_data keeps the embedded
-# model: its partial credit needs answers with numbers in them, which the random debug model does not write.
+# model as its solver: its partial credit needs answers with numbers in them, which the random debug model
+# does not write; its writer, whose text no check reads, runs on the debug base.
 EXTRA = {name: ["--set", f"model.solver={DEBUG_MODEL['model.solver']}"] for name in ("custom_task", "multiturn_reward")}
+EXTRA["own_data"] = ["--set", f"model.writer={DEBUG_MODEL['model.solver']}"]
 
 
 def _copy(tmp: Path, name: str) -> Path:
