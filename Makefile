@@ -65,7 +65,7 @@ demo: $(STAMP)
 # session-scoped model stay in one process): half the wall time on 2 cores, since the vLLM tests run
 # on one thread and the CLI tests mostly wait on subprocesses. On tcmalloc where installed, the malloc
 # mlmt itself runs on (engine.allocator auto): the in-process training tests run on it as mlmt would,
-# and the ~70 mlmt commands the tests start skip their restart onto it (runtime.use_allocator).
+# and the mlmt commands the tests start skip their restart onto it (runtime.use_allocator).
 # Looked up when the recipe runs: the install step before it may have just installed it.
 test: $(STAMP)
 	LD_PRELOAD="$$(/sbin/ldconfig -p 2>/dev/null | grep -o 'libtcmalloc_minimal\.so\.4' | head -1)" \
