@@ -135,8 +135,8 @@ def vllm_session(overrides: dict):
         set_threads(threads)
         pytest.skip(f"embedded model unavailable: {e}")
     # vLLM runs gc.collect() several times while it starts (model load, memory profiling); a test process's
-    # heap of torch, transformers and vLLM objects makes each a quarter second, ~30 % of a small engine's
-    # start. Frozen objects are never scanned, so cycles among them are not freed until the session ends
+    # heap of torch, transformers and vLLM objects makes each a quarter second, about a sixth of a small
+    # engine's start. Frozen objects are never scanned, so cycles among them are not freed until the session ends
     # and unfreezes them (an in-process engine's shutdown already does).
     gc.freeze()
     engine = make_engine(cfg, policies)

@@ -22,8 +22,8 @@ checks that
 
 Two engines, each built once for the module. The mechanics (syncs, seeds, prefix caching, the
 episode) run on the random-weight debug base, 2 layers of the embedded model's family with its
-tokenizer: what they check does not depend on what the model knows, and its decoding costs ~1/15 of
-the embedded model's. What needs a model that writes answers and ends its turns (the stop rules, eos)
+tokenizer: what they check does not depend on what the model knows, and it decodes in a fraction of
+the embedded model's time. What needs a model that writes answers and ends its turns (the stop rules, eos)
 or its 30 layers (greedy agreement and log-probs against HF, the norm kernel's rounding) runs on the
 embedded model (``real``). Skipped when vllm cannot be imported or the embedded model is unavailable.
 About a minute on a 2-core CPU.
