@@ -184,7 +184,7 @@ class LowerStage:
         self.task = make_task(cfg.task)
         if self.snapshots is not None:
             _warn_off_policy(self.snapshots, self.policies)
-            self.offline = [e for _, eps in self.snapshots for e in eps]
+            self.offline = [g for _, eps in self.snapshots for g in problem_groups(eps)]
             self.snapshots = None
             return
         self.loaded = self.task.load(cfg.task.split, cfg.task.limit or None, cfg.task.skip_bad_rows)
@@ -237,9 +237,8 @@ class LowerStage:
         return _Batch(episodes, gen_tokens, hits, [pool[j] for j in idx])
 
     def _replay(self, i: int) -> _Batch:
-        """Iteration ``i``'s episodes from the snapshots, cycling through them in order."""
-        per = self.cfg.lower.problems_per_iteration * self.cfg.episode.n_samples
-        return _Batch([self.offline[(i * per + j) % len(self.offline)] for j in range(per)])
+        """Iteration ``i``'s episodes from the snapshots: its problems' whole groups, cycling in order."""
+        return _Batch(replay_batch(self.offline, i, self.cfg.lower.problems_per_iteration))
 
     def _manifest(self, i: int, batch: _Batch, summary: dict, timer: StageTimer):
         """The batch snapshot's manifest: the same as collect's, so train-upper can learn from these
@@ -302,6 +301,25 @@ class LowerStage:
         self._display.close()
         for e in self.started:
             e.close()
+
+
+def problem_groups(episodes: list) -> list[list]:
+    """A snapshot's episodes cut where the problem changes: one problem's turn-1 samples and, under refine
+    groups, every branch of each attempt (adjacent, as the runner plays them). A replayed batch takes whole
+    groups: a group split across two batches would give each half its own GRPO baseline and, under refine
+    groups, train an attempt's shared turn 1 once in each batch (its first branch owns it in each)."""
+    groups: list[list] = []
+    for ep in episodes:
+        if groups and groups[-1][-1].problem.id == ep.problem.id:
+            groups[-1].append(ep)
+        else:
+            groups.append([ep])
+    return groups
+
+
+def replay_batch(groups: list[list], i: int, problems: int) -> list:
+    """Iteration ``i``'s episodes: ``problems`` groups from ``problem_groups``, cycling through them."""
+    return [ep for j in range(problems) for ep in groups[(i * problems + j) % len(groups)]]
 
 
 def _trainable(episodes: list, it: int, cfg: Config) -> tuple[list[int], list]:

@@ -205,3 +205,38 @@ def test_refine_groups_train_every_sampled_refine_and_each_attempt_once(debug_cf
     firsts = sum(len(e.solver_turns[0].response_ids) for e in eps if e.solver_turns[-1].info["branch"] == 0)
     assert row["lower/loss_tokens"] == firsts + sum(len(t.response_ids) for t in refines)
     assert row["lower/refine_group_frac_reward_zero_std"] == 1.0  # the debug base's refines all score 0
+    # the batch replayed from its snapshot: both problems' groups whole, every branch of every attempt
+    with restored(solver):
+        again = train_lower(cfg, tmp_path / "offline", policies=debug_policies, snapshot_ids=[snaps[0].name],
+                            snapshot_root=res.run_dir / "snapshots")
+    assert again.last_metrics["lower/episodes"] == len(eps)
+    assert again.last_metrics["lower/loss_tokens"] == row["lower/loss_tokens"]
+
+
+def test_a_replayed_batch_takes_whole_problem_groups():
+    """Training from snapshots: an iteration replays lower.problems_per_iteration problems' groups
+    (their turn-1 samples and every refine branch), cycling; cut by episode count, a group of 2 samples x
+    2 branches would split, and the second half's first branch would train a shared turn 1 again."""
+    import copy
+
+    from factories import make_episodes
+    from tosca_mlmt.lower.trajectory import episode_to_trajectory, to_tensors
+    from tosca_mlmt.pipelines.train_lower import problem_groups, replay_batch
+    from tosca_mlmt.records import Episode
+    from tosca_mlmt.rollout.runner import branch_episodes
+
+    firsts = make_episodes(3)
+    eps = [e if s == 0 else Episode(f"{e.problem.id}/s{s}", e.problem, s, copy.deepcopy(e.turns))
+           for e in firsts for s in range(2)]
+    eps = branch_episodes(eps, 2)
+    for i, ep in enumerate(eps):
+        ep.turns[-1].info["branch"] = i % 2
+    groups = problem_groups(eps)
+    assert [len(g) for g in groups] == [4, 4, 4]
+    ids = [[e.problem.id for e in replay_batch(groups, i, 2)] for i in range(3)]
+    pid = [e.problem.id for e in firsts]
+    assert ids == [[pid[0]] * 4 + [pid[1]] * 4, [pid[2]] * 4 + [pid[0]] * 4, [pid[1]] * 4 + [pid[2]] * 4]
+    trajs = [episode_to_trajectory(e) for e in replay_batch(groups, 1, 2)]
+    s1, e1 = trajs[0].turn_spans[0]
+    # turn 1 trained once per attempt: 2 problems x 2 samples
+    assert (to_tensors(trajs, pad_id=0).mask[:, s1:e1].sum(1) > 0).sum().item() == 4

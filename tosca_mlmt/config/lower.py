@@ -69,7 +69,9 @@ class ContextBonus(Section):
 @dataclass
 class LowerConfig(Section):
     iterations: int = knob(4, "PPO iterations (each: collect a batch, score, update).", min=1)
-    problems_per_iteration: int = knob(4, "Problems per iteration (x episode.n_samples episodes).", min=1)
+    problems_per_iteration: int = knob(4, "Problems per iteration (x episode.n_samples episodes, x lower.refine_samples "
+                                          "under refine groups); from snapshots, that many problems' logged "
+                                          "episode groups, never split.", min=1)
     strategy_temperature: float = knob(-1.0, "Softmax temperature over the writer's Q when train-lower's batches "
                                              "choose strategies; -1 = episode.strategy_temperature. Low: the solver "
                                              "learns to answer the strategies the trained writer gives (mlmt eval "
