@@ -346,6 +346,19 @@ def answer_tails(outcomes: dict) -> dict[str, list[str]]:
     return {k: [answer_tail(t) for t in outcomes[f"{k}_text"]] for k in ("t1", "final")}
 
 
+def method_config(preset, overrides: dict):
+    """A method's resolved configuration, read to name or describe it: the baselines kept as first measured
+    (score-kl-reward, ...) are configurations the load warns about, and reading them is not running them."""
+    import warnings
+
+    from tosca_mlmt.config import load_config
+    from tosca_mlmt.config.section import ConfigWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigWarning)
+        return load_config(preset, overrides)
+
+
 def identity(preset: Path, extra: dict | None, common: dict, train: dict,
              bf16: bool | None = None) -> tuple[str, bool]:
     """(config hash, writer has Q) from one resolution of the method's configuration.
@@ -358,10 +371,9 @@ def identity(preset: Path, extra: dict | None, common: dict, train: dict,
     import dataclasses
     import hashlib
 
-    from tosca_mlmt.config import load_config
     from tosca_mlmt.precision import model_dtype, native_bf16
 
-    resolved = load_config(preset, {**common, **train, **(extra or {}), "seed": 0})
+    resolved = method_config(preset, {**common, **train, **(extra or {}), "seed": 0})
     has_q = extra is not None and not resolved.joint.freeze_writer
     cfg = dataclasses.asdict(resolved)
     cfg.pop("seed")

@@ -82,15 +82,13 @@ def rows(env: str) -> list[tuple[str, str]]:
 def env_units(env: str, tag: str = "") -> tuple[dict[str, list[dict]], dict[str, bool]]:
     """(method -> its units at the default sizes and eval rule in grid ``tag``, method -> whether it has
     a refine turn)."""
-    from tosca_mlmt.config import load_config
-
     # every grid here ran where bf16 is native: its units are found as resolved there, on any machine
     args = le.parser().parse_args(["--env", env, "--native-bf16", "yes"] + (["--tag", tag] if tag else [])
                                   + GRID_ARGS.get(tag, []))
     per, _, _ = le.Units(args).per_method()
     common, train = le.run_overrides(args)
     every = dict(le.METHODS, **le.VERDICT_CONTROL, **le.TOOL_CONTROL)
-    refines = {m: load_config(every[m][0], {**common, **train, **(every[m][1] or {})}).episode.rounds > 0
+    refines = {m: le.method_config(every[m][0], {**common, **train, **(every[m][1] or {})}).episode.rounds > 0
                for m, _ in rows(env)}
     return per, refines
 

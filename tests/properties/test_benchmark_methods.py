@@ -337,7 +337,7 @@ def test_every_method_trains_with_one_kl_setting(bench):
     assert OWN_KL <= set(every)
     kl = {}
     for name, (preset, extra) in every.items():
-        lo = load_config(preset, {**common, **train, **(extra or {})}).lower
+        lo = bench.method_config(preset, {**common, **train, **(extra or {})}).lower
         kl[name] = (lo.kl_coef, lo.kl_mode)
     by_preset = {load_config(p).lower.kl_coef for p, _ in every.values()}
     assert by_preset == {0.01}
