@@ -188,6 +188,11 @@ TOOL_CONTROL = {"tool-template": (MLMT, TOOL_TEMPLATE),
                 # over the same 128 turn-1 samples (mb8 lifted turn 1 from 0.423 to 0.503: steps or refine groups?)
                 "tool-template-mb2": (MLMT, {**TOOL_TEMPLATE, "lower.minibatch_size": 2}),
                 "mlmt-tool-selector": (ROOT / "configs" / "mlmt-tool-selector.yaml", {}),
+                # its writer-only ablation: the base solver, the selector's Q trained on that solver's refines.
+                # The writer-only target asks it of the learned writer that ships; mlmt's writer-only (text)
+                # is the first reading of it
+                "mlmt-tool-selector-writer-only": (ROOT / "configs" / "mlmt-tool-selector.yaml",
+                                                   {"joint.freeze_solver": True}),
                 # the tool selector with the solver trained as tool-template-refine-groups-mb8 (4 refines an
                 # attempt, 64 steps: the best honest solver of seed 0) and its writer's data collected with
                 # sampled refines (collect.refine_temperature -1): in the selector's seed 0 no greedy collect

@@ -64,7 +64,8 @@ TOOL_ONLY = [("tool-template", "tool template (control)"),
              ("tool-template-refine-groups", "tool template, 4 refines per attempt (refine groups)"),
              ("tool-template-refine-groups-mb8", "tool template, refine groups, 4× the optimizer steps"),
              ("tool-template-mb2", "tool template, 4× the optimizer steps (minibatches of 2)"),
-             ("mlmt-masked-refine", "`mlmt`, refines out of the loss")]
+             ("mlmt-masked-refine", "`mlmt`, refines out of the loss"),
+             ("mlmt-tool-selector-writer-only", "tool selector writer-only (solver frozen)")]
 # the ablations of `mlmt` (shown once measured; not judged by the targets)
 ABLATIONS = [("mlmt-no-bonus", "`mlmt` without the bonus"), ("writer-only", "`mlmt` writer-only (solver frozen)"),
              ("solver-only", "`mlmt` solver-only (writer frozen)")]
@@ -324,7 +325,7 @@ def tool_targets(add, versus) -> None:
         add(f"tool: above GRPO's {name}, CI > 0", "tool", versus_control(key), lambda d: lower(d) > 0)
     add("tool: ≥ tool template", "tool", versus("tool-template", seeds=True), lambda d: d["mean"] >= 0)
     add("tool: writer-only over the untrained pair, CI > 0", "tool", versus("untrained"), lambda d: lower(d) > 0,
-        judged=[("writer-only", "writer-only")])
+        judged=[("writer-only", "writer-only"), ("mlmt-tool-selector-writer-only", "tool selector writer-only")])
     add("tool: unseen phrasings, over the untrained pair, CI > 0", "tool", on_unseen("untrained"),
         lambda d: lower(d) > 0)
     add("tool: SCoRe ≥ untrained in every seed", "tool", every_seed, lambda d: bool((d >= 0).all()),
