@@ -58,6 +58,10 @@ WRITERS = {"verdict": [("mlmt", "`mlmt`"), ("mlmt-sentences-only", "selector"),
            "none": [("mlmt", "`mlmt`"), ("mlmt-sentences-only", "selector")],
            "tool": [("mlmt", "`mlmt`"), ("mlmt-tool-selector", "tool selector"),
                     ("mlmt-tool-selector-refine-groups", "tool selector, refine groups, sampled collect refines")]}
+# the compute ladder (--ladder): single-turn GRPO given 2x-8x the PPO iterations, so a method that costs more
+# wall time or optimizer steps is also compared with GRPO given as much
+LADDER_ROWS = [(f"single-turn-grpo-x{k}", f"single-turn GRPO, {k}× the PPO iterations (compute ladder)")
+               for k in le.LADDER]
 VERDICT_ONLY = [("verdict-template", "verdict template (control)"),
                 ("solver-only-verdict-sentences", "random verdict sentences, frozen writer")]
 TOOL_ONLY = [("tool-template", "tool template (control)"),
@@ -77,18 +81,18 @@ def _short(section: str) -> str:
 
 
 def rows(env: str) -> list[tuple[str, str]]:
-    return CONTROLS + {"verdict": VERDICT_ONLY, "tool": TOOL_ONLY}.get(env, []) + ABLATIONS + WRITERS[env]
+    return CONTROLS + LADDER_ROWS + {"verdict": VERDICT_ONLY, "tool": TOOL_ONLY}.get(env, []) + ABLATIONS + WRITERS[env]
 
 
 def env_units(env: str, tag: str = "") -> tuple[dict[str, list[dict]], dict[str, bool]]:
     """(method -> its units at the default sizes and eval rule in grid ``tag``, method -> whether it has
     a refine turn)."""
     # every grid here ran where bf16 is native: its units are found as resolved there, on any machine
-    args = le.parser().parse_args(["--env", env, "--native-bf16", "yes"] + (["--tag", tag] if tag else [])
+    args = le.parser().parse_args(["--env", env, "--native-bf16", "yes", "--ladder"] + (["--tag", tag] if tag else [])
                                   + GRID_ARGS.get(tag, []))
     per, _, _ = le.Units(args).per_method()
     common, train = le.run_overrides(args)
-    every = dict(le.METHODS, **le.VERDICT_CONTROL, **le.TOOL_CONTROL)
+    every = dict(le.METHODS, **le.VERDICT_CONTROL, **le.TOOL_CONTROL, **le.ladder(args.lower_iterations))
     refines = {m: le.method_config(every[m][0], {**common, **train, **(every[m][1] or {})}).episode.rounds > 0
                for m, _ in rows(env)}
     return per, refines
