@@ -604,3 +604,15 @@ def test_a_unit_whose_eval_has_the_check_also_evaluates_a_sampled_refine(bench, 
     assert r["refine_sampled"] == {"ids": ["a", "b", "c"], "t1": [0.0, 1.0, 0.0], "final": [1.0, 1.0, 0.0],
                                    "flagged": [1, 0, 1]}
     assert r["flagged"] == [1, 0, 1] and list(r["final"]) == [0.0, 1.0, 0.0]
+
+
+def test_demo_is_the_best_honest_method_at_the_demo_sizes(bench):
+    """`make demo` runs tool-template-refine-groups-mb8 in the tool environment (issue 66, item 5):
+    configs/demo.yaml is configs/demo-selector.yaml (the demo's sizes) with exactly that method's and
+    environment's overrides, so the README's demo paragraph and the benchmark's units name one configuration."""
+    from tosca_mlmt.config import load_config
+
+    _, method = bench.TOOL_CONTROL["tool-template-refine-groups-mb8"]
+    demo = load_config(ROOT / "configs" / "demo.yaml")
+    assert demo == load_config(ROOT / "configs" / "demo-selector.yaml", {**bench.ENV_OVERRIDES["tool"], **method})
+    assert demo.episode.writer_sees == "tool" and demo.joint.freeze_writer and demo.lower.refine_samples == 4

@@ -124,11 +124,11 @@ def test_selector_preset_sends_every_strategy_as_its_sentence_alone():
     assert dataclasses.replace(sel, episode=dataclasses.replace(sel.episode, prefix_only=full.episode.prefix_only)) == full
 
 
-def test_demo_runs_the_selector_and_demo_text_is_the_same_run_with_the_writers_text():
-    """`make demo` trains the writer as a pure selector; configs/demo-text.yaml is the measured
-    alternative (the demo before 2026-11-26) and differs from it in nothing but which strategies
-    are sent as their sentence alone, so README's side-by-side numbers compare one choice."""
-    demo, text = load_config(REPO / "configs" / "demo.yaml"), load_config(REPO / "configs" / "demo-text.yaml")
+def test_demo_selector_and_demo_text_differ_in_the_writers_text_alone():
+    """configs/demo-selector.yaml (`make demo` until 2026-12-07) trains the writer as a pure selector;
+    configs/demo-text.yaml is the measured alternative (the demo before 2026-11-26) and differs from it
+    in nothing but which strategies are sent as their sentence alone, so their stored numbers compare one choice."""
+    demo, text = load_config(REPO / "configs" / "demo-selector.yaml"), load_config(REPO / "configs" / "demo-text.yaml")
     sel, full = load_config(REPO / "configs" / "mlmt-selector.yaml"), load_config(REPO / "configs" / "mlmt.yaml")
     assert demo.episode.prefix_only == sel.episode.prefix_only and text.episode.prefix_only == full.episode.prefix_only
     assert demo.engine.name == "vllm" and demo.task.level == 2
