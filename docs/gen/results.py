@@ -60,8 +60,20 @@ def iv(x: dict, signed: bool = False) -> str:
     return f"{f.format(x['mean'])} [{f.format(x['lo'])}, {f.format(x['hi'])}]"
 
 
+def demo_runs(config: str = "configs/demo.yaml") -> list[Path]:
+    """The stored demo_seeds runs of one configuration as shipped (no --set), oldest first: `make demo` is
+    configs/demo.yaml, whatever that file held on the run's date (its commit is in the JSON)."""
+    out = []
+    for p in current("demo_seeds"):
+        d = _load(p)
+        cmd = d.get("command", "")
+        if "pooled" in d and f"make demo's commands, {config}, --seed S" in cmd:
+            out.append(p)
+    return out
+
+
 def demo_section() -> list[str]:
-    runs = [p for p in current("demo_seeds") if "pooled" in _load(p)]
+    runs = demo_runs()
     out = ["## The demo (`make demo`)", "",
            "`make demo`'s three commands run per seed by `benchmarks/learning/demo_seeds.py` (the untrained pair and",
            "the trained one, greedy, on the same held-out `arith` level-2 problems). Pooled over seeds, 95 % bootstrap",
@@ -78,6 +90,15 @@ def demo_section() -> list[str]:
             f"{iv(pooled['final_difference'], True)} |", "",
             f"{n['seeds']} seeds × {n['problems']} problems; {date(d, p)}, code `{str(d.get('commit', '?'))[:7]}`, "
             f"{machine(d)}, load {load(d)};", f"{link(p)}.", ""]
+    # the same seeds with the learned writer (configs/demo-selector.yaml), paired with this run's folders
+    alt = [q for q in demo_runs("configs/demo-selector.yaml") if (_load(q).get("against") or {}).get("after_final_difference")
+           and q.name[:10] >= p.name[:10]]
+    if alt:
+        a = _load(alt[-1])
+        out += [f"The demo with a learned writer, `configs/demo-selector.yaml`, trained on the same seeds: Acc@final after "
+                f"{iv(a['pooled']['after_final'])}; minus this demo's after training "
+                f"{iv(a['against']['after_final_difference'], True)}, Acc@t1 {iv(a['against']['after_t1_difference'], True)} "
+                f"(paired over seeds × problems); {link(alt[-1])}.", ""]
     return out
 
 
@@ -213,7 +234,7 @@ def results_page() -> str:
 
 def demo_readme_block() -> str:
     """Three lines for the README: the newest demo run's pooled result."""
-    runs = [p for p in current("demo_seeds") if "pooled" in _load(p)]
+    runs = demo_runs()
     if not runs:
         return "No stored demo run yet.\n"
     p = runs[-1]

@@ -167,3 +167,32 @@ def test_the_record_index_lists_every_entry():
     assert entries and [e for e in entries if f"]({e})" not in index] == []
     dated = re.findall(r"^\| (20\d\d-\d\d-\d\d) \|", index, re.M)
     assert dated == sorted(dated, reverse=True)  # newest first
+
+
+def test_the_readmes_demo_numbers_come_from_make_demos_own_configuration(tmp_path, monkeypatch):
+    """The README's demo block and the results page's demo section show the newest run of configs/demo.yaml
+    as shipped: not a newer run of another preset (demo-selector, demo-text) or of the demo with a --set."""
+    import json
+
+    results = _gen("results")
+    folder = tmp_path / "demo_seeds"
+    folder.mkdir()
+    pooled = {k: {"mean": 0.1, "lo": 0.0, "hi": 0.2, "seeds": 1, "problems": 5}
+              for k in ("before_t1", "before_final", "after_t1", "after_final", "final_difference", "t1_difference")}
+
+    def run(name: str, config: str, sets: str = "", **extra) -> None:
+        cmd = f"python -m benchmarks.learning.demo_seeds --seeds 0 (make demo's commands, {config}{sets}, --seed S)"
+        (folder / name).write_text(json.dumps({"command": cmd, "pooled": pooled, **extra}))
+
+    run("2026-12-01_a.json", "configs/demo.yaml")
+    run("2026-12-02_b.json", "configs/demo.yaml", ", --set lower.lr=1")
+    run("2026-12-02_c.json", "configs/demo-text.yaml")
+    diff = {"mean": -0.05, "lo": -0.1, "hi": 0.0}
+    run("2026-12-03_d.json", "configs/demo-selector.yaml", against={"after_final_difference": diff, "after_t1_difference": diff})
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    monkeypatch.setattr(results, "REPO", tmp_path)
+    assert [p.name for p in results.demo_runs()] == ["2026-12-01_a.json"]
+    assert "2026-12-01_a.json" in results.demo_readme_block()
+    section = "\n".join(results.demo_section())
+    assert "2026-12-01_a.json" in section and "2026-12-03_d.json" in section
+    assert "-0.050 [-0.100, +0.000]" in section
