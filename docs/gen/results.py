@@ -95,10 +95,11 @@ def demo_section() -> list[str]:
            and q.name[:10] >= p.name[:10]]
     if alt:
         a = _load(alt[-1])
-        out += [f"The demo with a learned writer, `configs/demo-selector.yaml`, trained on the same seeds: Acc@final after "
-                f"{iv(a['pooled']['after_final'])}; minus this demo's after training "
-                f"{iv(a['against']['after_final_difference'], True)}, Acc@t1 {iv(a['against']['after_t1_difference'], True)} "
-                f"(paired over seeds × problems); {link(alt[-1])}.", ""]
+        out += ["The demo with a learned writer, `configs/demo-selector.yaml`, trained on the same seeds: Acc@final after "
+                f"{iv(a['pooled']['after_final'])};",
+                f"minus this demo's after training {iv(a['against']['after_final_difference'], True)}, Acc@t1 "
+                f"{iv(a['against']['after_t1_difference'], True)} (paired over seeds × problems);",
+                f"{link(alt[-1])}.", ""]
     return out
 
 
